@@ -1,0 +1,217 @@
+"""The collectives shardwise issues, counted and labelled.
+
+Every collective the library runs goes through this module so that
+:func:`comm_stats` can say, per collective kind, how many calls this rank made and how many
+bytes it sent and received, and so that each call carries a label (``"unit3.all_gather"``)
+and a per-group sequence number that the watchdog and error messages can name.
+
+[Note: byte accounting] Bytes are the per-rank volume of the bandwidth-optimal (ring)
+algorithm, the figure the ZeRO paper reasons with, for a group of ``n`` ranks:
+
+* all-gather of a ``b``-byte shard: sends and receives ``(n - 1) * b``;
+* reduce-scatter to a ``b``-byte shard: sends and receives ``(n - 1) * b``;
+* all-reduce of ``B`` bytes: sends and receives ``2 * (n - 1) * B / n``;
+* broadcast of ``B`` bytes: the source sends ``(n - 1) * B``, every other rank receives ``B``;
+* all-to-all: exactly the bytes addressed to / received from other ranks.
+
+A group of one rank moves nothing. The counters are process-wide telemetry (like the
+``logging`` registry): :func:`reset_comm_stats` zeroes them.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveStats",
+    "CommStats",
+    "comm_stats",
+    "reset_comm_stats",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "broadcast",
+    "all_to_all_single",
+    "group_size",
+    "group_rank",
+    "recent_ops",
+]
+
+
+@dataclass
+class CollectiveStats:
+    """Calls and bytes of one collective kind on this rank."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass
+class CommStats:
+    """Per-kind collective counters of this rank (see [Note: byte accounting])."""
+
+    by_kind: dict[str, CollectiveStats] = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(s.bytes_sent for s in self.by_kind.values())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(s.bytes_received for s in self.by_kind.values())
+
+    @property
+    def calls(self) -> int:
+        return sum(s.calls for s in self.by_kind.values())
+
+    def __getitem__(self, kind: str) -> CollectiveStats:
+        return self.by_kind.get(kind, CollectiveStats())
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {k: vars(v).copy() for k, v in sorted(self.by_kind.items())}
+
+
+class _Recorder:
+    """Counters plus a short history of labelled ops (for error messages)."""
+
+    def __init__(self, history: int = 64) -> None:
+        self.lock = threading.Lock()
+        self.stats = CommStats()
+        self.seq: dict[int, int] = {}
+        self.history: deque[tuple[int, str, str, int]] = deque(maxlen=history)
+
+    def record(self, kind: str, group, label: str, sent: int, received: int) -> int:
+        gid = id(group) if group is not None else 0
+        with self.lock:
+            s = self.stats.by_kind.setdefault(kind, CollectiveStats())
+            s.calls += 1
+            s.bytes_sent += sent
+            s.bytes_received += received
+            seq = self.seq.get(gid, 0)
+            self.seq[gid] = seq + 1
+            self.history.append((seq, kind, label, sent))
+            return seq
+
+
+_RECORDER = _Recorder()
+
+
+def comm_stats() -> CommStats:
+    """A snapshot of this rank's collective counters since the last reset."""
+    with _RECORDER.lock:
+        return copy.deepcopy(_RECORDER.stats)
+
+
+def reset_comm_stats() -> None:
+    """Zero this rank's collective counters."""
+    with _RECORDER.lock:
+        _RECORDER.stats = CommStats()
+
+
+def recent_ops() -> list[tuple[int, str, str, int]]:
+    """The last collectives issued: (sequence number, kind, label, bytes sent)."""
+    with _RECORDER.lock:
+        return list(_RECORDER.history)
+
+
+def group_size(group=None) -> int:
+    """Size of ``group`` (the world when None); 1 when not initialised."""
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group=None) -> int:
+    """This rank's index inside ``group``; 0 when not initialised."""
+    if not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    # Gloo rejects fp8 dtypes; their bits travel unchanged as uint8.
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    return t
+
+
+def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None, *,
+                           label: str = "", async_op: bool = False):
+    """Gather equal ``shard``s of every rank into ``output`` (rank-major), counted."""
+    n = group_size(group)
+    b = _nbytes(shard)
+    _RECORDER.record("all_gather", group, label, (n - 1) * b, (n - 1) * b)
+    if n == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard.view_as(output))
+        return None
+    return dist.all_gather_into_tensor(_wire(output), _wire(shard), group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group=None, *,
+                          label: str = "", async_op: bool = False):
+    """Sum ``full`` over ranks and keep this rank's chunk in ``output``, counted."""
+    n = group_size(group)
+    b = _nbytes(output)
+    _RECORDER.record("reduce_scatter", group, label, (n - 1) * b, (n - 1) * b)
+    if n == 1:
+        if output.data_ptr() != full.data_ptr():
+            output.copy_(full.view_as(output))
+        return None
+    return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group,
+                                      async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group=None, *, label: str = "", async_op: bool = False,
+               op=dist.ReduceOp.SUM):
+    """Reduce ``tensor`` in place over ``group`` (sum by default), counted."""
+    n = group_size(group)
+    vol = 2 * (n - 1) * _nbytes(tensor) // n
+    _RECORDER.record("all_reduce", group, label, vol, vol)
+    if n == 1:
+        return None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, *, label: str = "",
+              async_op: bool = False):
+    """Broadcast ``tensor`` from global rank ``src`` over ``group``, counted."""
+    n = group_size(group)
+    b = _nbytes(tensor)
+    is_src = dist.is_initialized() and dist.get_rank() == src
+    _RECORDER.record("broadcast", group, label, (n - 1) * b if is_src else 0,
+                     0 if is_src or n == 1 else b)
+    if n == 1:
+        return None
+    return dist.broadcast(_wire(tensor), src=src, group=group, async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, inp: torch.Tensor, output_split_sizes=None,
+                      input_split_sizes=None, group=None, *, label: str = "",
+                      async_op: bool = False):
+    """All-to-all of dim-0 slices (uneven when split sizes are given), counted."""
+    n = group_size(group)
+    me = group_rank(group)
+    row_in = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else _nbytes(inp)
+    row_out = _nbytes(output) // max(output.shape[0], 1) if output.dim() else _nbytes(output)
+    ins = input_split_sizes or [inp.shape[0] // n] * n
+    outs = output_split_sizes or [output.shape[0] // n] * n
+    sent = sum(s for i, s in enumerate(ins) if i != me) * row_in
+    received = sum(s for i, s in enumerate(outs) if i != me) * row_out
+    _RECORDER.record("all_to_all", group, label, sent, received)
+    if n == 1:
+        output.copy_(inp)
+        return None
+    return dist.all_to_all_single(_wire(output), _wire(inp), output_split_sizes,
+                                  input_split_sizes, group=group, async_op=async_op)
