@@ -1,0 +1,202 @@
+"""What a run reports: progress bar, metrics.jsonl, loss curve, TensorBoard, summary.
+
+Only rank 0 writes; every rank contributes its memory through the trainer's per-step gather.
+Files under ``log.dir``::
+
+    metrics.jsonl   one JSON object per step {"step", "loss", "lr", "grad_norm",
+                    "tokens_per_s", "step_time_s", "rss_mib": [per rank], ...} and one per
+                    validation {"step", "val_loss", "val_tokens"}
+    loss.png        train loss per step and validation loss (matplotlib, no display needed)
+    summary.json    final losses, throughput, peak memory per rank, elapsed time, outputs
+    tb/             TensorBoard event files when log.tensorboard = true
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["rss_mib", "peak_rss_mib", "require_tensorboard", "MetricsLogger", "plot_losses",
+           "format_summary", "format_memory"]
+
+
+def rss_mib() -> float:
+    """Resident set size of this process now, in MiB (peak RSS where /proc is unavailable)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return peak_rss_mib()
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB else
+
+
+def require_tensorboard() -> None:
+    """Check that TensorBoard logging can work, before any rank starts.
+
+    Raises:
+        ValueError: when the ``tensorboard`` package is missing, with the command to install it.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("log.tensorboard = true needs the 'tensorboard' package, which is not "
+                         "installed; run: pip install 'shardwise[tensorboard]' (or set "
+                         "--log.tensorboard false)")
+
+
+def format_memory(per_rank_mib: list[float]) -> str:
+    """``"r0 312M r1 305M"``: one entry per rank."""
+    return " ".join(f"r{r} {m:.0f}M" for r, m in enumerate(per_rank_mib))
+
+
+class MetricsLogger:
+    """Rank 0's sink for step and validation records; a no-op on other ranks.
+
+    Args:
+        log_dir: output folder (already created and checked writable).
+        total_steps: steps in the run (the progress bar's total).
+        enabled: True on rank 0 only.
+        progress: show a tqdm progress bar.
+        tensorboard: also write TensorBoard scalars under ``log_dir/tb``.
+        refresh_every: refresh the bar's loss / tokens/s / memory text every this many steps.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, total_steps: int, enabled: bool,
+                 progress: bool = True, tensorboard: bool = False, refresh_every: int = 1) -> None:
+        self.log_dir = Path(log_dir)
+        self.enabled = enabled
+        self.refresh_every = refresh_every
+        self.records: list[dict[str, Any]] = []
+        self._file: TextIO | None = None
+        self._bar = None
+        self._tb = None
+        if not enabled:
+            return
+        self._file = open(self.log_dir / "metrics.jsonl", "w", encoding="ascii")
+        if progress:
+            from tqdm import tqdm
+
+            # Off a terminal (CI logs, pipes) a bar redrawn 10x a second is noise: slow it down.
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
+                             mininterval=0.1 if sys.stderr.isatty() else 5.0)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+            self._tb = SummaryWriter(log_dir=str(self.log_dir / "tb"))
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        """Record one optimizer step (``record`` has at least step, loss, lr, tokens_per_s)."""
+        if not self.enabled:
+            return
+        self._write(record)
+        step = record["step"]
+        if self._tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                if isinstance(record.get(key), (int, float)):
+                    self._tb.add_scalar(f"train/{key}", record[key], step)
+        if self._bar is not None:
+            self._bar.update(1)
+            if step % self.refresh_every == 0 or step == 1 or step == self._bar.total:
+                self._bar.set_postfix_str(
+                    f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | mem "
+                    f"{format_memory(record.get('rss_mib', []))}", refresh=False)
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """Record one validation pass (``record`` has step and val_loss)."""
+        if not self.enabled:
+            return
+        self._write(record)
+        if self._tb is not None:
+            self._tb.add_scalar("val/loss", record["val_loss"], record["step"])
+        self.echo(f"step {record['step']}: val_loss {record['val_loss']:.4f}")
+
+    def echo(self, text: str) -> None:
+        """Print a line on rank 0 without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        """Close the bar and files (idempotent)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Draw train loss per step and validation loss into a PNG.
+
+    Uses matplotlib's object API with the Agg canvas, so no display and no change to the
+    process-wide matplotlib backend.
+
+    Args:
+        records: metrics records as written to metrics.jsonl.
+        path: the PNG to write.
+
+    Returns:
+        The written path.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", linewidth=1.2, markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss (nats/token)")
+    ax.set_title("shardwise training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The end-of-run summary as a few human-readable lines."""
+    def num(value: Any, fmt: str = ".4f") -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    lines = [
+        "summary:",
+        f"  final train loss {num(summary['final_train_loss'])}, "
+        f"final val loss {num(summary['final_val_loss'])}",
+        f"  {summary['steps']} steps, {summary['tokens']:,} tokens, "
+        f"{num(summary['tokens_per_s'], ',.0f')} tokens/s on {summary['world_size']} ranks",
+        f"  peak memory per rank (RSS): {format_memory(summary['peak_rss_mib'])}",
+        f"  elapsed {summary['elapsed_s']:.1f} s (training {summary['train_time_s']:.1f} s)",
+        f"  outputs in {summary['log_dir']}: " + ", ".join(summary["outputs"]),
+    ]
+    return "\n".join(lines)
