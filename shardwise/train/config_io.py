@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["field_docs", "iter_fields", "parse_value", "apply_overrides", "flatten_toml",
-           "to_toml", "type_name"]
+           "to_toml", "to_toml_value", "type_name", "unknown_key_message"]
 
 
 @functools.cache
@@ -151,6 +151,21 @@ def _suggest(word: str, choices: list[str], prefix: str = "") -> str:
     return f"; did you mean {prefix}{close[0]}?" if close else ""
 
 
+def unknown_key_message(dotted: str, valid_keys: list[str], origin: str, flag: str = "") -> str:
+    """``unknown key --train.step in the command line; did you mean --train.steps?``.
+
+    Args:
+        dotted: the unknown key as written (without ``flag``).
+        valid_keys: every valid dotted key.
+        origin: where it was found.
+        flag: prefix shown before keys ("--" on the command line).
+    """
+    sections = list(dict.fromkeys(k.split(".")[0] for k in valid_keys))
+    listing = "" if dotted.split(".")[0] in sections else f" (sections: {', '.join(sections)})"
+    return (f"unknown key {flag}{dotted} in {origin}{_suggest(dotted, valid_keys, flag)}"
+            f"{listing}")
+
+
 def apply_overrides(root: Any, values: dict[str, Any], origin: str, from_cli: bool = False) -> Any:
     """Return ``root`` with dotted-key values applied (``dataclasses.replace``, no mutation).
 
@@ -175,9 +190,7 @@ def apply_overrides(root: Any, values: dict[str, Any], origin: str, from_cli: bo
         section, _, key = dotted.partition(".")
         hints = typing.get_type_hints(type(sections[section])) if section in sections else {}
         if key not in hints:
-            listing = "" if section in sections else f" (sections: {', '.join(sections)})"
-            raise ValueError(f"unknown key {flag}{dotted} in {origin}"
-                             f"{_suggest(dotted, all_keys, flag)}{listing}")
+            raise ValueError(unknown_key_message(dotted, all_keys, origin, flag))
         changes.setdefault(section, {})[key] = parse_value(dotted, value, hints[key], from_cli)
     return dataclasses.replace(root, **{
         s: dataclasses.replace(sections[s], **kv) for s, kv in changes.items()})
@@ -207,7 +220,8 @@ def flatten_toml(doc: dict[str, Any], root: Any, origin: str) -> dict[str, Any]:
     return flat
 
 
-def _toml_value(value: Any) -> str:
+def to_toml_value(value: Any) -> str:
+    """One value in TOML syntax: ``true``, ``30``, ``0.003``, ``"runs/x"``, ``[0.9, 0.95]``."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
@@ -217,7 +231,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
     if isinstance(value, (tuple, list)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(to_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
@@ -239,5 +253,5 @@ def to_toml(root: Any, comments: bool = True) -> str:
             current = section
         if comments and doc:
             lines.extend(f"# {line}" for line in textwrap.wrap(doc, 94))
-        lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+        lines.append(f"# {key} = (unset)" if value is None else f"{key} = {to_toml_value(value)}")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,127 @@
+"""The ``shardwise`` command.
+
+    shardwise train                                     # defaults = configs/debug.toml, 2 ranks
+    shardwise train --config configs/debug.toml --train.steps 30 --log.dir runs/try
+    shardwise train --nproc 4 --parallel.stage 2
+    torchrun --nproc_per_node 2 -m shardwise.train.cli train --train.steps 30
+    shardwise train --help                              # every field, its meaning and default
+
+Exit codes: 0 success, 2 bad input (one line naming the value, before any rank trains),
+1 a rank failed (named), 130 interrupted. Further subcommands (``checkpoint ...``,
+``doctor``) plug in as more ``add_parser`` calls in :func:`build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from shardwise.train import config_io
+from shardwise.train.config import Config, all_keys
+
+__all__ = ["build_parser", "main"]
+
+_TRAIN_DESCRIPTION = """\
+Train a model. Values come from the defaults (identical to configs/debug.toml), then the
+--config TOML file, then --section.key overrides (later wins). Bools accept true/false,
+lists are comma-separated (--optim.betas 0.9,0.95), optional values accept none.
+
+Launching: alone, this process starts --parallel.nproc local ranks (PyTorch's elastic
+launcher); under torchrun or SLURM srun it runs as one rank of that job.
+See docs/configuration.md and docs/launching.md."""
+
+
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser(
+        "train", help="train a model (default: the debug model on 2 local CPU ranks)",
+        description=_TRAIN_DESCRIPTION, allow_abbrev=False,
+        usage="shardwise train [-h] [--config FILE] [--nproc N] [--SECTION.KEY VALUE ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--config", metavar="FILE", default=None,
+                       help="TOML file with [section] tables (e.g. configs/debug.toml)")
+    train.add_argument("--nproc", dest="parallel.nproc", metavar="N", default=argparse.SUPPRESS,
+                       help="alias of --parallel.nproc")
+    section_docs = config_io.field_docs(Config)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, key, hint, default, doc in config_io.iter_fields(Config()):
+        if section not in groups:
+            groups[section] = train.add_argument_group(
+                f"[{section}]", section_docs.get(section, "").replace("%", "%%"))
+        shown = "unset" if default is None else config_io.to_toml_value(default)
+        extra = {"nargs": "?", "const": "true"} if hint is bool else {}
+        groups[section].add_argument(
+            f"--{section}.{key}", dest=f"{section}.{key}", default=argparse.SUPPRESS,
+            metavar=config_io.type_name(hint).removesuffix(" or none").upper().replace(" ", "_"),
+            help=f"{doc} (default: {shown})".replace("%", "%%"), **extra)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``shardwise`` argument parser: one subparser per subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="shardwise", allow_abbrev=False,
+        description="shardwise: PyTorch-native distributed training (ZeRO-1/2/3).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_train_parser(sub)
+    return parser
+
+
+def _unknown_argument(extra: list[str]) -> ValueError:
+    flag = next((a for a in extra if a.startswith("-")), None)
+    if flag is None:
+        return ValueError(f"unexpected argument {extra[0]!r}; options look like --train.steps 30")
+    name = flag.split("=", 1)[0]
+    return ValueError(config_io.unknown_key_message(name.lstrip("-"), all_keys(),
+                                                    "the command line", flag="--"))
+
+
+def _is_rank_zero() -> bool:
+    """Whether this process should print errors (rank 0 of a launched job, or no job)."""
+    for var in ("RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return os.environ[var] == "0"
+    return True
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from shardwise.train.config import load_config
+    from shardwise.train.launch import run_training
+
+    overrides = {k: v for k, v in vars(args).items() if "." in k}
+    run_training(load_config(args.config, overrides))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardwise`` console script.
+
+    Args:
+        argv: arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        The process exit code (0 ok, 1 a rank failed, 2 bad input, 130 interrupted).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from shardwise.train.launch import RankFailure
+
+    args, extra = build_parser().parse_known_args(argv)
+    try:
+        if extra:
+            raise _unknown_argument(extra)
+        return _cmd_train(args)
+    except ValueError as exc:
+        if _is_rank_zero():
+            print(f"shardwise: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except RankFailure as exc:
+        print(f"shardwise: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except (KeyboardInterrupt, SignalException):
+        print("shardwise: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

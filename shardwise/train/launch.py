@@ -1,0 +1,145 @@
+"""Run training however the process was started: local ranks, torchrun, or SLURM.
+
+    shardwise train                                    # launches parallel.nproc local ranks
+    shardwise train --nproc 1                          # one rank, in this process
+    torchrun --nproc_per_node 4 -m shardwise.train.cli train    # each rank runs in-process
+    srun shardwise train                               # SLURM: same, ranks from SLURM_*
+
+Local ranks are started with PyTorch's own launcher API (``torch.distributed.launcher.api.
+elastic_launch``, what torchrun uses inside), never by hand. In that mode every check on user
+input runs once, in this process, before any rank exists (:func:`shardwise.train.preflight.
+preflight`), and the prepared tokens are handed to the ranks. Under torchrun / SLURM each
+rank runs the checks itself and the ranks agree on the outcome before training starts.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise.distributed import env as dist_env
+from shardwise.train.config import Config
+from shardwise.train.preflight import TokenData, announce, preflight
+from shardwise.train.trainer import build_env, train
+
+__all__ = ["RankFailure", "launch_local", "run_training"]
+
+
+class RankFailure(RuntimeError):
+    """A launched rank failed; the message names the rank, its exit code and its error.
+
+    Attributes:
+        failures: ``{global_rank: (exit_code, error message)}``.
+    """
+
+    def __init__(self, failures: dict[int, tuple[int, str]]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        parts = [f"rank {rank} failed (exit code {code}): {message}"
+                 for rank, (code, message) in self.failures.items()]
+        super().__init__("; ".join(parts))
+
+
+def _failure_message(failure: Any) -> str:
+    """The one-line error of an elastic ``ProcessFailure`` (the exception, or the signal)."""
+    message = failure.message
+    if isinstance(message, dict):  # the error file written by the worker's @record wrapper
+        message = message.get("message", str(message))
+    if failure.exitcode < 0 or not message or "To enable traceback" in str(message):
+        return f"killed by signal {failure.signal_name()}" if failure.exitcode < 0 else \
+            "exited without an error report (see the rank's output above)"
+    return str(message).strip().splitlines()[-1]
+
+
+def launch_local(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (),
+                 monitor_interval_s: float = 0.1) -> dict[int, Any]:
+    """Run ``fn(*args)`` on ``nproc`` new local processes that form one c10d job.
+
+    Each process gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT, TORCHELASTIC_RUN_ID), so :func:`shardwise.distributed.env.init` sees a
+    torchrun launch. The rendezvous listens on a port the OS picks; no restarts.
+
+    Args:
+        fn: a module-level (picklable) function; processes are started with "spawn".
+        nproc: number of local ranks (>= 1).
+        args: positional arguments for ``fn``, pickled to every rank (tensors travel through
+            shared memory).
+        monitor_interval_s: how often the launcher polls its ranks, in seconds.
+
+    Returns:
+        ``{rank: return value of fn}``.
+
+    Raises:
+        RankFailure: naming each failed rank, its exit code and its exception.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                          run_id=f"shardwise-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=monitor_interval_s, start_method="spawn")
+    try:
+        return elastic_launch(config, fn)(*args)
+    except ChildFailedError as exc:
+        raise RankFailure({rank: (f.exitcode, _failure_message(f))
+                           for rank, f in exc.failures.items()}) from None
+
+
+def _rank_main(cfg: Config, data: TokenData) -> dict[str, Any] | None:
+    """Entry point of one locally launched rank (checks already done by the launcher)."""
+    env = build_env(cfg)
+    try:
+        return train(cfg, data, env)
+    finally:
+        dist_env.destroy()
+
+
+def _agree_on_preflight(error: str | None, env: dist_env.DistEnv) -> None:
+    """Share each rank's preflight outcome; raise the same ValueError everywhere if any failed."""
+    errors: list[str | None] = [None] * env.world_size
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        same_everywhere = len(failed) == env.world_size and len(set(errors)) == 1
+        raise ValueError(message if same_everywhere else f"on rank {rank}: {message}")
+
+
+def _train_here(cfg: Config) -> dict[str, Any] | None:
+    """This process is one rank (torchrun, SLURM, or a world of one)."""
+    env = build_env(cfg)
+    try:
+        error, data = None, None
+        try:
+            cfg, data = preflight(cfg, env.world_size)
+        except ValueError as exc:
+            error = str(exc)
+        _agree_on_preflight(error, env)
+        if env.is_main:
+            announce(cfg)
+        return train(cfg, data, env)
+    finally:
+        dist_env.destroy()
+
+
+def run_training(cfg: Config) -> dict[str, Any] | None:
+    """Train with ``cfg``, launching local ranks unless a launcher already started this rank.
+
+    Args:
+        cfg: a validated config (:func:`shardwise.train.config.load_config`).
+
+    Returns:
+        The run summary where this process is (or launched) rank 0, else None.
+
+    Raises:
+        ValueError: a check on user input failed (before any rank trained).
+        RankFailure: a locally launched rank failed, named with its error.
+    """
+    if dist_env.detect_launcher() == "single" and cfg.parallel.nproc > 1:
+        cfg, data = preflight(cfg, cfg.parallel.nproc)
+        announce(cfg)
+        return launch_local(_rank_main, cfg.parallel.nproc, (cfg, data))[0]
+    return _train_here(cfg)

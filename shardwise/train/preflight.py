@@ -1,0 +1,147 @@
+"""Everything that can fail on user input, checked before any rank trains.
+
+``shardwise train`` runs :func:`preflight` in the launching process (local ranks) or on every
+rank before the first training collective (torchrun / SLURM), so a bad value, an unwritable
+output folder or a corpus that is too small ends the run with one line naming the value,
+not a traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardwise.train.config import Config, check_output_dir, resolve_world, to_toml
+from shardwise.train.metrics import require_tensorboard
+
+__all__ = ["TokenData", "build_model_config", "build_data", "preflight", "announce"]
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """Tokenised corpus, split; built once and handed to every rank.
+
+    Attributes:
+        train_ids: 1-D int64 token ids of the training split.
+        val_ids: 1-D int64 token ids of the held-out validation split.
+        vocab_size: number of ids the tokenizer can produce.
+        corpus_bytes: UTF-8 size of the corpus text.
+    """
+
+    train_ids: torch.Tensor
+    val_ids: torch.Tensor
+    vocab_size: int
+    corpus_bytes: int
+
+
+def build_model_config(cfg: Config, vocab_size: int | None = None):  # -> LlamaConfig
+    """The named model config with the ``[model]`` overrides applied, checked against the data.
+
+    Args:
+        cfg: the run config.
+        vocab_size: the tokenizer's vocabulary size (None: keep the named config's).
+
+    Returns:
+        A :class:`shardwise.models.LlamaConfig`.
+
+    Raises:
+        ValueError: unknown model name or shape field, an invalid shape, or ``data.seq_len``
+            longer than the model's ``max_seq_len``.
+    """
+    from shardwise.models import get_model_config
+
+    overrides = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)
+                 if f.name != "name" and getattr(cfg.model, f.name) is not None}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    try:
+        model_cfg = get_model_config(cfg.model.name, **overrides)
+    except ValueError as exc:
+        raise ValueError(f"model: {exc}") from None
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} is longer than model "
+                         f"{cfg.model.name!r} accepts (max_seq_len={model_cfg.max_seq_len}); "
+                         f"expected data.seq_len <= {model_cfg.max_seq_len} or a larger "
+                         f"model.max_seq_len")
+    return model_cfg
+
+
+def build_data(cfg: Config, world_size: int) -> TokenData:
+    """Load the corpus, tokenize it, split off validation, check there is enough of both.
+
+    Args:
+        cfg: the run config (``data`` and ``train`` sections).
+        world_size: ranks that will each take ``train.batch_size`` windows per micro-batch.
+
+    Returns:
+        The :class:`TokenData`.
+
+    Raises:
+        ValueError: a source with no text, or too few tokens for one global batch in either
+            split (naming the source, the token counts and the batch that was asked for).
+    """
+    from shardwise.data import build_tokenizer, load_corpus, split_tokens
+
+    d = cfg.data
+    text = load_corpus(d.source, max_bytes=d.max_bytes)
+    if not text.strip():
+        raise ValueError(f"data.source {d.source!r} has no text (only whitespace); expected a "
+                         "corpus with at least one global batch of tokens")
+    if d.tokenizer == "bpe":
+        tokenizer = build_tokenizer("bpe", vocab_size=d.bpe_vocab_size, text=text)
+    else:
+        tokenizer = build_tokenizer(d.tokenizer)
+    ids = tokenizer.encode(text)
+    train_ids, val_ids = split_tokens(ids, val_fraction=d.val_fraction)
+    # A window is seq_len inputs plus the next token as the last target.
+    need = world_size * cfg.train.batch_size * (d.seq_len + 1)
+    for split, split_ids in (("training", train_ids), ("validation", val_ids)):
+        if split_ids.numel() < need:
+            raise ValueError(
+                f"data.source {d.source!r} is too small: its {split} split has "
+                f"{split_ids.numel():,} tokens ({ids.numel():,} in all, val_fraction="
+                f"{d.val_fraction}), fewer than one global batch of {world_size} ranks x "
+                f"{cfg.train.batch_size} sequences x {d.seq_len + 1} tokens = {need:,}; "
+                "expected more text, or a smaller train.batch_size / data.seq_len")
+    return TokenData(train_ids, val_ids, tokenizer.vocab_size, len(text.encode("utf-8")))
+
+
+def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
+    """Every check that depends on user input, run before any rank trains.
+
+    Args:
+        cfg: a validated config (:func:`shardwise.train.config.load_config`).
+        world_size: ranks in the job.
+
+    Returns:
+        The config with world-dependent values resolved, and the prepared data.
+
+    Raises:
+        ValueError: degrees that do not fit the world size, an unwritable ``log.dir``,
+            TensorBoard asked for but missing, a bad model name / shape / seq_len, a corpus
+            with no or too little text.
+    """
+    cfg = resolve_world(cfg, world_size)
+    check_output_dir(cfg.log.dir)
+    if cfg.log.tensorboard:
+        require_tensorboard()
+    build_model_config(cfg)  # cheap shape / seq_len checks before reading any text
+    data = build_data(cfg, world_size)
+    build_model_config(cfg, data.vocab_size)
+    return cfg, data
+
+
+def announce(cfg: Config) -> Path:
+    """Print the resolved config and save it as ``<log.dir>/config.toml`` (rank 0's job).
+
+    Returns:
+        The saved file, loadable again with ``--config``.
+    """
+    text = to_toml(cfg, comments=False)
+    print("resolved config:\n" + "\n".join("  " + line for line in text.splitlines()), flush=True)
+    path = Path(cfg.log.dir) / "config.toml"
+    path.write_text(to_toml(cfg), encoding="ascii")
+    return path

@@ -1,0 +1,297 @@
+"""The training loop, assembled from small ``build_*`` functions.
+
+    cfg, data = preflight(cfg, world_size)     # shardwise.train.preflight: no rank trains yet
+    env = build_env(cfg)                       # process group (torchrun / SLURM / single)
+    summary = train(cfg, data, env)            # model -> parallel model -> optimizer -> loop
+
+``shardwise train`` (shardwise.train.cli) wires these together for each way of launching.
+
+Parallelism lives in three call sites only, at the top of this module: the model wrapper
+(:func:`build_parallel_model`), the no-communication context for accumulation micro-batches
+(:func:`no_sync`) and gradient clipping (:func:`clip_grad_norm_`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.distributed import env as dist_env
+from shardwise.train.config import Config
+from shardwise.train.metrics import (
+    MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
+from shardwise.train.preflight import build_model_config
+
+__all__ = [
+    "build_env", "build_model", "build_parallel_model", "no_sync", "clip_grad_norm_",
+    "build_optimizer", "lr_factor", "build_lr_schedule", "train_step", "evaluate", "train",
+]
+
+
+# ----------------------------------------------------------------------------- parallelism
+# The only three places that know how the model is parallelised.
+
+
+def build_parallel_model(model: nn.Module, cfg: Config, env: dist_env.DistEnv) -> nn.Module:
+    """Wrap ``model`` for data-parallel training over ``env``'s process group.
+
+    Today this is ``torch.nn.parallel.DistributedDataParallel`` (every ZeRO stage behaves as
+    stage 0); it becomes ``shardwise.shard(model, stage=cfg.parallel.stage,
+    wrap={TransformerBlock}, reshard_after_forward=..., prefetch=...)`` when the engine lands.
+
+    Args:
+        model: the plain model, already on ``env.device``.
+        cfg: the run config (``parallel`` section).
+        env: this process's place in the job.
+
+    Returns:
+        The module to train (parameter names keep their ``module.`` prefix under DDP).
+    """
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Context for accumulation micro-batches: backward without gradient communication."""
+    return model.no_sync()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient L2 norm to ``max_norm`` (``inf``: only measure it)."""
+    return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def build_env(cfg: Config) -> dist_env.DistEnv:
+    """Join (or create) the process group, and give each local rank its share of the cores.
+
+    Raises:
+        ValueError: from :func:`shardwise.distributed.env.init` (bad backend, SLURM without
+            MASTER_ADDR / MASTER_PORT).
+    """
+    backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
+    env = dist_env.init(backend=backend, timeout_s=cfg.parallel.timeout_s)
+    if env.device.type == "cpu":
+        # N ranks each using every core oversubscribe the CPU several times over.
+        import os
+
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    return env
+
+
+def build_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
+    """The plain (unparallelised) model on this rank's device, seeded by ``train.seed``."""
+    from shardwise.models import build_model as build
+
+    return build(model_cfg, device=env.device, seed=cfg.train.seed)
+
+
+def build_optimizer(model: nn.Module, optim: Any) -> torch.optim.Optimizer:
+    """AdamW with two parameter groups: decayed, and names matching ``optim.no_decay``.
+
+    Args:
+        model: the (parallel) model; parameter names as ``named_parameters()`` gives them.
+        optim: the ``[optim]`` section.
+
+    Returns:
+        A ``torch.optim.AdamW``; each group's ``initial_lr`` is the peak lr.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            skip = any(pattern in name for pattern in optim.no_decay)
+            (no_decay if skip else decay).append(param)
+    groups = [{"params": decay, "weight_decay": optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr,
+                             betas=optim.betas, eps=optim.eps)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Learning-rate multiplier for 0-based ``step``: linear warmup, then cosine to a floor.
+
+    Step 0 already gets ``1 / warmup_steps`` (a zero first step would waste a step); the last
+    step (``total_steps - 1``) gets ``min_ratio``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - 1 - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, optim: Any,
+                      total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup + cosine schedule (:func:`lr_factor`), stepped once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, optim.warmup_steps, total_steps, optim.min_lr_ratio))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(inputs)  # (B, T, vocab)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _gather_stats(values: list[float], env: dist_env.DistEnv) -> torch.Tensor:
+    """Every rank's ``values``: (world_size, len(values)), in one small all-gather."""
+    local = torch.tensor(values, dtype=torch.float64, device=env.device)
+    out = [torch.empty_like(local) for _ in range(env.world_size)]
+    dist.all_gather(out, local)
+    return torch.stack(out).cpu()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, cfg: Config,
+               env: dist_env.DistEnv, step: int) -> dict[str, Any]:
+    """One optimizer step: ``grad_accum`` micro-batches, clip, update.
+
+    Returns:
+        The step's record (loss averaged over micro-batches and ranks, lr used, grad norm,
+        tokens/s, per-rank RSS).
+
+    Raises:
+        RuntimeError: if the loss is not finite on some rank (naming the rank and the step).
+    """
+    start = time.perf_counter()
+    accum = cfg.train.grad_accum
+    lr = optimizer.param_groups[0]["lr"]
+    loss_sum = 0.0
+    for micro in range(accum):
+        inputs, targets = (t.to(env.device) for t in loader.next_batch())
+        # Gradients are communicated once per step, on the last micro-batch.
+        with no_sync(model) if micro < accum - 1 else contextlib.nullcontext():
+            loss = _loss(model, inputs, targets) / accum
+            loss.backward()
+        loss_sum += loss.item()
+    grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip or math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    stats = _gather_stats([loss_sum, rss_mib()], env)  # also syncs ranks: honest step time
+    bad = [r for r in range(env.world_size) if not math.isfinite(stats[r, 0].item())]
+    if bad:
+        raise RuntimeError(f"loss is {stats[bad[0], 0].item()} on rank {bad[0]} at step {step} "
+                           f"(ranks with non-finite loss: {bad}); try a lower optim.lr")
+    elapsed = time.perf_counter() - start
+    tokens = env.world_size * accum * cfg.train.batch_size * cfg.data.seq_len
+    return {"step": step, "loss": stats[:, 0].mean().item(), "lr": lr,
+            "grad_norm": float(grad_norm), "tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "step_time_s": elapsed, "rss_mib": [round(m, 1) for m in stats[:, 1].tolist()]}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val_ids: torch.Tensor, cfg: Config, env: dist_env.DistEnv,
+             step: int) -> dict[str, Any]:
+    """Mean loss over ``train.eval_batches`` held-out micro-batches per rank, all ranks.
+
+    The validation loader is rebuilt with the same seed each time, so every evaluation of a
+    run sees the same windows and the curve measures the model, not the sample.
+    """
+    from shardwise.data import TokenLoader
+
+    loader = TokenLoader(val_ids, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+                         rank=env.rank, world_size=env.world_size, seed=cfg.data.seed)
+    model.eval()
+    total = 0.0
+    for _ in range(cfg.train.eval_batches):
+        inputs, targets = (t.to(env.device) for t in loader.next_batch())
+        total += _loss(model, inputs, targets).item()
+    model.train()
+    mean = _gather_stats([total / cfg.train.eval_batches], env)[:, 0].mean().item()
+    tokens = env.world_size * cfg.train.eval_batches * cfg.train.batch_size * cfg.data.seq_len
+    return {"step": step, "val_loss": mean, "val_tokens": tokens}
+
+
+def _eval_due(step: int, cfg: Config) -> bool:
+    interval = cfg.train.eval_interval
+    return step == cfg.train.steps or (interval > 0 and step % interval == 0)
+
+
+def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | None:
+    """Train ``cfg.train.steps`` steps on this rank; rank 0 writes the outputs.
+
+    Args:
+        cfg: the resolved config (:func:`preflight`).
+        data: the :class:`TokenData` (identical on every rank).
+        env: this process's place in the job (:func:`build_env`).
+
+    Returns:
+        The run summary on rank 0, None elsewhere.
+
+    Raises:
+        RuntimeError: non-finite loss (naming the rank and step).
+    """
+    from shardwise.data import TokenLoader
+
+    start = time.perf_counter()
+    model_cfg = build_model_config(cfg, data.vocab_size)
+    model = build_parallel_model(build_model(cfg, model_cfg, env), cfg, env)
+    optimizer = build_optimizer(model, cfg.optim)
+    schedule = build_lr_schedule(optimizer, cfg.optim, cfg.train.steps)
+    loader = TokenLoader(data.train_ids, seq_len=cfg.data.seq_len,
+                         batch_size=cfg.train.batch_size, rank=env.rank,
+                         world_size=env.world_size, seed=cfg.data.seed)
+    logger = MetricsLogger(cfg.log.dir, cfg.train.steps, enabled=env.is_main,
+                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
+                           refresh_every=cfg.train.log_interval)
+    logger.echo(f"model {cfg.model.name!r}: {model_cfg.num_params():,} parameters; "
+                f"{env.world_size} ranks ({env.launcher}, {env.backend}); data "
+                f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
+    train_time = 0.0
+    try:
+        for step in range(1, cfg.train.steps + 1):
+            record = train_step(model, optimizer, loader, cfg, env, step)
+            schedule.step()
+            train_time += record["step_time_s"]
+            logger.log_step(record)
+            if _eval_due(step, cfg):
+                logger.log_eval(evaluate(model, data.val_ids, cfg, env, step))
+    finally:
+        logger.close()
+    peak = _gather_stats([peak_rss_mib()], env)[:, 0].tolist()
+    if not env.is_main:
+        return None
+    return _finish(cfg, env, logger.records, peak, train_time, time.perf_counter() - start)
+
+
+def _finish(cfg: Config, env: dist_env.DistEnv, records: list[dict[str, Any]],
+            peak_mib: list[float], train_time: float, elapsed: float) -> dict[str, Any]:
+    """Rank 0: loss plot, summary.json, and the summary printed."""
+    import json
+
+    log_dir = Path(cfg.log.dir)
+    steps = [r for r in records if "loss" in r]
+    vals = [r for r in records if "val_loss" in r]
+    outputs = ["config.toml", "metrics.jsonl"]
+    if cfg.log.plot:
+        plot_losses(records, log_dir / "loss.png")
+        outputs.append("loss.png")
+    if cfg.log.tensorboard:
+        outputs.append("tb/")
+    outputs.append("summary.json")
+    tokens = sum(r["tokens"] for r in steps)
+    summary = {
+        "final_train_loss": steps[-1]["loss"] if steps else None,
+        "first_train_loss": steps[0]["loss"] if steps else None,
+        "final_val_loss": vals[-1]["val_loss"] if vals else None,
+        "steps": len(steps), "tokens": tokens,
+        "tokens_per_s": tokens / train_time if train_time > 0 else None,
+        "world_size": env.world_size, "peak_rss_mib": [round(m, 1) for m in peak_mib],
+        "train_time_s": train_time, "elapsed_s": elapsed,
+        "log_dir": str(log_dir), "outputs": outputs,
+    }
+    (log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="ascii")
+    print(format_summary(summary), flush=True)
+    return summary
