@@ -1,0 +1,400 @@
+"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention), unaware of parallelism.
+
+Build and run::
+
+    from shardwise.models import build_model, get_model_config
+    cfg = get_model_config("debug")
+    model = build_model(cfg, device="cpu", seed=0)       # constructed + initialised
+    logits = model(tokens)                               # (B, T) int64 -> (B, T, vocab)
+
+Big models are built on the meta device (no storage, no RNG) and materialised module by
+module by the sharding engine; see [Note: init order] for why that gives the same weights
+as an eager build.
+
+[Note: init order]
+``init_module_weights(m)`` touches only ``m``'s direct parameters and buffers and draws from
+the global torch RNG. ``Transformer.init_weights`` calls it for each module in
+``self.modules()`` order, which is ``named_modules()`` order. A caller that builds on meta,
+seeds the RNG, then for each module in ``named_modules()`` order allocates that module's
+direct tensors (``module.to_empty(device=..., recurse=False)``) and calls
+``init_module_weights(module)`` therefore draws the same random numbers into the same
+tensors: the result is bitwise equal to ``build_model(cfg, device, seed)``.
+
+[Note: tied embeddings]
+With ``tie_embeddings=True`` the output head is a ``TiedOutput`` that owns no Parameter: its
+``weight`` property returns ``tok_embeddings.weight``, so ``output.weight is
+tok_embeddings.weight`` holds by construction. The shared matrix is registered once (under
+``tok_embeddings``), is initialised once, appears once in ``parameters()`` and
+``state_dict()``, and gets the sum of both uses' gradients from autograd. Registering the
+same Parameter on two modules (the usual ``output.weight = tok_embeddings.weight``) would
+break the tie silently whenever a per-module step (``to_empty(recurse=False)``, or an engine
+swapping in a sharded Parameter) replaces it on one module but not the other.
+
+[Note: RoPE tables stay fp32]
+The cos/sin tables are non-persistent buffers (recomputed, never checkpointed). Cast to bf16
+they would keep 8 significant bits (errors up to ~4e-3 in every rotation), and computed in
+bf16 they would be useless (the angle of position 4096 is only known to +-16 radians). They
+are computed in fp64, stored in fp32, and ``RotaryEmbedding._apply`` keeps them fp32 through
+``model.to(torch.bfloat16)`` / ``.half()`` while still following device moves, and the
+rotation itself is computed in fp32 and cast back to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.models.config import LlamaConfig
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "TiedOutput",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rotary",
+    "build_model",
+    "init_module_weights",
+    "repeat_kv",
+    "rope_tables",
+]
+
+
+def _linear(in_features: int, out_features: int, init_std: float) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=False)
+    # Read by init_module_weights: a bare nn.Linear does not know which init it needs.
+    layer.init_std = init_std
+    return layer
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned gain (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Set the gain to ones."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: the mean of squares of bf16 activations loses too much.
+        xf = x.float()  # (..., C)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin of the RoPE angles ``position * theta ** (-2i / head_dim)``.
+
+    Args:
+        head_dim: features per head (even).
+        max_seq_len: number of positions.
+        theta: RoPE base.
+        device: where the fp32 tables go; they are always computed in fp64 on CPU, so
+            every device gets bitwise the same values.
+
+    Returns:
+        ``(cos, sin)``, each fp32 of shape ``(max_seq_len, head_dim // 2)``.
+    """
+    device = torch.device(device)
+    shape = (max_seq_len, head_dim // 2)
+    if device.type == "meta":
+        return (torch.empty(shape, dtype=torch.float32, device=device),
+                torch.empty(shape, dtype=torch.float32, device=device))
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device="cpu"), freqs)
+    return (angles.cos().to(device=device, dtype=torch.float32),
+            angles.sin().to(device=device, dtype=torch.float32))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive feature pairs ``(x[2i], x[2i+1])`` of each head (Meta's layout).
+
+    Args:
+        x: ``(B, T, H, head_dim)`` queries or keys.
+        cos: ``(T, head_dim // 2)`` fp32.
+        sin: ``(T, head_dim // 2)`` fp32.
+
+    Returns:
+        The rotated tensor, same shape and dtype as ``x`` (the rotation runs in fp32).
+    """
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, hd/2) each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2): broadcast over B and H
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, H, hd/2, 2)
+    return out.flatten(-2).type_as(x)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the RoPE cos/sin tables as non-persistent fp32 buffers (see [Note: RoPE tables
+    stay fp32])."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        cos, sin = rope_tables(head_dim, max_seq_len, theta, device=torch.empty(0).device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Recompute the tables on the buffers' current device."""
+        self.cos, self.sin = rope_tables(self.head_dim, self.max_seq_len, self.theta,
+                                         device=self.cos.device)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        before = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new.dtype != torch.float32:  # a dtype cast: undo it, keep the device move
+                if old.is_meta or new.is_meta:
+                    self._buffers[name] = torch.empty_like(new, dtype=torch.float32)
+                else:
+                    self._buffers[name] = old.to(device=new.device, dtype=torch.float32)
+        return self
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[:seq_len], self.sin[:seq_len]  # (T, hd/2) each
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``(B, KV, T, hd) -> (B, KV * n_rep, T, hd)``; query head ``h`` reads kv head ``h // n_rep``.
+    """
+    if n_rep == 1:
+        return x
+    b, kv, t, hd = x.shape
+    return x[:, :, None].expand(b, kv, n_rep, t, hd).reshape(b, kv * n_rep, t, hd)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hd, std = config.head_dim, config.init_std
+        self.head_dim = hd
+        self.wq = _linear(config.dim, config.n_heads * hd, std)
+        self.wk = _linear(config.dim, config.n_kv_heads * hd, std)
+        self.wv = _linear(config.dim, config.n_kv_heads * hd, std)
+        self.wo = _linear(config.n_heads * hd, config.dim, std / math.sqrt(2 * config.n_layers))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # Head counts come from the projections' widths (-1), not the config, so a
+        # tensor-parallel column split of wq/wk/wv (fewer local heads) needs no change here.
+        q = self.wq(x).view(b, t, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(b, t, -1, self.head_dim)  # (B, T, KV, hd)
+        v = self.wv(x).view(b, t, -1, self.head_dim)  # (B, T, KV, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, hd)
+        n_rep = q.shape[1] // k.shape[1]
+        # Explicit repeat rather than sdpa(enable_gqa=True): every backend accepts it.
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, H * hd)
+        return self.wo(y)  # (B, T, C)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden, std = config.ffn_hidden_dim, config.init_std
+        self.w1 = _linear(config.dim, hidden, std)
+        self.w2 = _linear(hidden, config.dim, std / math.sqrt(2 * config.n_layers))
+        self.w3 = _linear(config.dim, hidden, std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, F) -> (B, T, C)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
+
+    The natural unit for sharding, activation checkpointing and pipeline stages.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        # Registration order = data-flow order, so parameters() lists them as they are used.
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
+        return h + self.feed_forward(self.ffn_norm(h))  # (B, T, C)
+
+
+class TiedOutput(nn.Module):
+    """Output head that reads the token-embedding matrix (see [Note: tied embeddings])."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        # object.__setattr__ keeps the embedding out of _modules: it is not a child of
+        # the head, and must not be visited, materialised or saved twice.
+        object.__setattr__(self, "_embedding", embedding)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self._embedding.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)  # (B, T, C) -> (B, T, V)
+
+    def extra_repr(self) -> str:
+        return "weight=tok_embeddings.weight"
+
+
+class Transformer(nn.Module):
+    """Llama-style decoder-only language model.
+
+    Construction allocates on the current default device. Off meta it ends with
+    :meth:`init_weights`, drawing from the global RNG after torch's own default inits have
+    drawn from it too; :func:`build_model` is the reproducible path (same seed, same
+    weights, whether built eagerly or materialised from meta).
+
+    Args:
+        config: the model shape (a validated :class:`LlamaConfig`).
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        if not isinstance(config, LlamaConfig):
+            raise ValueError(f"Transformer: config={config!r}, expected a LlamaConfig")
+        self.config = config
+        # _weight skips nn.Embedding's own normal_ init: wasted work on CPU, and on meta it
+        # goes through torch._refs, whose first use imports torch._dynamo (seconds).
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim,
+                                           _weight=torch.empty(config.vocab_size, config.dim))
+        self.tok_embeddings.init_std = config.init_std
+        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        if config.tie_embeddings:
+            self.output = TiedOutput(self.tok_embeddings)
+        else:
+            self.output = _linear(config.dim, config.vocab_size, config.init_std)
+        if not self.tok_embeddings.weight.is_meta:  # _weight above left it uninitialised
+            self.init_weights()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits.
+
+        Args:
+            tokens: ``(B, T)`` int64 (or int32) token ids, ``1 <= T <= max_seq_len``.
+
+        Returns:
+            ``(B, T, vocab_size)`` logits in the model's dtype.
+
+        Raises:
+            ValueError: if ``tokens`` is not a 2-D integer tensor or ``T`` is out of range.
+        """
+        self._check_tokens(tokens)
+        h = self.tok_embeddings(tokens)  # (B, T, C)
+        cos, sin = self.rope(tokens.shape[1])  # (T, hd/2) each
+        for layer in self.layers:
+            h = layer(h, cos, sin)  # (B, T, C)
+        return self.output(self.norm(h))  # (B, T, V)
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        if not isinstance(tokens, torch.Tensor):
+            raise ValueError(f"Transformer: tokens is a {type(tokens).__name__}, expected a "
+                             f"torch.Tensor of shape (batch, seq_len) and dtype int64")
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"Transformer: tokens has shape {tuple(tokens.shape)} and dtype "
+                             f"{tokens.dtype}, expected a 2-D (batch, seq_len) tensor of "
+                             f"dtype torch.int64 or torch.int32")
+        seq_len = tokens.shape[1]
+        if not 1 <= seq_len <= self.config.max_seq_len:
+            raise ValueError(f"Transformer: sequence length {seq_len} (tokens shape "
+                             f"{tuple(tokens.shape)}) is outside [1, max_seq_len="
+                             f"{self.config.max_seq_len}]")
+
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer from the global torch RNG.
+
+        Equivalent to ``init_module_weights(m)`` for each ``m`` in ``self.modules()``
+        order (see [Note: init order]).
+        """
+        for module in self.modules():
+            init_module_weights(module)
+
+
+def init_module_weights(module: nn.Module) -> None:
+    """Initialise ONE module's direct parameters and buffers (``recurse=False``).
+
+    Embeddings and linear weights get ``normal(0, init_std)`` (the block output
+    projections ``attention.wo`` and ``feed_forward.w2`` use ``init_std / sqrt(2 *
+    n_layers)``), RMSNorm gains get ones, RoPE tables are recomputed. Modules without
+    direct tensors (containers, blocks, a tied head) are left alone. Random draws come from
+    the global torch RNG of the tensors' device, in registration order.
+
+    Args:
+        module: a module of a :class:`Transformer` whose direct tensors are materialised.
+
+    Raises:
+        ValueError: if ``module`` has direct parameters but is not a shardwise model module.
+    """
+    if isinstance(module, (RMSNorm, RotaryEmbedding)):
+        module.reset_parameters()
+        return
+    params = [p for p in module._parameters.values() if p is not None]
+    if not params:
+        return
+    std = getattr(module, "init_std", None)
+    if std is None:
+        names = list(module._parameters)
+        raise ValueError(f"init_module_weights: {type(module).__name__} has parameters "
+                         f"{names} but no init_std; expected a module built by Transformer")
+    with torch.no_grad():
+        for p in params:
+            p.normal_(mean=0.0, std=std)
+
+
+def build_model(config: LlamaConfig, device: torch.device | str = "cpu",
+                seed: int = 0) -> Transformer:
+    """Construct a :class:`Transformer` and initialise it.
+
+    The model is constructed on meta (no torch default init is wasted), allocated on
+    ``device``, then ``torch.manual_seed(seed)`` and :meth:`Transformer.init_weights`.
+
+    Args:
+        config: the model shape.
+        device: target device (default ``"cpu"``). ``"meta"`` returns the model without
+            storage and without touching the RNG (``seed`` is ignored).
+        seed: seed for ``torch.manual_seed`` before init (default 0).
+
+    Returns:
+        The model, in fp32, in training mode.
+
+    Raises:
+        ValueError: if ``config`` is not a LlamaConfig or ``seed`` is not an int.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"build_model: seed={seed!r}, expected an int")
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(config)
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model

@@ -1,0 +1,82 @@
+"""Named model configs, from a CPU-sized ``debug`` model to the published Llama 3 shapes.
+
+=============  ==========  ======================================================
+name           params      use
+=============  ==========  ======================================================
+debug          3.28M       tests and the default config; ~100 steps in minutes on 2 CPU cores
+small          33.6M       benchmarks (vocab 8192: a BPE tokenizer, or override vocab_size)
+llama3-8b      8.03B       Llama 3 8B shape (vocab 128256, GQA 32/8, ffn 14336)
+llama3-70b     70.55B      Llama 3 70B shape (GQA 64/8, ffn 28672)
+llama3-405b    405.85B     Llama 3 405B shape (GQA 128/8, ffn 53248)
+=============  ==========  ======================================================
+
+The Llama 3 feed-forward widths come from the Llama rule (``multiple_of`` and
+``ffn_dim_multiplier``), not from a hard-coded ``ffn_dim``; the parameter counts above are
+checked by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from types import MappingProxyType
+
+from shardwise.models.config import LlamaConfig
+
+__all__ = ["get_model_config", "list_model_configs"]
+
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=8192)
+
+# Read-only view: the registry is fixed data, not a global that callers mutate.
+_CONFIGS = MappingProxyType({
+    "debug": LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256,
+                         multiple_of=256, max_seq_len=256),
+    "small": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                         multiple_of=256, max_seq_len=512),
+    "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                             multiple_of=1024, ffn_dim_multiplier=1.3, **_LLAMA3),
+    "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                              multiple_of=4096, ffn_dim_multiplier=1.3, **_LLAMA3),
+    "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                               multiple_of=4096, ffn_dim_multiplier=1.2, **_LLAMA3),
+})
+
+
+def list_model_configs() -> list[str]:
+    """Names accepted by :func:`get_model_config`, smallest model first.
+
+    Returns:
+        A new list of names.
+    """
+    return list(_CONFIGS)
+
+
+def get_model_config(name: str, **overrides: object) -> LlamaConfig:
+    """A named config, optionally with some fields replaced.
+
+    Args:
+        name: one of :func:`list_model_configs`.
+        **overrides: ``LlamaConfig`` fields to replace, e.g. ``vocab_size=256``.
+
+    Returns:
+        A new, validated :class:`LlamaConfig`.
+
+    Raises:
+        ValueError: for an unknown name (listing the valid names and the closest match),
+            an unknown override field (naming it), or an override that fails validation.
+    """
+    if name not in _CONFIGS:
+        raise ValueError(f"unknown model config {name!r}{_did_you_mean(name, _CONFIGS)}; "
+                         f"valid names: {', '.join(_CONFIGS)}")
+    fields = LlamaConfig.field_names()
+    unknown = [key for key in overrides if key not in fields]
+    if unknown:
+        key = unknown[0]
+        raise ValueError(f"unknown LlamaConfig field {key!r} in overrides for {name!r}"
+                         f"{_did_you_mean(key, fields)}; valid fields: {', '.join(fields)}")
+    return dataclasses.replace(_CONFIGS[name], **overrides)
+
+
+def _did_you_mean(word: str, choices) -> str:  # noqa: ANN001 - any iterable of str
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
