@@ -62,10 +62,9 @@ def build_model_config(cfg: Config, vocab_size: int | None = None):  # -> LlamaC
     except ValueError as exc:
         raise ValueError(f"model: {exc}") from None
     if cfg.data.seq_len > model_cfg.max_seq_len:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} is longer than model "
-                         f"{cfg.model.name!r} accepts (max_seq_len={model_cfg.max_seq_len}); "
-                         f"expected data.seq_len <= {model_cfg.max_seq_len} or a larger "
-                         f"model.max_seq_len")
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds max_seq_len="
+                         f"{model_cfg.max_seq_len} of model {cfg.model.name!r}; expected "
+                         f"data.seq_len <= {model_cfg.max_seq_len}, or a larger model.max_seq_len")
     return model_cfg
 
 
