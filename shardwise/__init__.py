@@ -1,5 +1,29 @@
-"""shardwise: PyTorch-native distributed training (ZeRO-1/2/3, offload, low precision)."""
+"""shardwise: PyTorch-native distributed training (ZeRO-1/2/3, offload, low precision).
+
+    import shardwise
+    env = shardwise.distributed.init()                 # torchrun, SLURM or one process
+    model = shardwise.shard(model, stage=3, wrap={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    loss.backward(); shardwise.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
+"""
+
+from shardwise import distributed
+from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
+from shardwise.shard import (MemoryReport, clip_grad_norm_, full_state_dict, memory_report,
+                             no_sync, shard)
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "distributed",
+    "shard",
+    "no_sync",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "memory_report",
+    "MemoryReport",
+    "comm_stats",
+    "reset_comm_stats",
+    "CommStats",
+]

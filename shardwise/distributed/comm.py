@@ -135,6 +135,11 @@ def group_rank(group=None) -> int:
     return dist.get_rank(group)
 
 
+# torch 2.13 deprecates the *_tensor spellings in favour of *_single; older releases lack them.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -156,7 +161,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard.view_as(output))
         return None
-    return dist.all_gather_into_tensor(_wire(output), _wire(shard), group=group, async_op=async_op)
+    return _ALL_GATHER(_wire(output), _wire(shard), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group=None, *,
@@ -169,8 +174,7 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group=None, 
         if output.data_ptr() != full.data_ptr():
             output.copy_(full.view_as(output))
         return None
-    return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group,
-                                      async_op=async_op)
+    return _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group=None, *, label: str = "", async_op: bool = False,

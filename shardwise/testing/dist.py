@@ -25,6 +25,7 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -52,12 +53,22 @@ def _context():
     global _CTX  # the forkserver is per process by nature; created once on first use
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "shardwise"])
+        # Preloading what every rank imports anyway (checkpointing pulls in dynamo) makes a
+        # launch cost a fork instead of seconds of imports per rank.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                    "torch.utils.checkpoint", "shardwise",
+                                    "shardwise.testing.parity"])
         _CTX = ctx
     return _CTX
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, kwargs: dict,
+def _send(conn, msg) -> None:
+    # Plain pickle, not multiprocessing's: tensors travel as bytes instead of shared-memory
+    # handles that need the sending process to stay alive.
+    conn.send_bytes(pickle.dumps(msg))
+
+
+def _worker(rank: int, world_size: int, port: int, payload: bytes,
             conn, stack_path: str, threads: int, env: dict[str, str], collective_timeout_s: float,
             backend: str) -> None:
     os.environ.update(env)
@@ -68,14 +79,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(threads)
     try:
+        fn, args, kwargs = pickle.loads(payload)
         timeout = datetime.timedelta(seconds=collective_timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
         result = fn(*args, **kwargs)
-        conn.send(("ok", result, time.time()))
+        _send(conn, ("ok", result, time.time()))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
-        conn.send(("error", traceback.format_exc(), time.time()))
+        _send(conn, ("error", traceback.format_exc(), time.time()))
     finally:
         conn.close()
         if dist.is_initialized():
@@ -99,7 +111,7 @@ def _collect(procs, conns, deadline: float, grace_s: float):
                 continue
             if conns[r].poll():
                 try:
-                    kind, payload, when = conns[r].recv()
+                    kind, payload, when = pickle.loads(conns[r].recv_bytes())
                 except EOFError:
                     kind, payload, when = "died", _exit_reason(procs[r]), time.time()
                 status[r] = kind
@@ -173,10 +185,11 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict |
                           timeout=datetime.timedelta(seconds=coll_timeout))
     tmp = tempfile.mkdtemp(prefix="shardwise-ranks-")
     procs, conns = [], []
+    payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
     for r in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_worker, daemon=True, args=(
-            r, world_size, store.port, fn, tuple(args), dict(kwargs or {}), child_conn,
+            r, world_size, store.port, payload, child_conn,
             os.path.join(tmp, f"stack{r}.txt"), threads, dict(env or {}), coll_timeout, backend))
         p.start()
         child_conn.close()

@@ -1,0 +1,233 @@
+"""``shardwise.shard``: zero-redundancy data parallelism applied to a module in place.
+
+Example (launch with ``torchrun --nproc_per_node 4 train.py``)::
+
+    import shardwise, torch
+    env = shardwise.distributed.init()
+    model = shardwise.shard(model, stage=3, wrap={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for batch in loader:
+        loss = loss_fn(model(batch)); loss.backward()
+        shardwise.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.distributed import comm
+from shardwise.distributed.mesh import ShardGroups, resolve_groups
+from shardwise.shard.discover import STATE_ATTR, UnitPlan, plan_units
+from shardwise.shard.materialize import has_meta, materialize
+from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
+from shardwise.shard.replicate import ReplicateState
+from shardwise.shard.state import ShardState
+from shardwise.shard.state_dict import register_state_dict_hooks
+from shardwise.shard.unit import Unit
+
+__all__ = ["shard", "no_sync", "memory_report", "engine_states"]
+
+
+def _validate(module, stage, prefetch, bucket_mb) -> None:
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"shard expects an nn.Module, got {type(module).__name__}")
+    if hasattr(module, STATE_ATTR):
+        raise ValueError(f"module {type(module).__name__} is already sharded; shard it once")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+
+
+def _check_plans(plans: list[UnitPlan]) -> None:
+    """Refuse what the engine cannot shard, naming the module and parameter."""
+    meta = None
+    for plan in plans:
+        where = plan.name or "<root>"
+        dtypes = {}
+        for e in plan.entries:
+            p, name = e.param, e.fqns[0]
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {name} of unit {where} has dtype {p.dtype}; "
+                                 f"only floating-point parameters can be sharded")
+            dtypes.setdefault(p.dtype, name)
+            if meta is None:
+                meta = (p.is_meta, name)
+            elif meta[0] != p.is_meta:
+                raise ValueError(f"parameter {name} is {'' if p.is_meta else 'not '}on the meta "
+                                 f"device but {meta[1]} is{'' if meta[0] else ' not'}: build the "
+                                 f"whole model on one device")
+        if len(dtypes) > 1:
+            names = ", ".join(f"{n} ({d})" for d, n in dtypes.items())
+            raise ValueError(f"unit {where} mixes parameter dtypes: {names}; cast the module to "
+                             f"one dtype or wrap the parts in separate units")
+
+
+def _broadcast_from_first(tensors: list[torch.Tensor], groups: ShardGroups) -> None:
+    """Make every rank start from the first rank's values (as DDP does), flattened."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors or groups.dp_size == 1:
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    for g in (groups.shard, groups.replicate):
+        if g is not None and dist.get_world_size(g) > 1:
+            comm.broadcast(flat, dist.get_global_rank(g, 0), g, label="shard.sync_states")
+    off = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[off:off + t.numel()].view_as(t))
+            off += t.numel()
+
+
+def _broadcast_buffers(module: nn.Module, groups: ShardGroups) -> None:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in module.buffers():
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for bufs in by_dtype.values():
+        _broadcast_from_first(bufs, groups)
+
+
+def _build_units(module, plans, groups, stage, tracker, init_weights, sync_states) -> list[Unit]:
+    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker) for p in plans]
+    where = {id(e.param): (u, i) for u in units for i, e in enumerate(u.entries)}
+    if any(e.param.is_meta for u in units for e in u.entries) or has_meta(module):
+        def sink(param, full):
+            u, i = where[id(param)]
+            u.load_full(i, full)
+        device = units[0].device
+        materialize(module, device, init_weights, sink)
+    else:
+        for u in units:
+            if sync_states:
+                _broadcast_from_first([e.param for e in u.entries], groups)
+            for i, e in enumerate(u.entries):
+                u.load_full(i, e.param.detach())
+        if sync_states:
+            _broadcast_buffers(module, groups)
+    for u in units:
+        u.adopt_shards()
+        u.swap_out()
+    return units
+
+
+def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
+               sync_states) -> ReplicateState:
+    if any(e.param.is_meta for e in entries) or has_meta(module):
+        fresh: dict[int, torch.Tensor] = {}
+
+        def sink(param, full):
+            fresh[id(param)] = full.clone()
+        materialize(module, torch.device("cpu"), init_weights, sink)
+        for e in entries:
+            new = nn.Parameter(fresh[id(e.param)], requires_grad=e.param.requires_grad)
+            new.__dict__.update(e.param.__dict__)
+            e.param = new
+            for m, a in e.registrations:
+                m._parameters[a] = new
+    elif sync_states:
+        _broadcast_from_first([e.param for e in entries], groups)
+        _broadcast_buffers(module, groups)
+    return ReplicateState(module, [e.param for e in entries], groups, bucket_mb, tracker)
+
+
+def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
+          reshard_after_forward: bool = True, prefetch: int = 1,
+          init_weights: Callable[[nn.Module], None] | None = None, bucket_mb: float = 25.0,
+          sync_module_states: bool = True) -> nn.Module:
+    """Shard ``module`` for zero-redundancy data parallelism, in place.
+
+    Args:
+        module: the model (or a submodule, before its parent is sharded).
+        stage: 0 plain data parallel (gradients all-reduced in buckets during backward);
+            1 optimizer state sharded; 2 gradients sharded too; 3 parameters sharded too.
+            Default 3.
+        wrap: module classes (a class, a set) or a predicate ``(name, module) -> bool``
+            selecting the modules that become units (one all-gather and one reduce-scatter
+            each); the rest forms the root unit. Default None (one unit). Ignored at stage 0.
+        mesh: None (the world), a ProcessGroup, a 1-D DeviceMesh (shard) or a 2-D DeviceMesh
+            (replicate, shard) for hybrid sharding.
+        reshard_after_forward: stage 3 frees gathered parameters after each unit's forward
+            (True, default) or keeps them until its backward (False, the ZeRO-2-like middle).
+        prefetch: units gathered ahead of the one computing, forward and backward
+            (default 1; 0 disables).
+        init_weights: for a module built on the meta device, a callable initialising one
+            module's direct parameters and buffers (default: ``module.reset_parameters()``);
+            see [Note: module-by-module init].
+        bucket_mb: stage-0 gradient bucket size in MiB (default 25).
+        sync_module_states: broadcast the first rank's parameters and buffers so every rank
+            starts identical (default True; skipped for meta-device init, which is
+            deterministic).
+
+    Returns:
+        ``module``, whose ``named_parameters()`` now yield this rank's shards.
+
+    Raises:
+        ValueError: for bad arguments, or parameters the engine cannot shard (non-float,
+            mixed dtypes in one unit, a mix of meta and real tensors), naming them.
+    """
+    _validate(module, stage, prefetch, bucket_mb)
+    plans, _ = plan_units(module, wrap if stage > 0 else None)
+    _check_plans(plans)
+    groups = resolve_groups(mesh)
+    tracker = MemoryTracker()
+    if stage == 0:
+        state = _replicate(module, plans[0].entries, groups, bucket_mb, tracker, init_weights,
+                           sync_module_states)
+    else:
+        units = _build_units(module, plans, groups, stage, tracker, init_weights,
+                             sync_module_states)
+        state = ShardState(module, units, units[0], groups, stage, reshard_after_forward,
+                           prefetch, tracker)
+        register_state_dict_hooks(module, state)
+    setattr(module, STATE_ATTR, state)
+    return module
+
+
+def engine_states(model: nn.Module) -> list:
+    """Every engine state inside ``model`` (its own and those of sharded submodules)."""
+    return [getattr(m, STATE_ATTR) for m in model.modules() if hasattr(m, STATE_ATTR)]
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally, with no communication, inside this context.
+
+    Use it for every micro-batch but the last of a gradient-accumulation step; the backward
+    of the last micro-batch (outside the context) reduces the accumulated gradients. Inside
+    the context gradients stay unsharded on every rank (memory: one full gradient copy).
+    """
+    states = engine_states(model)
+    if not states:
+        raise ValueError(f"no_sync needs a module passed to shardwise.shard, got an unsharded "
+                         f"{type(model).__name__}")
+    before = [s.sync for s in states]
+    for s in states:
+        s.sync = False
+    try:
+        yield
+    finally:
+        for s, b in zip(states, before):
+            s.sync = b
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                  ) -> MemoryReport:
+    """This rank's exact bytes of parameter shards, gradient shards, optimizer state and
+    unsharded / communication buffers (current and peak).
+
+    Args:
+        model: a sharded model.
+        optimizer: its optimizer, to count optimizer-state bytes (default None: 0).
+    """
+    states = engine_states(model)
+    if not states:
+        raise ValueError(f"memory_report needs a module passed to shardwise.shard, got an "
+                         f"unsharded {type(model).__name__}")
+    return build_memory_report([s.tracker for s in states], list(model.parameters()), optimizer)

@@ -1,0 +1,142 @@
+"""Stage 0: plain data parallelism, the baseline every ZeRO stage is measured against.
+
+Every rank holds the whole model. Gradients are packed into buckets (about ``bucket_mb`` each,
+in reverse registration order, which is roughly the order backward produces them) and each
+bucket is all-reduced asynchronously as soon as all of its gradients exist, overlapping the
+rest of backward. Launch order is fixed ([Note: ordered reductions]). After the reduction
+each parameter's ``.grad`` is a view into its bucket, so the next step accumulates in place
+and no copy-out is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.distributed import comm
+from shardwise.distributed.mesh import ShardGroups
+from shardwise.shard.hooks import OrderedLauncher, queue_end_of_backward, register_output_hooks
+from shardwise.shard.memory import MemoryTracker
+
+__all__ = ["Bucket", "ReplicateState"]
+
+
+class Bucket:
+    """Gradients of a few parameters reduced by one all-reduce."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], groups: ShardGroups,
+                 tracker: MemoryTracker) -> None:
+        self.index, self.params, self.groups = index, params, groups
+        numel = sum(p.numel() for p in params)
+        self.buf = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        tracker.add("grads", self.buf.numel() * self.buf.element_size())
+        self.views, off = [], 0
+        for p in params:
+            self.views.append(self.buf[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        self.pending = len(params)
+        self.work = None
+
+    def pack(self) -> None:
+        """Bring every gradient into the bucket (zeros for parameters that got none)."""
+        grads = [p.grad for p in self.params]
+        if all(g is not None and g.data_ptr() != v.data_ptr() for g, v in zip(grads, self.views)):
+            torch.cat([g.reshape(-1) for g in grads], out=self.buf)
+            return
+        for g, v in zip(grads, self.views):
+            if g is None:
+                v.zero_()
+            elif g.data_ptr() != v.data_ptr():
+                v.copy_(g)
+
+    def launch_reduce(self) -> None:
+        self.work = comm.all_reduce(self.buf, self.groups.shard, async_op=True,
+                                    label=f"bucket{self.index}.all_reduce")
+
+    def finish_reduce(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.groups.replicate is not None:
+            comm.all_reduce(self.buf, self.groups.replicate,
+                            label=f"bucket{self.index}.all_reduce_replicate")
+        self.buf.div_(self.groups.dp_size)
+        for p, v in zip(self.params, self.views):
+            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                p.grad = v
+
+
+class ReplicateState:
+    """Hooks and buckets of one ``shard(..., stage=0)`` call."""
+
+    stage = 0
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: ShardGroups,
+                 bucket_mb: float, tracker: MemoryTracker) -> None:
+        self.module, self.groups, self.tracker = module, groups, tracker
+        self.units: list = []
+        self.sync = True
+        self.launcher = OrderedLauncher(max_inflight=1 << 30)
+        trainable = [p for p in reversed(params) if p.requires_grad]
+        self.buckets = self._build_buckets(trainable, bucket_mb)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._backward_started = False
+        self._handles = [module.register_forward_hook(self._post_forward)]
+        for p in trainable:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        tracker.add("params", sum(p.numel() * p.element_size() for p in params))
+
+    def _build_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
+        # Like DDP, a small first bucket starts communication early in backward.
+        caps = [min(1.0, bucket_mb), bucket_mb]
+        groups, cur, size = [], [], 0
+        for p in params:
+            cap = caps[min(len(groups), 1)] * 2**20
+            nbytes = p.numel() * p.element_size()
+            if cur and (size + nbytes > cap or p.dtype != cur[0].dtype):
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(p)
+            size += nbytes
+        if cur:
+            groups.append(cur)
+        return [Bucket(i, g, self.groups, self.tracker) for i, g in enumerate(groups)]
+
+    def _post_forward(self, module, args, output):
+        if torch.is_grad_enabled():
+            for b in self.buckets:
+                b.pending = len(b.params)
+            register_output_hooks(output, self._start_backward)
+        return None
+
+    def _start_backward(self) -> None:
+        if self._backward_started:
+            return
+        self._backward_started = True
+        queue_end_of_backward(self._end_backward)
+        self.launcher.start(list(self.buckets))
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        self._start_backward()
+        b = self._bucket_of[id(param)]
+        b.pending -= 1
+        if b.pending == 0 and self.sync:
+            b.pack()
+            self.launcher.mark_ready(b)
+
+    def _end_backward(self) -> None:
+        if self.sync:
+            for b in self.buckets:
+                if b.pending > 0:
+                    b.pack()
+                    b.pending = 0
+                    self.launcher.mark_ready(b)
+            self.launcher.flush()
+        self._backward_started = False
+
+    def mark_stale(self) -> None:
+        """Nothing is cached at stage 0."""
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -1,0 +1,261 @@
+"""One sharding unit: its parameters' shards, the gathered parameters and the gradient flow.
+
+A unit owns a set of parameters (see [Note: unit layout] in layout.py). Between steps each
+original ``nn.Parameter`` object holds this rank's dim-0 shard (a view into the unit's flat
+shard buffer), so ``named_parameters()`` keeps names and ndim, and any optimizer steps the
+shards in place. For compute the unit gathers the shards into one flat unsharded buffer and
+exposes each parameter as a *full* ``nn.Parameter`` viewing it; these full parameters are
+created once and swapped into the owning modules while the unit computes.
+
+[Note: freeing gathered parameters] At stage 3 the unsharded buffer's storage is resized to
+zero bytes instead of being dropped, so the full parameters keep their shapes and autograd
+metadata. Autograd has saved them for backward; the copy that refills the storage runs under
+``_unsafe_preserve_version_counter`` so autograd does not mistake the refill for an in-place
+modification of a saved tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.distributed import comm
+from shardwise.distributed.mesh import ShardGroups
+from shardwise.shard.layout import UnitLayout, build_layout
+from shardwise.shard.memory import MemoryTracker
+
+__all__ = ["ParamEntry", "Unit"]
+
+
+@dataclass
+class ParamEntry:
+    """A unique parameter and every place it is registered (tied parameters have several)."""
+
+    param: nn.Parameter
+    fqns: list[str]
+    registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class Unit:
+    """Parameters gathered and reduced together: one all-gather and one reduce-scatter each.
+
+    Args:
+        name: the unit's module path ("" for the root), used in labels and errors.
+        module: the module whose forward brackets the unit's compute.
+        entries: the parameters this unit owns.
+        groups: process groups to shard, gather and replicate over.
+        stage: 1, 2 or 3 (see shardwise.shard).
+        tracker: where buffer bytes are reported.
+    """
+
+    def __init__(self, name: str, module: nn.Module, entries: list[ParamEntry],
+                 groups: ShardGroups, stage: int, tracker: MemoryTracker) -> None:
+        self.name, self.module, self.groups, self.stage = name, module, groups, stage
+        self.tracker = tracker
+        self.entries = sorted(entries, key=lambda e: not e.trainable)  # stable: trainable first
+        self.trainable = [e for e in self.entries if e.trainable]
+        self.layout: UnitLayout = build_layout([e.param.shape for e in self.entries],
+                                               [e.trainable for e in self.entries],
+                                               groups.shard_size)
+        self.dtype = self.entries[0].param.dtype if self.entries else torch.float32
+        self.device = self.entries[0].param.device if self.entries else torch.device("cpu")
+        if self.device.type == "meta":
+            self.device = torch.device("cpu")
+        self.label = name or "<root>"
+        self.gathered = False
+        self.stale = True  # stages 1/2: shards changed since the last gather
+        self.gather_work = None
+        self.gather_tmp: torch.Tensor | None = None
+        self.reduce_work = None
+        self.reduce_in: torch.Tensor | None = None
+        self.reduce_out: torch.Tensor | None = None
+        self.grad_buf: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []
+        self.pending = 0
+        self.backward_done = False
+        self._build_buffers()
+
+    # ---------------------------------------------------------------- construction
+    def _build_buffers(self) -> None:
+        lay, n, r = self.layout, self.layout.world, self.groups.shard_rank
+        self.shard_buf = torch.zeros(lay.shard_numel, dtype=self.dtype, device=self.device)
+        self.tracker.add("params", _nbytes(self.shard_buf))
+        self.full_buf = torch.empty(lay.full_numel, dtype=self.dtype, device=self.device)
+        self.shard_views, self.full_blocks, self.full_params = [], [], []
+        for e, p in zip(self.entries, lay.params):
+            local = self.shard_buf[p.offset:p.offset + p.local_rows(r) * p.row_numel]
+            self.shard_views.append(local.view(p.local_shape(r)))
+            block = self.full_buf[n * p.offset:n * (p.offset + p.padded_numel)]
+            self.full_blocks.append(block.view(n, p.padded_numel))
+            full = nn.Parameter(block[:p.numel].view(p.shape), requires_grad=e.trainable)
+            self.full_params.append(full)
+        self.full_buf.untyped_storage().resize_(0)  # allocated on first gather
+
+    def load_full(self, index: int, full: torch.Tensor) -> None:
+        """Copy this rank's rows of ``full`` (the whole parameter) into the shard buffer."""
+        p, r = self.layout.params[index], self.groups.shard_rank
+        rows = full.reshape(p.rows, p.row_numel)[p.row_offset(r):p.row_offset(r) + p.local_rows(r)]
+        with torch.no_grad():
+            self.shard_views[index].view(-1).copy_(rows.reshape(-1))
+        self.stale = True
+
+    def adopt_shards(self) -> None:
+        """Point every original Parameter at its shard (called once, after loading)."""
+        for e, view in zip(self.entries, self.shard_views):
+            if e.param.is_meta:  # a meta tensor cannot take real data: a new Parameter
+                new = nn.Parameter(view, requires_grad=e.param.requires_grad)
+                new.__dict__.update(e.param.__dict__)
+                e.param = new
+            else:
+                e.param.data = view
+                e.param.grad = None
+
+    # ---------------------------------------------------------------- gather
+    def _alloc_full(self) -> None:
+        st = self.full_buf.untyped_storage()
+        if st.nbytes() == 0:
+            st.resize_(self.layout.full_numel * self.full_buf.element_size())
+            self.tracker.add("unsharded", st.nbytes())
+
+    def gather_async(self) -> None:
+        """Issue the all-gather of this unit's shards unless gathered or already in flight."""
+        if not self.entries or self.gather_work is not None:
+            return
+        if self.gathered and not (self.stage < 3 and self.stale):
+            return
+        self._alloc_full()
+        n = self.layout.world
+        if n == 1:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_buf):
+                self.full_buf.copy_(self.shard_buf)
+            self.gathered, self.stale = True, False
+            return
+        self.gather_tmp = torch.empty(self.layout.full_numel, dtype=self.dtype,
+                                      device=self.device)
+        self.tracker.add("comm", _nbytes(self.gather_tmp))
+        self.gather_work = comm.all_gather_into_tensor(
+            self.gather_tmp, self.shard_buf, self.groups.gather,
+            label=f"{self.label}.all_gather", async_op=True)
+
+    def unshard(self) -> None:
+        """Make the full parameters valid: issue the gather if needed, wait, copy out."""
+        self.gather_async()
+        if self.gather_work is None:
+            return
+        self.gather_work.wait()
+        n, lay = self.layout.world, self.layout
+        # [Note: freeing gathered parameters]
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_buf):
+            torch.split_with_sizes_copy(self.gather_tmp.view(n, lay.shard_numel),
+                                        [p.padded_numel for p in lay.params], dim=1,
+                                        out=self.full_blocks)
+        self.tracker.sub("comm", _nbytes(self.gather_tmp))
+        self.gather_work, self.gather_tmp = None, None
+        self.gathered, self.stale = True, False
+
+    def reshard(self) -> None:
+        """Free the gathered parameters (stage 3); their shapes and autograd links stay."""
+        if not self.gathered or self.gather_work is not None:
+            return
+        st = self.full_buf.untyped_storage()
+        self.tracker.sub("unsharded", st.nbytes())
+        st.resize_(0)
+        self.gathered = False
+
+    def swap_in(self) -> None:
+        """Register the full parameters in their modules (for compute)."""
+        for e, full in zip(self.entries, self.full_params):
+            for mod, attr in e.registrations:
+                mod._parameters[attr] = full
+
+    def swap_out(self) -> None:
+        """Register the sharded parameters in their modules again (between steps)."""
+        for e in self.entries:
+            for mod, attr in e.registrations:
+                mod._parameters[attr] = e.param
+
+    # ---------------------------------------------------------------- reduce
+    def pack_grads(self) -> None:
+        """Copy the full gradients into a rank-major reduce-scatter input, then drop them.
+
+        Parameters that received no gradient contribute zeros.
+        """
+        lay, n = self.layout, self.layout.world
+        if not self.trainable:
+            return
+        pieces = []
+        for full, p in zip(self.full_params, lay.params[:len(self.trainable)]):
+            g = full.grad
+            if g is None:
+                g = torch.zeros(n * p.padded_numel, dtype=self.dtype, device=self.device)
+            elif p.rows != n * p.chunk_rows or len(p.shape) == 0:
+                g = F.pad(g.reshape(-1), (0, n * p.padded_numel - p.numel))
+            pieces.append(g.reshape(n, p.padded_numel))
+        self.reduce_in = torch.empty(n * lay.grad_numel, dtype=self.dtype, device=self.device)
+        torch.cat(pieces, dim=1, out=self.reduce_in.view(n, lay.grad_numel))
+        self.tracker.add("comm", _nbytes(self.reduce_in))
+        for full in self.full_params[:len(self.trainable)]:
+            if self.stage == 1 and full.grad is not None:
+                full.grad.zero_()  # ZeRO-1 keeps whole gradients allocated between steps
+            else:
+                full.grad = None
+
+    def launch_reduce(self) -> None:
+        """Issue the reduce-scatter of the packed gradients (async)."""
+        if self.reduce_in is None:
+            return
+        direct = all(e.param.grad is None for e in self.trainable)
+        if direct and self.grad_buf is None:
+            self.grad_buf = torch.empty(self.layout.grad_numel, dtype=self.dtype,
+                                        device=self.device)
+            self.tracker.add("grads", _nbytes(self.grad_buf))
+            r = self.groups.shard_rank
+            self.grad_views = [
+                self.grad_buf[p.offset:p.offset + p.local_rows(r) * p.row_numel].view(
+                    p.local_shape(r)) for p in self.layout.params[:len(self.trainable)]]
+        if direct:
+            self.reduce_out = self.grad_buf
+        else:
+            self.reduce_out = torch.empty(self.layout.grad_numel, dtype=self.dtype,
+                                          device=self.device)
+            self.tracker.add("comm", _nbytes(self.reduce_out))
+        self.reduce_work = comm.reduce_scatter_tensor(
+            self.reduce_out, self.reduce_in, self.groups.shard,
+            label=f"{self.label}.reduce_scatter", async_op=True)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction, average, and expose the result as the shards' ``.grad``."""
+        if self.reduce_in is None:
+            return
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+        self.tracker.sub("comm", _nbytes(self.reduce_in))
+        out = self.reduce_out
+        if self.groups.replicate is not None:
+            comm.all_reduce(out, self.groups.replicate, label=f"{self.label}.all_reduce")
+        out.div_(self.groups.dp_size)
+        if out is self.grad_buf:
+            for e, v in zip(self.trainable, self.grad_views):
+                e.param.grad = v
+        else:
+            r = self.groups.shard_rank
+            for e, p in zip(self.trainable, self.layout.params):
+                v = out[p.offset:p.offset + p.local_rows(r) * p.row_numel].view(p.local_shape(r))
+                if e.param.grad is None:
+                    e.param.grad = v.clone()
+                else:
+                    e.param.grad.add_(v)
+            self.tracker.sub("comm", _nbytes(out))
+        self.reduce_work, self.reduce_in, self.reduce_out = None, None, None
+        self.stale = True
