@@ -67,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _attach_values(argv: list[str]) -> list[str]:
+    """Write ``--key VALUE`` as ``--key=VALUE`` so values like ``-1e-3`` are not taken for flags."""
+    takes_value = {f"--{s}.{k}" for s, k, hint, *_ in config_io.iter_fields(Config())
+                   if hint is not bool} | {"--config", "--nproc"}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in takes_value and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def _unknown_argument(extra: list[str]) -> ValueError:
     flag = next((a for a in extra if a.startswith("-")), None)
     if flag is None:
@@ -106,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from shardwise.train.launch import RankFailure
 
-    args, extra = build_parser().parse_known_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = build_parser().parse_known_args(_attach_values(argv))
     try:
         if extra:
             raise _unknown_argument(extra)

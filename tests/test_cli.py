@@ -1,0 +1,138 @@
+"""The ``shardwise`` command: --help, and bad input refused before any rank starts.
+
+Every case here runs ``main()`` in this process: a refused run returns exit code 2 with one
+line naming the value, before a single rank is launched (so each test takes milliseconds; a
+check that failed to fire would launch a 1-step run of a tiny model instead of hanging).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+from shardwise.train import config_io
+from shardwise.train.cli import build_parser, main
+from shardwise.train.config import Config
+
+# Keeps any run that wrongly gets past the checks short.
+TINY = ["--train.steps", "1", "--model.dim", "32", "--model.n_layers", "1", "--model.n_heads",
+        "2", "--model.n_kv_heads", "1", "--data.seq_len", "16", "--train.batch_size", "2",
+        "--log.progress", "false", "--log.plot", "false"]
+
+
+def _refused(capsys, *args: str) -> str:
+    """Run ``shardwise train ARGS``; assert it is refused with exit code 2; return the message."""
+    code = main(["train", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardwise: error: "), err
+    return lines[0]
+
+
+def test_help_lists_every_field_with_meaning_and_default(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    headings = [m.group(1) for m in re.finditer(r"\[(\w+)\]:", text)]
+    assert headings == ["model", "data", "train", "optim", "parallel", "log"]
+    assert "--nproc N alias of --parallel.nproc" in text and "--config FILE" in text
+    text = text[text.index("[model]:"):]  # the grouped entries, not the usage or description
+    for section, key, _hint, default, doc in config_io.iter_fields(Config()):
+        entry = f"--{section}.{key}"
+        after = text[text.index(entry + " "):]
+        assert " ".join(doc.split()[:6]) in after, entry
+        shown = "unset" if default is None else config_io.to_toml_value(default)
+        assert f"(default: {shown})" in after[:600], entry
+
+
+def test_top_level_help_names_train(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    assert "train" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--train.step", "30"], "unknown key --train.step in the command line; did you mean "
+                             "--train.steps?"),
+    (["--parallel.stag", "3"], "did you mean --parallel.stage?"),
+    (["--log.dri=x"], "unknown key --log.dri"),
+    (["--train.steps", "ten"], "train.steps: expected int, got 'ten'"),
+    (["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
+    (["--train.steps", "0"], "train.steps must be a positive int, got 0"),
+    (["--train.batch_size", "-2"], "train.batch_size must be a positive int (sequences per "
+                                   "rank), got -2"),
+    (["--train.grad_accum", "0"], "train.grad_accum must be a positive int, got 0"),
+    (["--optim.lr", "-1e-3"], "optim.lr must be a finite number >= 0, got -0.001"),
+    (["--parallel.stage", "5"], "parallel.stage must be a ZeRO stage in 0..3, got 5"),
+    (["--parallel.dp_shard", "3"], "parallel.dp_replicate * parallel.dp_shard = 1 * 3 = 3, "
+                                   "expected the world size 2"),
+    (["--nproc", "3", "--parallel.dp_replicate", "2"], "parallel.dp_replicate=2 does not "
+                                                       "divide the world size 3"),
+    (["--nproc", "zero"], "parallel.nproc: expected int, got 'zero'"),
+    (["--data.seq_len", "512"], "data.seq_len=512 exceeds max_seq_len=256 of model 'debug'"),
+    (["--model.name", "debgu"], "unknown model config 'debgu' (did you mean 'debug'?)"),
+    (["--model.n_heads", "3"], "n_heads=3"),
+    (["positional"], "unexpected argument 'positional'"),
+])
+def test_bad_input_is_refused_with_the_value(capsys, tmp_path, args, expected):
+    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "out"), *args)
+    assert expected in message
+
+
+def test_config_file_errors_name_the_file_and_key(capsys, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[optim]\nweightdecay = 0.1\n")
+    message = _refused(capsys, "--config", str(path))
+    assert "optim.weightdecay" in message and "bad.toml" in message
+    assert "did you mean optim.weight_decay" in message
+
+
+def test_unwritable_output_dir(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    message = _refused(capsys, *TINY, "--log.dir", str(blocker / "run"))
+    assert "log.dir" in message and str(blocker / "run") in message and "cannot be written" in message
+
+
+def test_missing_corpus_path(capsys, tmp_path):
+    missing = tmp_path / "nowhere.txt"
+    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
+                       str(missing))
+    assert str(missing) in message
+
+
+def test_empty_corpus(capsys, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
+                       str(empty))
+    assert str(empty) in message and "empty" in message
+
+
+def test_whitespace_only_corpus(capsys, tmp_path):
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\n\t  \n" * 100)
+    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
+                       str(blank))
+    assert str(blank) in message and "no text" in message
+
+
+def test_corpus_too_small_for_one_global_batch(capsys, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("def f(x):\n    return x + 1\n" * 8)  # 232 bytes
+    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
+                       str(small))
+    assert str(small) in message and "too small" in message
+    assert "2 ranks x 2 sequences x 17 tokens" in message
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()  # no rank ever started
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
+                    reason="tensorboard is installed")
+def test_tensorboard_missing_is_a_clear_error(capsys, tmp_path):
+    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--log.tensorboard")
+    assert "tensorboard" in message and "pip install" in message

@@ -1,0 +1,175 @@
+"""The trainer: schedule, optimizer groups, accumulation parity, launching, failures, end to end.
+
+Multi-rank tests run real processes on Gloo: ``run_ranks`` (shardwise.testing) for the loop
+itself, and the real ``shardwise`` command (local launcher, torchrun) end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.testing.dist import run_ranks
+from shardwise.train.config import load_config
+from shardwise.train.launch import RankFailure, _agree_on_preflight, launch_local
+from shardwise.train.preflight import preflight
+from shardwise.train.trainer import build_env, build_optimizer, lr_factor, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"model.dim": "32", "model.n_layers": "2", "model.n_heads": "4", "model.n_kv_heads": "2",
+        "data.seq_len": "32", "train.batch_size": "4", "train.eval_batches": "2",
+        "data.max_bytes": "200000", "log.progress": "false", "log.plot": "false"}
+
+
+def _shardwise_cmd() -> list[str]:
+    script = Path(sys.executable).parent / "shardwise"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shardwise.train.cli"]
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def _steps(log_dir: Path) -> list[dict]:
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    total, warmup, floor = 100, 10, 0.1
+    factors = [lr_factor(s, warmup, total, floor) for s in range(total)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(factors[:10], factors[1:10]))
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    assert factors[-1] == pytest.approx(floor)
+    assert lr_factor(0, 0, 1, 0.5) == pytest.approx(1.0)  # no warmup, one step: peak lr
+
+
+def test_optimizer_excludes_no_decay_names_from_weight_decay():
+    from shardwise.models import build_model, get_model_config
+
+    model = build_model(get_model_config("debug", dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+    cfg = load_config(None, {"optim.weight_decay": "0.5", "optim.no_decay": "norm,tok_embeddings"})
+    opt = build_optimizer(model, cfg.optim)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.5
+               for p in g["params"]}
+    plain = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.0
+             for p in g["params"]}
+    assert "layers.0.attention.wq.weight" in decayed and "output.weight" in decayed
+    assert {"norm.weight", "layers.1.ffn_norm.weight", "tok_embeddings.weight"} <= plain
+    assert decayed.isdisjoint(plain) and len(decayed | plain) == len(names)
+
+
+def _agree(rank_with_error: int) -> str:
+    import torch.distributed as dist
+
+    env = build_env(load_config(None, {}))
+    error = "data.source 'x' is too small" if dist.get_rank() == rank_with_error else None
+    try:
+        _agree_on_preflight(error, env)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_preflight_failure_on_one_rank_stops_every_rank():
+    messages = run_ranks(_agree, world_size=2, args=(1,), timeout_s=60)
+    assert messages == ["on rank 1: data.source 'x' is too small"] * 2
+
+
+def _train_on_ranks(cfg, data) -> list[float]:
+    train(cfg, data, build_env(cfg))
+    return [r["loss"] for r in _steps(Path(cfg.log.dir)) if "loss" in r]
+
+
+def test_grad_accumulation_matches_a_bigger_batch(tmp_path):
+    """2 x 2 accumulated micro-batches == one micro-batch of 4: same windows, same math."""
+    runs = {}
+    for name, batch, accum in (("big", "4", "1"), ("accum", "2", "2")):
+        cfg = load_config(None, {**TINY, "train.steps": "3", "train.batch_size": batch,
+                                 "train.grad_accum": accum, "train.eval_interval": "0",
+                                 "log.dir": str(tmp_path / name)})
+        cfg, data = preflight(cfg, world_size=2)
+        runs[name] = run_ranks(_train_on_ranks, world_size=2, args=(cfg, data), timeout_s=120)[0]
+    assert len(runs["big"]) == 3
+    torch.testing.assert_close(runs["accum"], runs["big"], rtol=1e-5, atol=1e-6)
+
+
+def _fail_on_rank_one() -> int:
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        raise ValueError("deliberate failure on this rank")
+    return rank
+
+
+def test_a_failing_local_rank_is_named():
+    with pytest.raises(RankFailure) as info:
+        launch_local(_fail_on_rank_one, nproc=2)
+    assert "rank 1 failed (exit code 1): ValueError: deliberate failure on this rank" in str(
+        info.value)
+    assert list(info.value.failures) == [1]
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_default_command_trains_and_writes_outputs(tmp_path):
+    """The issue's acceptance run: ``shardwise train --train.steps 30 --log.dir D``."""
+    out = tmp_path / "run"
+    proc = _run([*_shardwise_cmd(), "train", "--train.steps", "30", "--log.dir", str(out)], 400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _steps(out)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    for key in ("loss", "lr", "tokens_per_s", "grad_norm", "rss_mib"):
+        assert key in steps[0]
+    assert len(steps[0]["rss_mib"]) == 2
+    assert steps[-1]["loss"] < steps[0]["loss"] - 1.0, (steps[0]["loss"], steps[-1]["loss"])
+    assert any("val_loss" in r for r in records)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = load_config(out / "config.toml")
+    assert saved.train.steps == 30 and saved.log.dir == str(out) and saved.parallel.dp_shard == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_train_loss"] == pytest.approx(steps[-1]["loss"])
+    assert math.isfinite(summary["final_val_loss"]) and len(summary["peak_rss_mib"]) == 2
+    assert "final train loss" in proc.stdout and str(out) in proc.stdout
+    assert proc.stdout.count("resolved config:") == 1
+
+
+def test_under_torchrun(tmp_path):
+    out = tmp_path / "tr"
+    args = [f"--{k}={v}" for k, v in TINY.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "shardwise.train.cli", "train", "--train.steps", "4", "--train.eval_interval",
+           "2", *args, "--log.dir", str(out)]
+    proc = _run(cmd, 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _steps(out)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    assert proc.stdout.count("summary:") == 1  # rank 0 alone reports
+    assert tomllib.loads((out / "config.toml").read_text())["parallel"]["dp_shard"] == 2
+
+
+def test_a_diverging_run_names_the_rank_and_fails(tmp_path):
+    args = [f"--{k}={v}" for k, v in TINY.items()]
+    cmd = [*_shardwise_cmd(), "train", *args, "--train.steps", "5", "--optim.lr", "1e30",
+           "--optim.warmup_steps", "0", "--optim.grad_clip", "0", "--log.dir", str(tmp_path)]
+    proc = _run(cmd, 300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardwise: error: rank ") and "failed (exit code 1)" in last
+    assert "non-finite loss" in last or "loss is nan" in last or "loss is inf" in last
