@@ -94,15 +94,19 @@ def _broadcast_buffers(module: nn.Module, groups: ShardGroups) -> None:
         _broadcast_from_first(bufs, groups)
 
 
-def _build_units(module, plans, groups, stage, tracker, init_weights, sync_states) -> list[Unit]:
-    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker) for p in plans]
+def _build_units(module, plans, groups, stage, tracker, init_weights, sync_states,
+                 do_materialize: bool) -> list[Unit]:
+    is_meta = any(e.param.is_meta for p in plans for e in p.entries) or has_meta(module)
+    device = torch.device("meta") if is_meta and not do_materialize else None
+    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker, device) for p in plans]
     where = {id(e.param): (u, i) for u in units for i, e in enumerate(u.entries)}
-    if any(e.param.is_meta for u in units for e in u.entries) or has_meta(module):
+    if is_meta and not do_materialize:
+        pass  # planning mode: shards stay on the meta device, bytes are still accounted
+    elif is_meta:
         def sink(param, full):
             u, i = where[id(param)]
             u.load_full(i, full)
-        device = units[0].device
-        materialize(module, device, init_weights, sink)
+        tracker.peak_init = materialize(module, units[0].device, init_weights, sink)
     else:
         for u in units:
             if sync_states:
@@ -124,7 +128,7 @@ def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
 
         def sink(param, full):
             fresh[id(param)] = full.clone()
-        materialize(module, torch.device("cpu"), init_weights, sink)
+        tracker.peak_init = materialize(module, torch.device("cpu"), init_weights, sink)
         for e in entries:
             new = nn.Parameter(fresh[id(e.param)], requires_grad=e.param.requires_grad)
             new.__dict__.update(e.param.__dict__)
@@ -140,7 +144,7 @@ def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
 def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
           reshard_after_forward: bool = True, prefetch: int = 1,
           init_weights: Callable[[nn.Module], None] | None = None, bucket_mb: float = 25.0,
-          sync_module_states: bool = True) -> nn.Module:
+          sync_module_states: bool = True, materialize: bool = True) -> nn.Module:
     """Shard ``module`` for zero-redundancy data parallelism, in place.
 
     Args:
@@ -164,6 +168,9 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
         sync_module_states: broadcast the first rank's parameters and buffers so every rank
             starts identical (default True; skipped for meta-device init, which is
             deterministic).
+        materialize: for a meta-device model, initialise it (True, default) or keep the
+            shards on the meta device (False): nothing is allocated, ``memory_report`` still
+            gives every byte this rank would hold, and the model cannot run. For planning.
 
     Returns:
         ``module``, whose ``named_parameters()`` now yield this rank's shards.
@@ -178,11 +185,14 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     groups = resolve_groups(mesh)
     tracker = MemoryTracker()
     if stage == 0:
+        if not materialize:
+            raise ValueError("materialize=False (planning on the meta device) needs stage 1, 2 "
+                             "or 3; stage 0 replicates whole parameters")
         state = _replicate(module, plans[0].entries, groups, bucket_mb, tracker, init_weights,
                            sync_module_states)
     else:
         units = _build_units(module, plans, groups, stage, tracker, init_weights,
-                             sync_module_states)
+                             sync_module_states, materialize)
         state = ShardState(module, units, units[0], groups, stage, reshard_after_forward,
                            prefetch, tracker)
         register_state_dict_hooks(module, state)

@@ -37,7 +37,7 @@ def default_init(module: nn.Module) -> None:
 
 def materialize(root: nn.Module, device: torch.device,
                 init_weights: Callable[[nn.Module], None] | None,
-                sink: Callable[[nn.Parameter, torch.Tensor], None]) -> None:
+                sink: Callable[[nn.Parameter, torch.Tensor], None]) -> int:
     """Initialise every meta parameter and buffer of ``root`` module by module.
 
     Args:
@@ -55,6 +55,7 @@ def materialize(root: nn.Module, device: torch.device,
             if p is not None and p.is_meta:
                 last_use[id(p)] = i
     live: dict[int, nn.Parameter] = {}
+    peak = 0
     for i, (name, m) in enumerate(modules):
         metas = [(a, p) for a, p in m._parameters.items() if p is not None and p.is_meta]
         bufs = [a for a, b in m._buffers.items() if b is not None and b.is_meta]
@@ -67,6 +68,7 @@ def materialize(root: nn.Module, device: torch.device,
                 live[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                            requires_grad=p.requires_grad)
             m._parameters[a] = live[id(p)]
+        peak = max(peak, sum(t.numel() * t.element_size() for t in live.values()))
         try:
             with torch.no_grad():
                 init(m)
@@ -80,3 +82,4 @@ def materialize(root: nn.Module, device: torch.device,
             m._parameters[a] = p
             if last_use[id(p)] == i:
                 del live[id(p)]
+    return peak

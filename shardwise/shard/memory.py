@@ -25,6 +25,7 @@ class MemoryTracker:
     current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     peak_transient: int = 0
+    peak_init: int = 0
 
     def add(self, kind: str, nbytes: int) -> None:
         self.current[kind] += nbytes
@@ -54,6 +55,8 @@ class MemoryReport:
         unsharded_bytes, comm_bytes: gathered parameters / collective buffers right now.
         peak_unsharded_bytes, peak_comm_bytes: their peaks since the last reset.
         peak_transient_bytes: peak of unsharded + comm together.
+        peak_init_bytes: meta-device init only: peak bytes of full parameter values alive
+            at once while materialising (one module's, plus tied parameters in flight).
     """
 
     param_bytes: int
@@ -64,6 +67,7 @@ class MemoryReport:
     peak_unsharded_bytes: int
     peak_comm_bytes: int
     peak_transient_bytes: int
+    peak_init_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
@@ -101,4 +105,5 @@ def build_memory_report(trackers: list[MemoryTracker], params: list[torch.nn.Par
         unsharded_bytes=cur["unsharded"], comm_bytes=cur["comm"],
         peak_unsharded_bytes=peak["unsharded"], peak_comm_bytes=peak["comm"],
         peak_transient_bytes=sum(t.peak_transient for t in trackers),
+        peak_init_bytes=max((t.peak_init for t in trackers), default=0),
     )

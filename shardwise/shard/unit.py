@@ -57,10 +57,13 @@ class Unit:
         groups: process groups to shard, gather and replicate over.
         stage: 1, 2 or 3 (see shardwise.shard).
         tracker: where buffer bytes are reported.
+        device: where the buffers live (default: the parameters' device; a meta model is
+            materialised on the CPU unless "meta" is asked for, to plan without allocating).
     """
 
     def __init__(self, name: str, module: nn.Module, entries: list[ParamEntry],
-                 groups: ShardGroups, stage: int, tracker: MemoryTracker) -> None:
+                 groups: ShardGroups, stage: int, tracker: MemoryTracker,
+                 device: torch.device | None = None) -> None:
         self.name, self.module, self.groups, self.stage = name, module, groups, stage
         self.tracker = tracker
         self.entries = sorted(entries, key=lambda e: not e.trainable)  # stable: trainable first
@@ -69,8 +72,9 @@ class Unit:
                                                [e.trainable for e in self.entries],
                                                groups.shard_size)
         self.dtype = self.entries[0].param.dtype if self.entries else torch.float32
-        self.device = self.entries[0].param.device if self.entries else torch.device("cpu")
-        if self.device.type == "meta":
+        self.device = device or (self.entries[0].param.device if self.entries
+                                 else torch.device("cpu"))
+        if self.device.type == "meta" and device is None:
             self.device = torch.device("cpu")
         self.label = name or "<root>"
         self.gathered = False
@@ -100,7 +104,8 @@ class Unit:
             self.full_blocks.append(block.view(n, p.padded_numel))
             full = nn.Parameter(block[:p.numel].view(p.shape), requires_grad=e.trainable)
             self.full_params.append(full)
-        self.full_buf.untyped_storage().resize_(0)  # allocated on first gather
+        if self.device.type != "meta":
+            self.full_buf.untyped_storage().resize_(0)  # allocated on first gather
 
     def load_full(self, index: int, full: torch.Tensor) -> None:
         """Copy this rank's rows of ``full`` (the whole parameter) into the shard buffer."""
@@ -113,7 +118,7 @@ class Unit:
     def adopt_shards(self) -> None:
         """Point every original Parameter at its shard (called once, after loading)."""
         for e, view in zip(self.entries, self.shard_views):
-            if e.param.is_meta:  # a meta tensor cannot take real data: a new Parameter
+            if e.param.is_meta and not view.is_meta:  # a meta tensor cannot take real data: a new Parameter
                 new = nn.Parameter(view, requires_grad=e.param.requires_grad)
                 new.__dict__.update(e.param.__dict__)
                 e.param = new
@@ -123,6 +128,9 @@ class Unit:
 
     # ---------------------------------------------------------------- gather
     def _alloc_full(self) -> None:
+        if self.device.type == "meta":
+            raise ValueError(f"unit {self.label} was sharded on the meta device with "
+                             f"materialize=False: it can be inspected and planned, not run")
         st = self.full_buf.untyped_storage()
         if st.nbytes() == 0:
             st.resize_(self.layout.full_numel * self.full_buf.element_size())
