@@ -149,7 +149,7 @@ def test_degrees_must_multiply_to_world_size(replicate, shard, world, ok):
     if ok is None:
         with pytest.raises(ValueError) as info:
             resolve_world(cfg, world)
-        assert f"parallel.dp_replicate" in str(info.value) and str(world) in str(info.value)
+        assert "parallel.dp_replicate" in str(info.value) and str(world) in str(info.value)
     else:
         assert resolve_world(cfg, world).parallel.dp_shard == ok
 

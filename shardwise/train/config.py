@@ -83,7 +83,7 @@ class TrainConfig:
 
     steps: int = 200
     """Optimizer steps to run."""
-    batch_size: int = 8
+    batch_size: int = 4
     """Sequences per micro-batch on each rank."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (global batch = batch_size * grad_accum
@@ -240,7 +240,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("model.max_seq_len", lambda v: v is None or v > 0, "a positive int"),
     ("data.max_bytes", lambda v: v is None or v > 0, "a positive int (bytes)"),
     ("data.tokenizer", lambda v: v in ("byte", "bpe"), "'byte' or 'bpe'"),
-    ("data.bpe_vocab_size", lambda v: v >= 257, "an int >= 257 (bytes plus merges)"),
+    ("data.bpe_vocab_size", lambda v: v >= 256, "an int >= 256 (the byte alphabet)"),
     ("data.seq_len", _positive, "a positive int (tokens)"),
     ("data.val_fraction", lambda v: 0 < v < 1, "a fraction strictly between 0 and 1"),
     ("train.steps", _positive, "a positive int"),

@@ -89,10 +89,15 @@ def build_data(cfg: Config, world_size: int) -> TokenData:
     if not text.strip():
         raise ValueError(f"data.source {d.source!r} has no text (only whitespace); expected a "
                          "corpus with at least one global batch of tokens")
-    if d.tokenizer == "bpe":
-        tokenizer = build_tokenizer("bpe", vocab_size=d.bpe_vocab_size, text=text)
-    else:
-        tokenizer = build_tokenizer(d.tokenizer)
+    try:
+        if d.tokenizer == "bpe":
+            tokenizer = build_tokenizer("bpe", vocab_size=d.bpe_vocab_size, text=text)
+        else:
+            tokenizer = build_tokenizer(d.tokenizer)
+    except ImportError:
+        raise ValueError(f"data.tokenizer = {d.tokenizer!r} needs the 'tokenizers' package, "
+                         "which is not installed; run: pip install 'shardwise[bpe]' (or use "
+                         "--data.tokenizer byte)") from None
     ids = tokenizer.encode(text)
     train_ids, val_ids = split_tokens(ids, val_fraction=d.val_fraction)
     # A window is seq_len inputs plus the next token as the last target.

@@ -194,23 +194,24 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
 @torch.no_grad()
 def evaluate(model: nn.Module, val_ids: torch.Tensor, cfg: Config, env: dist_env.DistEnv,
              step: int) -> dict[str, Any]:
-    """Mean loss over ``train.eval_batches`` held-out micro-batches per rank, all ranks.
+    """Mean loss over the first ``train.eval_batches`` held-out global batches, all ranks.
 
-    The validation loader is rebuilt with the same seed each time, so every evaluation of a
-    run sees the same windows and the curve measures the model, not the sample.
+    The windows are unshuffled and the same at every evaluation, so the curve measures the
+    model, not the sample.
     """
-    from shardwise.data import TokenLoader
+    from shardwise.data import iter_eval_batches
 
-    loader = TokenLoader(val_ids, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                         rank=env.rank, world_size=env.world_size, seed=cfg.data.seed)
+    batches = iter_eval_batches(val_ids, seq_len=cfg.data.seq_len,
+                                batch_size=cfg.train.batch_size, rank=env.rank,
+                                world_size=env.world_size, max_batches=cfg.train.eval_batches)
     model.eval()
-    total = 0.0
-    for _ in range(cfg.train.eval_batches):
-        inputs, targets = (t.to(env.device) for t in loader.next_batch())
-        total += _loss(model, inputs, targets).item()
+    total, count = 0.0, 0
+    for inputs, targets in batches:
+        total += _loss(model, inputs.to(env.device), targets.to(env.device)).item()
+        count += 1
     model.train()
-    mean = _gather_stats([total / cfg.train.eval_batches], env)[:, 0].mean().item()
-    tokens = env.world_size * cfg.train.eval_batches * cfg.train.batch_size * cfg.data.seq_len
+    mean = _gather_stats([total / count], env)[:, 0].mean().item()
+    tokens = env.world_size * count * cfg.train.batch_size * cfg.data.seq_len
     return {"step": step, "val_loss": mean, "val_tokens": tokens}
 
 
@@ -246,7 +247,8 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     logger = MetricsLogger(cfg.log.dir, cfg.train.steps, enabled=env.is_main,
                            progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
                            refresh_every=cfg.train.log_interval)
-    logger.echo(f"model {cfg.model.name!r}: {model_cfg.num_params():,} parameters; "
+    logger.echo(f"model {cfg.model.name!r} (dim {model_cfg.dim}, {model_cfg.n_layers} layers, "
+                f"vocab {model_cfg.vocab_size}): {model_cfg.num_params():,} parameters; "
                 f"{env.world_size} ranks ({env.launcher}, {env.backend}); data "
                 f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
     train_time = 0.0
