@@ -249,7 +249,8 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
                            refresh_every=cfg.train.log_interval)
     logger.echo(f"model {cfg.model.name!r} (dim {model_cfg.dim}, {model_cfg.n_layers} layers, "
                 f"vocab {model_cfg.vocab_size}): {model_cfg.num_params():,} parameters; "
-                f"{env.world_size} ranks ({env.launcher}, {env.backend}); data "
+                f"{env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.launcher}, "
+                f"{env.backend}); data "
                 f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
     train_time = 0.0
     try:
