@@ -1,1 +1,14 @@
-"""shardwise.train."""
+"""shardwise.train: configuration, the trainer and the ``shardwise`` command.
+
+    config.py     dataclasses, TOML + --section.key overrides, value checks
+    config_io.py  nested dataclasses <-> TOML / command line (generic)
+    preflight.py  every check on user input, before any rank trains; data preparation
+    trainer.py    build_* functions and the training loop (the three parallelism call sites)
+    metrics.py    progress bar, metrics.jsonl, loss plot, TensorBoard, summary
+    launch.py     local ranks via torch's elastic launcher, or in-process under torchrun / SLURM
+    cli.py        ``shardwise train``
+"""
+
+from shardwise.train.config import Config, load_config
+
+__all__ = ["Config", "load_config"]

@@ -203,7 +203,8 @@ def load_config(path: str | os.PathLike | None = None,
         try:
             doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
-            raise ValueError(f"config file {origin} cannot be read: {exc.strerror or exc}") from None
+            raise ValueError(f"config file {origin} cannot be read: "
+                             f"{exc.strerror or exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {origin} is not valid TOML: {exc}") from None
         config = config_io.apply_overrides(config, config_io.flatten_toml(doc, config, origin),

@@ -53,7 +53,8 @@ def iter_fields(root: Any) -> Iterator[tuple[str, str, Any, Any, str]]:
         hints = typing.get_type_hints(type(sec_obj))
         docs = field_docs(type(sec_obj))
         for f in dataclasses.fields(sec_obj):
-            yield section.name, f.name, hints[f.name], getattr(sec_obj, f.name), docs.get(f.name, "")
+            value = getattr(sec_obj, f.name)
+            yield section.name, f.name, hints[f.name], value, docs.get(f.name, "")
 
 
 def type_name(hint: Any) -> str:
@@ -209,7 +210,8 @@ def flatten_toml(doc: dict[str, Any], root: Any, origin: str) -> dict[str, Any]:
     for section, table in doc.items():
         if not isinstance(table, dict):
             owners = [k for k in all_keys if k.endswith("." + section)]
-            where = (f"; did you mean {owners[0]} (key {section!r} under [{owners[0].split('.')[0]}])?"
+            owner_table = owners[0].split(".")[0] if owners else ""
+            where = (f"; did you mean {owners[0]} (key {section!r} under [{owner_table}])?"
                      if owners else _suggest(section, sections))
             raise ValueError(f"unknown key {section} = {table!r} in {origin}, outside any "
                              f"[section]{where} (sections: {', '.join(sections)})")
