@@ -11,6 +11,7 @@ import importlib.util
 import re
 
 import pytest
+import torch
 
 from shardwise.train import config_io
 from shardwise.train.cli import build_parser, main
@@ -136,3 +137,10 @@ def test_corpus_too_small_for_one_global_batch(capsys, tmp_path):
 def test_tensorboard_missing_is_a_clear_error(capsys, tmp_path):
     message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--log.tensorboard")
     assert "tensorboard" in message and "pip install" in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
+def test_nccl_without_cuda_is_refused_before_launch(capsys, tmp_path):
+    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--parallel.backend",
+                       "nccl")
+    assert "parallel.backend = 'nccl'" in message and "CUDA" in message

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -322,7 +323,8 @@ def check_output_dir(path: str | os.PathLike) -> Path:
         ValueError: naming the folder when it cannot be created or written.
     """
     folder = Path(path).expanduser()
-    probe = folder / f".write-probe-{os.getpid()}"
+    # Host and pid in the name: ranks of several nodes may probe one shared folder at once.
+    probe = folder / f".write-probe-{socket.gethostname()}-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok", encoding="ascii")

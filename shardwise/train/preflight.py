@@ -124,11 +124,15 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
         The config with world-dependent values resolved, and the prepared data.
 
     Raises:
-        ValueError: degrees that do not fit the world size, an unwritable ``log.dir``,
+        ValueError: degrees that do not fit the world size, NCCL without CUDA, an unwritable
+            ``log.dir``,
             TensorBoard asked for but missing, a bad model name / shape / seq_len, a corpus
             with no or too little text.
     """
     cfg = resolve_world(cfg, world_size)
+    if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
+                         "expected 'gloo' or 'auto'")
     check_output_dir(cfg.log.dir)
     if cfg.log.tensorboard:
         require_tensorboard()

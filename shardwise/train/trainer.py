@@ -160,7 +160,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
 
     Returns:
         The step's record (loss averaged over micro-batches and ranks, lr used, grad norm,
-        tokens/s, per-rank RSS).
+        tokens/s, per-rank RSS and, on GPUs, peak allocated CUDA memory).
 
     Raises:
         RuntimeError: if the loss is not finite on some rank (naming the rank and the step).
@@ -179,16 +179,23 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip or math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    stats = _gather_stats([loss_sum, rss_mib()], env)  # also syncs ranks: honest step time
+    cuda_mib = (torch.cuda.max_memory_allocated(env.device) / 2**20
+                if env.device.type == "cuda" else 0.0)
+    # One small all-gather per step: the global loss, per-rank memory, and a barrier that
+    # makes the step time honest.
+    stats = _gather_stats([loss_sum, rss_mib(), cuda_mib], env)
     bad = [r for r in range(env.world_size) if not math.isfinite(stats[r, 0].item())]
     if bad:
         raise RuntimeError(f"loss is {stats[bad[0], 0].item()} on rank {bad[0]} at step {step} "
                            f"(ranks with non-finite loss: {bad}); try a lower optim.lr")
     elapsed = time.perf_counter() - start
     tokens = env.world_size * accum * cfg.train.batch_size * cfg.data.seq_len
-    return {"step": step, "loss": stats[:, 0].mean().item(), "lr": lr,
-            "grad_norm": float(grad_norm), "tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "step_time_s": elapsed, "rss_mib": [round(m, 1) for m in stats[:, 1].tolist()]}
+    record = {"step": step, "loss": stats[:, 0].mean().item(), "lr": lr,
+              "grad_norm": float(grad_norm), "tokens": tokens, "tokens_per_s": tokens / elapsed,
+              "step_time_s": elapsed, "rss_mib": [round(m, 1) for m in stats[:, 1].tolist()]}
+    if env.device.type == "cuda":
+        record["cuda_peak_mib"] = [round(m, 1) for m in stats[:, 2].tolist()]
+    return record
 
 
 @torch.no_grad()
