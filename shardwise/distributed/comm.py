@@ -38,6 +38,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "all_to_all_single",
+    "reduce_scatter_needs_scratch",
     "group_size",
     "group_rank",
     "recent_ops",
@@ -164,9 +165,41 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None
     return _ALL_GATHER(_wire(output), _wire(shard), group=group, async_op=async_op)
 
 
+class _SumAfterAllToAll:
+    """Work handle of a reduce-scatter done as all-to-all + local sum (see below)."""
+
+    def __init__(self, work, received: torch.Tensor, output: torch.Tensor, n: int) -> None:
+        self.work, self.received, self.output, self.n = work, received, output, n
+
+    def wait(self, timeout=None) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            torch.sum(self.received.view(self.n, -1), dim=0, out=self.output.view(-1))
+            self.received = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+def reduce_scatter_needs_scratch(group=None) -> bool:
+    """Whether :func:`reduce_scatter_tensor` stages through a full-size scratch buffer."""
+    return group_size(group) > 1 and dist.get_backend(group) == "gloo"
+
+
 def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group=None, *,
-                          label: str = "", async_op: bool = False):
-    """Sum ``full`` over ranks and keep this rank's chunk in ``output``, counted."""
+                          label: str = "", async_op: bool = False,
+                          scratch: torch.Tensor | None = None):
+    """Sum ``full`` over ranks and keep this rank's chunk in ``output``, counted.
+
+    [Note: reduce-scatter on Gloo] Gloo's own reduce-scatter is markedly slower than an
+    all-to-all of the same chunks followed by a local sum (measured on 2-core CPUs: 2x at
+    4 ranks), while both move exactly (n - 1) chunks per rank. On Gloo this function
+    therefore exchanges chunks with ``all_to_all_single`` into ``scratch`` (same size as
+    ``full``; allocated when not given) and sums them in rank order when waited on, which
+    also keeps the reduction in the tensors' own precision and deterministic.
+    """
     n = group_size(group)
     b = _nbytes(output)
     _RECORDER.record("reduce_scatter", group, label, (n - 1) * b, (n - 1) * b)
@@ -174,6 +207,14 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group=None, 
         if output.data_ptr() != full.data_ptr():
             output.copy_(full.view_as(output))
         return None
+    if dist.get_backend(group) == "gloo":
+        received = scratch if scratch is not None else torch.empty_like(full)
+        work = dist.all_to_all_single(received, full, group=group, async_op=True)
+        handle = _SumAfterAllToAll(work, received, output, n)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
     return _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

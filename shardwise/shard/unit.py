@@ -84,6 +84,7 @@ class Unit:
         self.reduce_work = None
         self.reduce_in: torch.Tensor | None = None
         self.reduce_out: torch.Tensor | None = None
+        self.reduce_scratch: torch.Tensor | None = None
         self.grad_buf: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []
         self.pending = 0
@@ -238,9 +239,12 @@ class Unit:
             self.reduce_out = torch.empty(self.layout.grad_numel, dtype=self.dtype,
                                           device=self.device)
             self.tracker.add("comm", _nbytes(self.reduce_out))
+        if comm.reduce_scatter_needs_scratch(self.groups.shard):  # [Note: reduce-scatter on Gloo]
+            self.reduce_scratch = torch.empty_like(self.reduce_in)
+            self.tracker.add("comm", _nbytes(self.reduce_scratch))
         self.reduce_work = comm.reduce_scatter_tensor(
             self.reduce_out, self.reduce_in, self.groups.shard,
-            label=f"{self.label}.reduce_scatter", async_op=True)
+            label=f"{self.label}.reduce_scatter", async_op=True, scratch=self.reduce_scratch)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction, average, and expose the result as the shards' ``.grad``."""
@@ -248,7 +252,8 @@ class Unit:
             return
         if self.reduce_work is not None:
             self.reduce_work.wait()
-        self.tracker.sub("comm", _nbytes(self.reduce_in))
+        self.tracker.sub("comm", _nbytes(self.reduce_in) + _nbytes(self.reduce_scratch))
+        self.reduce_scratch = None
         out = self.reduce_out
         if self.groups.replicate is not None:
             comm.all_reduce(out, self.groups.replicate, label=f"{self.label}.all_reduce")
