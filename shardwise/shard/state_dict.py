@@ -11,6 +11,8 @@ plain tensors (the same value on every rank).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,69 +20,116 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwise.distributed import comm
 
-__all__ = ["register_state_dict_hooks", "full_state_dict"]
+__all__ = ["ShardedParamSpec", "sharded_param_specs", "register_state_dict_hooks",
+           "full_state_dict"]
 
 
-def _placements(state):
-    return (Replicate(), Shard(0)) if state.groups.device_mesh.ndim == 2 else (Shard(0),)
+@dataclass
+class ShardedParamSpec:
+    """How one sharded parameter (and any tensor shaped like its shard, e.g. optimizer
+    state) maps between this rank's local rows and the global tensor.
+
+    Attributes:
+        param: the sharded ``nn.Parameter`` (what the optimizer sees).
+        shape: the global shape.
+        mesh: the DeviceMesh of the DTensor form (None without torch.distributed).
+        placements: ``(Shard(0),)`` or ``(Replicate(), Shard(0))`` on a hybrid mesh.
+        row_offset, local_rows: this rank's rows of dim 0.
+    """
+
+    param: nn.Parameter
+    shape: torch.Size
+    mesh: object
+    placements: tuple
+    row_offset: int
+    local_rows: int
+    shard_group: object = None
+
+    def to_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """Wrap a tensor shaped like this rank's shard as the global DTensor (collective for
+        0-d parameters, which become a plain tensor holding the first rank's value)."""
+        if len(self.shape) == 0:
+            value = local.detach().reshape(-1)[:1].clone()
+            if value.numel() == 0:
+                value = torch.zeros(1, dtype=local.dtype, device=local.device)
+            if comm.group_size(self.shard_group) > 1:
+                comm.broadcast(value, dist.get_global_rank(self.shard_group, 0),
+                               self.shard_group, label="state_dict.scalar")
+            return value.view(())
+        if self.mesh is None:
+            return local.detach()
+        return DTensor.from_local(local.detach(), self.mesh, self.placements, run_check=False,
+                                  shape=self.shape,
+                                  stride=torch.empty(self.shape, device="meta").stride())
+
+    def to_local(self, value: torch.Tensor, key: str = "") -> torch.Tensor:
+        """This rank's rows of ``value`` (a DTensor of any layout, or a full tensor).
+
+        Raises:
+            ValueError: when ``value``'s global shape is not this parameter's.
+        """
+        if isinstance(value, DTensor):
+            if (value.device_mesh == self.mesh and tuple(value.placements) == self.placements
+                    and value.shape == self.shape):
+                return value.to_local()
+            value = value.full_tensor()
+        if value.shape != self.shape:
+            raise ValueError(f"size mismatch for {key}: the checkpoint has shape "
+                             f"{tuple(value.shape)}, the model expects {tuple(self.shape)}")
+        if len(self.shape) == 0:
+            return value if self.row_offset == 0 else value.reshape(1)[:0]
+        return value[self.row_offset:self.row_offset + self.local_rows]
 
 
-def _scalar_value(state, u, i) -> torch.Tensor:
-    value = u.shard_views[i].detach().reshape(-1)[:1].clone()
-    if value.numel() == 0:
-        value = torch.zeros(1, dtype=u.dtype, device=u.device)
-    if state.groups.shard_size > 1:
-        comm.broadcast(value, dist.get_global_rank(state.groups.shard, 0), state.groups.shard,
-                       label="state_dict.scalar")
-    return value.view(())
+def _specs_of_state(state) -> list[tuple[list[str], ShardedParamSpec]]:
+    mesh, groups = state.groups.device_mesh, state.groups
+    placements = (Replicate(), Shard(0)) if mesh is not None and mesh.ndim == 2 else (Shard(0),)
+    out = []
+    for u in state.units:
+        for e, p in zip(u.entries, u.layout.params):
+            r = groups.shard_rank
+            spec = ShardedParamSpec(e.param, p.shape, mesh, placements, p.row_offset(r),
+                                    p.local_rows(r), groups.shard)
+            out.append((e.fqns, spec))
+    return out
+
+
+def sharded_param_specs(model: nn.Module) -> dict[str, ShardedParamSpec]:
+    """Every sharded parameter of ``model`` by its name in ``model.named_parameters()`` (tied
+    parameters appear under each of their names)."""
+    from shardwise.shard.api import engine_states  # local: api imports this module
+
+    paths = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    out: dict[str, ShardedParamSpec] = {}
+    for state in engine_states(model):
+        if not hasattr(state, "units"):
+            continue
+        base = paths[id(state.module)]
+        for fqns, spec in _specs_of_state(state):
+            for f in fqns:
+                out[f"{base}.{f}" if base else f] = spec
+    return out
 
 
 def _to_dtensors(state, module, sd, prefix, local_metadata) -> None:
-    mesh = state.groups.device_mesh
-    for u in state.units:
-        for i, (e, p) in enumerate(zip(u.entries, u.layout.params)):
-            keys = [prefix + f for f in e.fqns if prefix + f in sd]
-            if not keys:
-                continue
-            if len(p.shape) == 0:
-                value = _scalar_value(state, u, i)
-            elif mesh is None:
-                value = u.shard_views[i].detach()
-            else:
-                value = DTensor.from_local(u.shard_views[i].detach(), mesh, _placements(state),
-                                           run_check=False, shape=p.shape,
-                                           stride=torch.empty(p.shape, device="meta").stride())
+    for fqns, spec in _specs_of_state(state):
+        keys = [prefix + f for f in fqns if prefix + f in sd]
+        if keys:
+            value = spec.to_dtensor(spec.param)
             for k in keys:
                 sd[k] = value
 
 
-def _local_rows(state, u, i, key, value, error_msgs) -> torch.Tensor | None:
-    p, r = u.layout.params[i], state.groups.shard_rank
-    if isinstance(value, DTensor):
-        same = (value.device_mesh == state.groups.device_mesh
-                and tuple(value.placements) == _placements(state))
-        if same and value.shape == p.shape:
-            return value.to_local()
-        value = value.full_tensor()
-    if value.shape != p.shape:
-        error_msgs.append(f"size mismatch for {key}: the checkpoint has shape "
-                          f"{tuple(value.shape)}, the model expects {tuple(p.shape)}")
-        return None
-    if len(p.shape) == 0:
-        return value if r == 0 else value.reshape(1)[:0]
-    return value[p.row_offset(r):p.row_offset(r) + p.local_rows(r)]
-
-
 def _from_dtensors(state, module, sd, prefix, local_metadata, strict, missing, unexpected,
                    error_msgs) -> None:
-    for u in state.units:
-        for i, e in enumerate(u.entries):
-            for f in e.fqns:
-                k = prefix + f
-                if k in sd:
-                    local = _local_rows(state, u, i, k, sd[k], error_msgs)
-                    if local is not None:
-                        sd[k] = local
+    for fqns, spec in _specs_of_state(state):
+        for f in fqns:
+            k = prefix + f
+            if k in sd:
+                try:
+                    sd[k] = spec.to_local(sd[k], k)
+                except ValueError as exc:
+                    error_msgs.append(str(exc))
 
 
 def register_state_dict_hooks(module: nn.Module, state) -> None:
