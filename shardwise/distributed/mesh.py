@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelDims", "ShardGroups", "resolve_groups"]
+__all__ = ["ParallelDims", "ShardGroups", "resolve_groups", "replicated_groups"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,21 @@ def _sibling_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         sib = dist.new_group(ranks, use_local_synchronization=True)
         _SIBLINGS[group] = sib
     return sib
+
+
+def replicated_groups(groups: ShardGroups) -> ShardGroups:
+    """The same data-parallel ranks with nothing sharded: every rank a one-rank shard group,
+    all of them replicas (stage 0 expressed as units: gradients all-reduced over the world)."""
+    if groups.dp_size == 1 or not dist.is_initialized():
+        return ShardGroups(None, None, None, 0, 1, 1, None)
+    if groups.replicate is None:
+        replicate = groups.shard
+    else:  # hybrid mesh: the replicas of every shard, i.e. all of its ranks
+        replicate = dist.group.WORLD if groups.dp_size == dist.get_world_size() else None
+        if replicate is None:
+            raise ValueError("stage 0 with mixed precision over a partial hybrid mesh is not "
+                             "supported; pass a 1-D mesh")
+    return ShardGroups(None, None, replicate, 0, 1, groups.dp_size, None)
 
 
 def resolve_groups(mesh, device_type: str = "cpu") -> ShardGroups:

@@ -21,10 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed import comm
-from shardwise.distributed.mesh import ShardGroups, resolve_groups
+from shardwise.distributed.mesh import ShardGroups, replicated_groups, resolve_groups
 from shardwise.shard.discover import STATE_ATTR, UnitPlan, plan_units
 from shardwise.shard.materialize import has_meta, materialize
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
+from shardwise.shard.precision import MixedPrecision, cast_floating
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
 from shardwise.shard.state_dict import register_state_dict_hooks
@@ -33,7 +34,7 @@ from shardwise.shard.unit import Unit
 __all__ = ["shard", "no_sync", "memory_report", "engine_states"]
 
 
-def _validate(module, stage, prefetch, bucket_mb) -> None:
+def _validate(module, stage, prefetch, bucket_mb, materialize) -> None:
     if not isinstance(module, nn.Module):
         raise ValueError(f"shard expects an nn.Module, got {type(module).__name__}")
     if hasattr(module, STATE_ATTR):
@@ -44,6 +45,9 @@ def _validate(module, stage, prefetch, bucket_mb) -> None:
         raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+    if stage == 0 and not materialize:
+        raise ValueError("materialize=False (planning on the meta device) needs stage 1, 2 "
+                         "or 3; stage 0 replicates whole parameters")
 
 
 def _check_plans(plans: list[UnitPlan]) -> None:
@@ -95,10 +99,11 @@ def _broadcast_buffers(module: nn.Module, groups: ShardGroups) -> None:
 
 
 def _build_units(module, plans, groups, stage, tracker, init_weights, sync_states,
-                 do_materialize: bool) -> list[Unit]:
+                 do_materialize: bool, mp: MixedPrecision | None) -> list[Unit]:
     is_meta = any(e.param.is_meta for p in plans for e in p.entries) or has_meta(module)
     device = torch.device("meta") if is_meta and not do_materialize else None
-    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker, device) for p in plans]
+    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker, device, mp)
+             for p in plans]
     where = {id(e.param): (u, i) for u in units for i, e in enumerate(u.entries)}
     if is_meta and not do_materialize:
         pass  # planning mode: shards stay on the meta device, bytes are still accounted
@@ -141,10 +146,21 @@ def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
     return ReplicateState(module, [e.param for e in entries], groups, bucket_mb, tracker)
 
 
+def _register_casts(module: nn.Module, mp: MixedPrecision) -> None:
+    """Cast the sharded module's floating inputs to the compute dtype, outputs as asked."""
+    if mp.cast_inputs and mp.param_dtype is not None:
+        def cast_in(mod, args, kwargs):
+            return cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
+        module.register_forward_pre_hook(cast_in, with_kwargs=True)
+    if mp.output_dtype is not None:
+        module.register_forward_hook(lambda mod, args, out: cast_floating(out, mp.output_dtype))
+
+
 def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
           reshard_after_forward: bool = True, prefetch: int = 1,
           init_weights: Callable[[nn.Module], None] | None = None, bucket_mb: float = 25.0,
-          sync_module_states: bool = True, materialize: bool = True) -> nn.Module:
+          sync_module_states: bool = True, materialize: bool = True,
+          mixed_precision: MixedPrecision | None = None) -> nn.Module:
     """Shard ``module`` for zero-redundancy data parallelism, in place.
 
     Args:
@@ -171,6 +187,8 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
         materialize: for a meta-device model, initialise it (True, default) or keep the
             shards on the meta device (False): nothing is allocated, ``memory_report`` still
             gives every byte this rank would hold, and the model cannot run. For planning.
+        mixed_precision: a :class:`MixedPrecision` policy (default None: compute in the
+            parameters' dtype). Masters and optimizer state keep the parameters' dtype.
 
     Returns:
         ``module``, whose ``named_parameters()`` now yield this rank's shards.
@@ -179,23 +197,30 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
         ValueError: for bad arguments, or parameters the engine cannot shard (non-float,
             mixed dtypes in one unit, a mix of meta and real tensors), naming them.
     """
-    _validate(module, stage, prefetch, bucket_mb)
-    plans, _ = plan_units(module, wrap if stage > 0 else None)
+    _validate(module, stage, prefetch, bucket_mb, materialize)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(f"mixed_precision must be a shardwise.MixedPrecision, got "
+                         f"{type(mixed_precision).__name__}")
+    # Stage 0 with a compute dtype runs as units over one-rank shard groups (see
+    # replicated_groups); plain stage 0 keeps DDP-style buckets.
+    as_units = stage > 0 or bool(mixed_precision and mixed_precision.param_dtype)
+    plans, _ = plan_units(module, wrap if as_units else None)
     _check_plans(plans)
     groups = resolve_groups(mesh)
     tracker = MemoryTracker()
-    if stage == 0:
-        if not materialize:
-            raise ValueError("materialize=False (planning on the meta device) needs stage 1, 2 "
-                             "or 3; stage 0 replicates whole parameters")
+    if stage == 0 and as_units:
+        groups = replicated_groups(groups)
+    if stage == 0 and not as_units:
         state = _replicate(module, plans[0].entries, groups, bucket_mb, tracker, init_weights,
                            sync_module_states)
     else:
         units = _build_units(module, plans, groups, stage, tracker, init_weights,
-                             sync_module_states, materialize)
+                             sync_module_states, materialize, mixed_precision)
         state = ShardState(module, units, units[0], groups, stage, reshard_after_forward,
                            prefetch, tracker)
         register_state_dict_hooks(module, state)
+        if mixed_precision is not None:
+            _register_casts(module, mixed_precision)
     setattr(module, STATE_ATTR, state)
     return module
 

@@ -26,6 +26,7 @@ from shardwise.distributed import comm
 from shardwise.distributed.mesh import ShardGroups
 from shardwise.shard.layout import UnitLayout, build_layout
 from shardwise.shard.memory import MemoryTracker
+from shardwise.shard.precision import MixedPrecision
 
 __all__ = ["ParamEntry", "Unit"]
 
@@ -59,11 +60,13 @@ class Unit:
         tracker: where buffer bytes are reported.
         device: where the buffers live (default: the parameters' device; a meta model is
             materialised on the CPU unless "meta" is asked for, to plan without allocating).
+        mixed_precision: compute / reduce dtypes (default: the parameters' dtype).
     """
 
     def __init__(self, name: str, module: nn.Module, entries: list[ParamEntry],
                  groups: ShardGroups, stage: int, tracker: MemoryTracker,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 mixed_precision: MixedPrecision | None = None) -> None:
         self.name, self.module, self.groups, self.stage = name, module, groups, stage
         self.tracker = tracker
         self.entries = sorted(entries, key=lambda e: not e.trainable)  # stable: trainable first
@@ -72,6 +75,9 @@ class Unit:
                                                [e.trainable for e in self.entries],
                                                groups.shard_size)
         self.dtype = self.entries[0].param.dtype if self.entries else torch.float32
+        mp = mixed_precision or MixedPrecision()
+        self.compute_dtype = mp.param_dtype or self.dtype
+        self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
         self.device = device or (self.entries[0].param.device if self.entries
                                  else torch.device("cpu"))
         if self.device.type == "meta" and device is None:
@@ -81,6 +87,8 @@ class Unit:
         self.stale = True  # stages 1/2: shards changed since the last gather
         self.gather_work = None
         self.gather_tmp: torch.Tensor | None = None
+        self.gather_in: torch.Tensor | None = None
+        self._direct = False
         self.reduce_work = None
         self.reduce_in: torch.Tensor | None = None
         self.reduce_out: torch.Tensor | None = None
@@ -96,7 +104,7 @@ class Unit:
         lay, n, r = self.layout, self.layout.world, self.groups.shard_rank
         self.shard_buf = torch.zeros(lay.shard_numel, dtype=self.dtype, device=self.device)
         self.tracker.add("params", _nbytes(self.shard_buf))
-        self.full_buf = torch.empty(lay.full_numel, dtype=self.dtype, device=self.device)
+        self.full_buf = torch.empty(lay.full_numel, dtype=self.compute_dtype, device=self.device)
         self.shard_views, self.full_blocks, self.full_params = [], [], []
         for e, p in zip(self.entries, lay.params):
             local = self.shard_buf[p.offset:p.offset + p.local_rows(r) * p.row_numel]
@@ -119,7 +127,7 @@ class Unit:
     def adopt_shards(self) -> None:
         """Point every original Parameter at its shard (called once, after loading)."""
         for e, view in zip(self.entries, self.shard_views):
-            if e.param.is_meta and not view.is_meta:  # a meta tensor cannot take real data: a new Parameter
+            if e.param.is_meta and not view.is_meta:  # meta cannot take real data: new Parameter
                 new = nn.Parameter(view, requires_grad=e.param.requires_grad)
                 new.__dict__.update(e.param.__dict__)
                 e.param = new
@@ -150,11 +158,15 @@ class Unit:
                 self.full_buf.copy_(self.shard_buf)
             self.gathered, self.stale = True, False
             return
-        self.gather_tmp = torch.empty(self.layout.full_numel, dtype=self.dtype,
+        self.gather_in = self.shard_buf
+        if self.compute_dtype != self.dtype:  # cast before the gather: half the bytes move
+            self.gather_in = self.shard_buf.to(self.compute_dtype)
+            self.tracker.add("comm", _nbytes(self.gather_in))
+        self.gather_tmp = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
                                       device=self.device)
         self.tracker.add("comm", _nbytes(self.gather_tmp))
         self.gather_work = comm.all_gather_into_tensor(
-            self.gather_tmp, self.shard_buf, self.groups.gather,
+            self.gather_tmp, self.gather_in, self.groups.gather,
             label=f"{self.label}.all_gather", async_op=True)
 
     def unshard(self) -> None:
@@ -170,7 +182,9 @@ class Unit:
                                         [p.padded_numel for p in lay.params], dim=1,
                                         out=self.full_blocks)
         self.tracker.sub("comm", _nbytes(self.gather_tmp))
-        self.gather_work, self.gather_tmp = None, None
+        if self.gather_in is not self.shard_buf:
+            self.tracker.sub("comm", _nbytes(self.gather_in))
+        self.gather_work, self.gather_tmp, self.gather_in = None, None, None
         self.gathered, self.stale = True, False
 
     def reshard(self) -> None:
@@ -195,6 +209,11 @@ class Unit:
                 mod._parameters[attr] = e.param
 
     # ---------------------------------------------------------------- reduce
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        r = self.groups.shard_rank
+        return [flat[p.offset:p.offset + p.local_rows(r) * p.row_numel].view(p.local_shape(r))
+                for p in self.layout.params[:len(self.trainable)]]
+
     def pack_grads(self) -> None:
         """Copy the full gradients into a rank-major reduce-scatter input, then drop them.
 
@@ -207,12 +226,13 @@ class Unit:
         for full, p in zip(self.full_params, lay.params[:len(self.trainable)]):
             g = full.grad
             if g is None:
-                g = torch.zeros(n * p.padded_numel, dtype=self.dtype, device=self.device)
+                g = torch.zeros(n * p.padded_numel, dtype=self.compute_dtype, device=self.device)
             elif p.rows != n * p.chunk_rows or len(p.shape) == 0:
                 g = F.pad(g.reshape(-1), (0, n * p.padded_numel - p.numel))
             pieces.append(g.reshape(n, p.padded_numel))
-        self.reduce_in = torch.empty(n * lay.grad_numel, dtype=self.dtype, device=self.device)
-        torch.cat(pieces, dim=1, out=self.reduce_in.view(n, lay.grad_numel))
+        self.reduce_in = torch.empty(n * lay.grad_numel, dtype=self.reduce_dtype,
+                                     device=self.device)
+        torch.cat(pieces, dim=1, out=self.reduce_in.view(n, lay.grad_numel))  # casts too
         self.tracker.add("comm", _nbytes(self.reduce_in))
         for full in self.full_params[:len(self.trainable)]:
             if self.stage == 1 and full.grad is not None:
@@ -220,28 +240,33 @@ class Unit:
             else:
                 full.grad = None
 
+    def _ensure_grad_buf(self) -> None:
+        if self.grad_buf is None:
+            self.grad_buf = torch.empty(self.layout.grad_numel, dtype=self.dtype,
+                                        device=self.device)
+            self.tracker.add("grads", _nbytes(self.grad_buf))
+            self.grad_views = self._views_of(self.grad_buf)
+
     def launch_reduce(self) -> None:
         """Issue the reduce-scatter of the packed gradients (async)."""
         if self.reduce_in is None:
             return
-        direct = all(e.param.grad is None for e in self.trainable)
-        if direct and self.grad_buf is None:
-            self.grad_buf = torch.empty(self.layout.grad_numel, dtype=self.dtype,
-                                        device=self.device)
-            self.tracker.add("grads", _nbytes(self.grad_buf))
-            r = self.groups.shard_rank
-            self.grad_views = [
-                self.grad_buf[p.offset:p.offset + p.local_rows(r) * p.row_numel].view(
-                    p.local_shape(r)) for p in self.layout.params[:len(self.trainable)]]
-        if direct:
+        # Direct: nobody holds gradients, so the result can become them without an add.
+        self._direct = all(e.param.grad is None for e in self.trainable)
+        self._ensure_grad_buf()
+        if self._direct and self.reduce_dtype == self.dtype:
             self.reduce_out = self.grad_buf
         else:
-            self.reduce_out = torch.empty(self.layout.grad_numel, dtype=self.dtype,
+            self.reduce_out = torch.empty(self.layout.grad_numel, dtype=self.reduce_dtype,
                                           device=self.device)
             self.tracker.add("comm", _nbytes(self.reduce_out))
-        if comm.reduce_scatter_needs_scratch(self.groups.shard):  # [Note: reduce-scatter on Gloo]
+        if self.layout.world > 1 and comm.reduce_scatter_needs_scratch(self.groups.shard):
+            # [Note: reduce-scatter on Gloo]
             self.reduce_scratch = torch.empty_like(self.reduce_in)
             self.tracker.add("comm", _nbytes(self.reduce_scratch))
+        if self.layout.world == 1:  # nothing to scatter (stage 0 as units, one-rank groups)
+            self.reduce_out.copy_(self.reduce_in)
+            return
         self.reduce_work = comm.reduce_scatter_tensor(
             self.reduce_out, self.reduce_in, self.groups.shard,
             label=f"{self.label}.reduce_scatter", async_op=True, scratch=self.reduce_scratch)
@@ -258,17 +283,18 @@ class Unit:
         if self.groups.replicate is not None:
             comm.all_reduce(out, self.groups.replicate, label=f"{self.label}.all_reduce")
         out.div_(self.groups.dp_size)
-        if out is self.grad_buf:
+        if out is not self.grad_buf:
+            if self._direct:
+                self.grad_buf.copy_(out)
+            else:
+                for e, v in zip(self.trainable, self._views_of(out)):
+                    if e.param.grad is None:
+                        e.param.grad = v.to(self.dtype, copy=True)
+                    else:
+                        e.param.grad.add_(v)
+            self.tracker.sub("comm", _nbytes(out))
+        if self._direct:
             for e, v in zip(self.trainable, self.grad_views):
                 e.param.grad = v
-        else:
-            r = self.groups.shard_rank
-            for e, p in zip(self.trainable, self.layout.params):
-                v = out[p.offset:p.offset + p.local_rows(r) * p.row_numel].view(p.local_shape(r))
-                if e.param.grad is None:
-                    e.param.grad = v.clone()
-                else:
-                    e.param.grad.add_(v)
-            self.tracker.sub("comm", _nbytes(out))
         self.reduce_work, self.reduce_in, self.reduce_out = None, None, None
         self.stale = True
