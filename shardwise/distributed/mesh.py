@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelDims", "ShardGroups", "resolve_groups", "replicated_groups"]
+__all__ = ["ParallelDims", "ShardGroups", "NodeGroup", "resolve_groups", "replicated_groups",
+           "node_group"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,41 @@ def _sibling_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         sib = dist.new_group(ranks, use_local_synchronization=True)
         _SIBLINGS[group] = sib
     return sib
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """A group of ``size`` consecutive ranks of a shard group (one "node"), for the
+    hierarchical secondary partition: this rank is ``index`` inside it, and the shard group
+    holds ``count`` such nodes."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    index: int
+    count: int
+
+
+_NODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def node_group(groups: ShardGroups, size: int) -> NodeGroup:
+    """The node of ``size`` consecutive shard-group ranks this rank belongs to.
+
+    Raises:
+        ValueError: when ``size`` does not divide the shard group's size.
+    """
+    n = groups.shard_size
+    if size < 1 or n % size:
+        raise ValueError(f"hierarchy={size} must divide the shard group size {n} (ranks per "
+                         f"node, e.g. 8 GPUs of a host)")
+    if groups.shard is None or n == 1:
+        return NodeGroup(None, 1, 0, 1)
+    ranks = dist.get_process_group_ranks(groups.shard)
+    mine = ranks[(groups.shard_rank // size) * size:(groups.shard_rank // size + 1) * size]
+    cache = _NODES.setdefault(groups.shard, {})
+    if size not in cache:
+        cache[size] = dist.new_group(mine, use_local_synchronization=True) if size > 1 else None
+    return NodeGroup(cache[size], size, groups.shard_rank % size, n // size)
 
 
 def replicated_groups(groups: ShardGroups) -> ShardGroups:

@@ -13,14 +13,15 @@ import torch
 
 __all__ = ["MemoryTracker", "MemoryReport", "build_memory_report"]
 
-KINDS = ("params", "grads", "unsharded", "comm")
+KINDS = ("params", "grads", "unsharded", "comm", "secondary")
 
 
 @dataclass
 class MemoryTracker:
     """Current and peak bytes per kind: ``params`` (parameter shards or replicas), ``grads``
-    (gradient shards or buckets), ``unsharded`` (gathered parameters and their gradients)
-    and ``comm`` (collective staging buffers)."""
+    (gradient shards or buckets), ``unsharded`` (gathered parameters and their gradients),
+    ``comm`` (collective staging buffers) and ``secondary`` (hierarchical partitions kept
+    between a unit's forward and backward)."""
 
     current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
@@ -55,6 +56,7 @@ class MemoryReport:
         unsharded_bytes, comm_bytes: gathered parameters / collective buffers right now.
         peak_unsharded_bytes, peak_comm_bytes: their peaks since the last reset.
         peak_transient_bytes: peak of unsharded + comm together.
+        secondary_bytes, peak_secondary_bytes: hierarchical secondary partitions held.
         peak_init_bytes: meta-device init only: peak bytes of full parameter values alive
             at once while materialising (one module's, plus tied parameters in flight).
     """
@@ -67,6 +69,8 @@ class MemoryReport:
     peak_unsharded_bytes: int
     peak_comm_bytes: int
     peak_transient_bytes: int
+    secondary_bytes: int = 0
+    peak_secondary_bytes: int = 0
     peak_init_bytes: int = 0
 
     @property
@@ -105,5 +109,6 @@ def build_memory_report(trackers: list[MemoryTracker], params: list[torch.nn.Par
         unsharded_bytes=cur["unsharded"], comm_bytes=cur["comm"],
         peak_unsharded_bytes=peak["unsharded"], peak_comm_bytes=peak["comm"],
         peak_transient_bytes=sum(t.peak_transient for t in trackers),
+        secondary_bytes=cur["secondary"], peak_secondary_bytes=peak["secondary"],
         peak_init_bytes=max((t.peak_init for t in trackers), default=0),
     )

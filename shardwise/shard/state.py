@@ -72,7 +72,8 @@ class ShardState:
                 self._begin_forward()
             if torch.is_grad_enabled() and u not in self._pre_order:
                 self._pre_order.append(u)
-            u.unshard()
+            u.unshard(keep_secondary=self.reshard_after_forward and u is not self.root
+                      and torch.is_grad_enabled())
             self._prefetch(u, self.fwd_order, forward=True)
             u.swap_in()
             return None
@@ -158,6 +159,7 @@ class ShardState:
         for u in self.units:
             u.backward_done = True
             u.swap_out()
+            u.drop_secondary()
             if self.stage == 3:
                 u.reshard()
         self._backward_started = False

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.distributed import comm
-from shardwise.distributed.mesh import ShardGroups
+from shardwise.distributed.mesh import NodeGroup, ShardGroups
 from shardwise.shard.layout import UnitLayout, build_layout
 from shardwise.shard.memory import MemoryTracker
 from shardwise.shard.precision import MixedPrecision
@@ -44,6 +44,17 @@ class ParamEntry:
         return self.param.requires_grad
 
 
+class _Done:
+    """A finished work handle (gathers that needed no communication)."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -61,12 +72,15 @@ class Unit:
         device: where the buffers live (default: the parameters' device; a meta model is
             materialised on the CPU unless "meta" is asked for, to plan without allocating).
         mixed_precision: compute / reduce dtypes (default: the parameters' dtype).
+        node: stage 3 hierarchical partition: keep a secondary copy sharded within this
+            node after forward, so the backward all-gather stays inside the node.
     """
 
     def __init__(self, name: str, module: nn.Module, entries: list[ParamEntry],
                  groups: ShardGroups, stage: int, tracker: MemoryTracker,
                  device: torch.device | None = None,
-                 mixed_precision: MixedPrecision | None = None) -> None:
+                 mixed_precision: MixedPrecision | None = None,
+                 node: NodeGroup | None = None) -> None:
         self.name, self.module, self.groups, self.stage = name, module, groups, stage
         self.tracker = tracker
         self.entries = sorted(entries, key=lambda e: not e.trainable)  # stable: trainable first
@@ -88,6 +102,9 @@ class Unit:
         self.gather_work = None
         self.gather_tmp: torch.Tensor | None = None
         self.gather_in: torch.Tensor | None = None
+        self.node = node
+        self.secondary: torch.Tensor | None = None
+        self._from_secondary = False
         self._direct = False
         self.reduce_work = None
         self.reduce_in: torch.Tensor | None = None
@@ -146,7 +163,11 @@ class Unit:
             self.tracker.add("unsharded", st.nbytes())
 
     def gather_async(self) -> None:
-        """Issue the all-gather of this unit's shards unless gathered or already in flight."""
+        """Issue the all-gather of this unit's shards unless gathered or already in flight.
+
+        With a secondary partition in hand (see [Note: hierarchical partition]) the gather
+        runs inside the node only.
+        """
         if not self.entries or self.gather_work is not None:
             return
         if self.gathered and not (self.stage < 3 and self.stale):
@@ -158,34 +179,72 @@ class Unit:
                 self.full_buf.copy_(self.shard_buf)
             self.gathered, self.stale = True, False
             return
+        if self.secondary is not None:
+            self._gather(self.secondary, self.node.group, "secondary_all_gather", True)
+            return
         self.gather_in = self.shard_buf
         if self.compute_dtype != self.dtype:  # cast before the gather: half the bytes move
             self.gather_in = self.shard_buf.to(self.compute_dtype)
             self.tracker.add("comm", _nbytes(self.gather_in))
+        self._gather(self.gather_in, self.groups.gather, "all_gather", False)
+
+    def _gather(self, source: torch.Tensor, group, kind: str, from_secondary: bool) -> None:
         self.gather_tmp = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
                                       device=self.device)
         self.tracker.add("comm", _nbytes(self.gather_tmp))
+        self._from_secondary = from_secondary
+        if from_secondary and self.node.size == 1:
+            self.gather_tmp.copy_(source)
+            self.gather_work = _DONE
+            return
         self.gather_work = comm.all_gather_into_tensor(
-            self.gather_tmp, self.gather_in, self.groups.gather,
-            label=f"{self.label}.all_gather", async_op=True)
+            self.gather_tmp, source, group, label=f"{self.label}.{kind}", async_op=True)
 
-    def unshard(self) -> None:
-        """Make the full parameters valid: issue the gather if needed, wait, copy out."""
+    def unshard(self, keep_secondary: bool = False) -> None:
+        """Make the full parameters valid: issue the gather if needed, wait, copy out.
+
+        Args:
+            keep_secondary: (forward, stage 3 with a node group) keep this rank's secondary
+                partition of the gathered parameters for the backward gather.
+        """
         self.gather_async()
         if self.gather_work is None:
             return
         self.gather_work.wait()
-        n, lay = self.layout.world, self.layout
+        n, lay, tmp = self.layout.world, self.layout, self.gather_tmp
+        sizes = [p.padded_numel for p in lay.params]
         # [Note: freeing gathered parameters]
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_buf):
-            torch.split_with_sizes_copy(self.gather_tmp.view(n, lay.shard_numel),
-                                        [p.padded_numel for p in lay.params], dim=1,
-                                        out=self.full_blocks)
+            if self._from_secondary:  # node-major (k, m, S) -> rank-major (m, k, S)
+                k, m = self.node.size, self.node.count
+                src = tmp.view(k, m, lay.shard_numel).transpose(0, 1)
+                torch.split_with_sizes_copy(src, sizes, dim=2,
+                                            out=[b.view(m, k, -1) for b in self.full_blocks])
+                self.drop_secondary()
+            else:
+                torch.split_with_sizes_copy(tmp.view(n, lay.shard_numel), sizes, dim=1,
+                                            out=self.full_blocks)
+                if keep_secondary and self.node is not None:
+                    self._keep_secondary(tmp)
         self.tracker.sub("comm", _nbytes(self.gather_tmp))
-        if self.gather_in is not self.shard_buf:
+        if self.gather_in is not None and self.gather_in is not self.shard_buf:
             self.tracker.sub("comm", _nbytes(self.gather_in))
         self.gather_work, self.gather_tmp, self.gather_in = None, None, None
         self.gathered, self.stale = True, False
+
+    def _keep_secondary(self, gathered: torch.Tensor) -> None:
+        """[Note: hierarchical partition] Rank j of a node of k keeps the primary shards of
+        shard ranks j, j + k, j + 2k, ...: an all-gather inside the node then yields every
+        rank's shard, node-major, which the copy-out reorders for free."""
+        k, m, s = self.node.size, self.node.count, self.layout.shard_numel
+        self.drop_secondary()
+        self.secondary = gathered.view(m, k, s)[:, self.node.index].clone()
+        self.tracker.add("secondary", _nbytes(self.secondary))
+
+    def drop_secondary(self) -> None:
+        if self.secondary is not None:
+            self.tracker.sub("secondary", _nbytes(self.secondary))
+            self.secondary = None
 
     def reshard(self) -> None:
         """Free the gathered parameters (stage 3); their shapes and autograd links stay."""
