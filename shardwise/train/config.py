@@ -82,7 +82,7 @@ class DataConfig:
 class TrainConfig:
     """How long to train and on how much data per step."""
 
-    steps: int = 200
+    steps: int = 150
     """Optimizer steps to run."""
     batch_size: int = 4
     """Sequences per micro-batch on each rank."""
