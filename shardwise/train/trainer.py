@@ -259,6 +259,9 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
                 f"{env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.launcher}, "
                 f"{env.backend}); data "
                 f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
+    if isinstance(model, nn.parallel.DistributedDataParallel):  # until the engine is wired in
+        logger.echo(f"note: parallel.stage={cfg.parallel.stage} is not applied yet; training "
+                    "with plain DistributedDataParallel (a full replica on every rank)")
     train_time = 0.0
     try:
         for step in range(1, cfg.train.steps + 1):
