@@ -133,10 +133,10 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
                          "expected 'gloo' or 'auto'")
-    check_output_dir(cfg.log.dir)
+    build_model_config(cfg)  # cheap shape / seq_len checks before touching disk
     if cfg.log.tensorboard:
         require_tensorboard()
-    build_model_config(cfg)  # cheap shape / seq_len checks before reading any text
+    check_output_dir(cfg.log.dir)
     data = build_data(cfg, world_size)
     build_model_config(cfg, data.vocab_size)
     return cfg, data
