@@ -34,9 +34,16 @@ def _shardwise_cmd() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "shardwise.train.cli"]
 
 
+def _clean_env() -> dict[str, str]:
+    """This environment minus launcher variables (the suite itself may run under SLURM)."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC",
+                "SLURM_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+
+
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=_clean_env())
 
 
 def _steps(log_dir: Path) -> list[dict]:
@@ -173,3 +180,26 @@ def test_a_diverging_run_names_the_rank_and_fails(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("shardwise: error: rank ") and "failed (exit code 1)" in last
     assert "non-finite loss" in last or "loss is nan" in last or "loss is inf" in last
+
+
+def test_under_slurm_srun(tmp_path):
+    """What ``srun --ntasks 2 shardwise train`` starts: two processes with SLURM's variables."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "slurm"
+    args = [f"--{k}={v}" for k, v in TINY.items()]
+    cmd = [*_shardwise_cmd(), "train", "--train.steps", "3", *args, "--log.dir", str(out)]
+    base = _clean_env()
+    procs = []
+    for rank in range(2):
+        env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
+               "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    assert "summary:" in results[0][0] and "summary:" not in results[1][0]
+    assert [r["step"] for r in _steps(out) if "loss" in r] == [1, 2, 3]
