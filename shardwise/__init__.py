@@ -9,8 +9,8 @@
 
 from shardwise import distributed
 from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
-from shardwise.shard import (LossScaler, MemoryReport, MixedPrecision, clip_grad_norm_,
-                             full_state_dict, memory_report, no_sync, shard)
+from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
+                             clip_grad_norm_, full_state_dict, memory_report, no_sync, shard)
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "MemoryReport",
     "MixedPrecision",
     "LossScaler",
+    "CommQuant",
     "comm_stats",
     "reset_comm_stats",
     "CommStats",

@@ -123,6 +123,7 @@ def test_malformed_and_missing_toml(tmp_path):
     ("parallel.stage", "-1"), ("data.seq_len", "0"), ("data.val_fraction", "1.0"),
     ("data.tokenizer", "wordpiece"), ("parallel.backend", "mpi"), ("parallel.nproc", "0"),
     ("optim.min_lr_ratio", "1.5"), ("optim.betas", "0.9,1.0"), ("parallel.dp_shard", "0"),
+    ("precision.param_dtype", "fp8"), ("precision.loss_scale", "0"),
 ])
 def test_impossible_values_name_the_value(key, value):
     with pytest.raises(ValueError) as info:
@@ -172,4 +173,4 @@ def test_read_only_output_dir(tmp_path):
 
 def test_all_keys_cover_every_section():
     sections = {k.split(".")[0] for k in all_keys()}
-    assert sections == {"model", "data", "train", "optim", "parallel", "log"}
+    assert sections == {"model", "data", "train", "optim", "parallel", "precision", "log"}

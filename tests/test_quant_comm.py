@@ -54,7 +54,7 @@ def _check_reduce(rank: int, n: int, kind: str) -> float:
     handle = reduce_scatter_quantized(out, full, None, kind, BLOCK, label="t.rs", async_op=True)
     handle.wait()
     assert torch.equal(out, expect), kind
-    quant_bytes = comm.comm_stats()["all_to_all"].bytes_sent
+    quant_bytes = comm.comm_stats()["reduce_scatter"].bytes_sent
     exact = torch.stack(pieces).double().sum(0)
     bound = sum(error_bound(p, kind, BLOCK) for p in pieces)
     bound += (n - 1) * 2.0**-24 * sum(d.double().abs() for d in deq)  # fp32's own summation

@@ -116,6 +116,21 @@ def test_grad_accumulation_matches_a_bigger_batch(tmp_path):
     torch.testing.assert_close(runs["accum"], runs["big"], rtol=1e-5, atol=1e-6)
 
 
+def test_every_zero_stage_and_bf16_train_the_same_numbers(tmp_path):
+    """The trainer runs on the engine: stages 0-3 give one loss curve, bf16 follows it."""
+    runs = {}
+    for name, over in (("s0", {"parallel.stage": "0"}), ("s1", {"parallel.stage": "1"}),
+                       ("s3", {"parallel.stage": "3"}),
+                       ("bf16", {"parallel.stage": "3", "precision.param_dtype": "bf16"})):
+        cfg = load_config(None, {**TINY, "train.steps": "3", "train.eval_interval": "0",
+                                 "log.dir": str(tmp_path / name), **over})
+        cfg, data = preflight(cfg, world_size=2)
+        runs[name] = run_ranks(_train_on_ranks, world_size=2, args=(cfg, data), timeout_s=120)[0]
+    for name in ("s1", "s3"):
+        torch.testing.assert_close(runs[name], runs["s0"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(runs["bf16"], runs["s0"], rtol=2e-2, atol=1e-2)
+
+
 def _fail_on_rank_one() -> int:
     rank = int(os.environ["RANK"])
     if rank == 1:
@@ -176,6 +191,11 @@ def test_default_command_trains_and_writes_outputs(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_train_loss"] == pytest.approx(steps[-1]["loss"])
     assert math.isfinite(summary["final_val_loss"]) and len(summary["peak_rss_mib"]) == 2
+    # sharded by the ZeRO engine: each rank holds about 16 bytes x params / 2 of model state
+    assert summary["zero_stage"] == 3
+    psi = 3_279_104
+    for mib in summary["model_state_mib"]:
+        assert abs(mib * 2**20 - 16 * psi / 2) < 0.02 * 16 * psi / 2, mib
     assert "final train loss" in proc.stdout and str(out) in proc.stdout
     assert proc.stdout.count("resolved config:") == 1
 

@@ -244,8 +244,9 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, *, label: str = "",
 
 def all_to_all_single(output: torch.Tensor, inp: torch.Tensor, output_split_sizes=None,
                       input_split_sizes=None, group=None, *, label: str = "",
-                      async_op: bool = False):
-    """All-to-all of dim-0 slices (uneven when split sizes are given), counted."""
+                      async_op: bool = False, kind: str = "all_to_all"):
+    """All-to-all of dim-0 slices (uneven when split sizes are given), counted under
+    ``kind`` (a reduce-scatter built on an all-to-all counts as "reduce_scatter")."""
     n = group_size(group)
     me = group_rank(group)
     row_in = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else _nbytes(inp)
@@ -254,7 +255,7 @@ def all_to_all_single(output: torch.Tensor, inp: torch.Tensor, output_split_size
     outs = output_split_sizes or [output.shape[0] // n] * n
     sent = sum(s for i, s in enumerate(ins) if i != me) * row_in
     received = sum(s for i, s in enumerate(outs) if i != me) * row_out
-    _RECORDER.record("all_to_all", group, label, sent, received)
+    _RECORDER.record(kind, group, label, sent, received)
     if n == 1:
         output.copy_(inp)
         return None

@@ -163,7 +163,8 @@ def reduce_scatter_quantized(output: torch.Tensor, full: torch.Tensor, group=Non
         return None
     send = pack(q)  # (n, nbytes): row r goes to rank r
     recv = torch.empty_like(send)
-    work = comm.all_to_all_single(recv, send, group=group, label=label, async_op=True)
+    work = comm.all_to_all_single(recv, send, group=group, label=label, async_op=True,
+                                  kind="reduce_scatter")
 
     def reduce() -> None:
         _sum_pieces(unpack(recv, m, quant_kind, block_size), output)

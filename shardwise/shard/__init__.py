@@ -4,7 +4,9 @@ from shardwise.shard.api import engine_states, memory_report, no_sync, shard
 from shardwise.shard.grad import clip_grad_norm_
 from shardwise.shard.memory import MemoryReport
 from shardwise.shard.precision import LossScaler, MixedPrecision
+from shardwise.shard.quant import CommQuant
 from shardwise.shard.state_dict import ShardedParamSpec, full_state_dict, sharded_param_specs
 
 __all__ = ["shard", "no_sync", "clip_grad_norm_", "full_state_dict", "memory_report",
-           "MemoryReport", "engine_states", "MixedPrecision", "LossScaler", "ShardedParamSpec", "sharded_param_specs"]
+           "MemoryReport", "engine_states", "MixedPrecision", "LossScaler",
+           "CommQuant", "ShardedParamSpec", "sharded_param_specs"]

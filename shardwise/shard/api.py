@@ -21,11 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed import comm
-from shardwise.distributed.mesh import ShardGroups, replicated_groups, resolve_groups
+from shardwise.distributed.mesh import (ShardGroups, node_group, replicated_groups,
+                                        resolve_groups)
 from shardwise.shard.discover import STATE_ATTR, UnitPlan, plan_units
 from shardwise.shard.materialize import has_meta, materialize
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
 from shardwise.shard.precision import MixedPrecision, cast_floating
+from shardwise.shard.quant import CommQuant
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
 from shardwise.shard.state_dict import register_state_dict_hooks
@@ -99,10 +101,14 @@ def _broadcast_buffers(module: nn.Module, groups: ShardGroups) -> None:
 
 
 def _build_units(module, plans, groups, stage, tracker, init_weights, sync_states,
-                 do_materialize: bool, mp: MixedPrecision | None) -> list[Unit]:
+                 do_materialize: bool, mp: MixedPrecision | None,
+                 target: torch.device | None, quant: CommQuant | None) -> list[Unit]:
     is_meta = any(e.param.is_meta for p in plans for e in p.entries) or has_meta(module)
-    device = torch.device("meta") if is_meta and not do_materialize else None
-    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker, device, mp)
+    device = None
+    if is_meta:
+        device = (target or torch.device("cpu")) if do_materialize else torch.device("meta")
+    node = node_group(groups, quant.hierarchy) if quant and quant.hierarchy else None
+    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker, device, mp, node, quant)
              for p in plans]
     where = {id(e.param): (u, i) for u in units for i, e in enumerate(u.entries)}
     if is_meta and not do_materialize:
@@ -127,13 +133,14 @@ def _build_units(module, plans, groups, stage, tracker, init_weights, sync_state
 
 
 def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
-               sync_states) -> ReplicateState:
+               sync_states, target: torch.device | None) -> ReplicateState:
     if any(e.param.is_meta for e in entries) or has_meta(module):
         fresh: dict[int, torch.Tensor] = {}
 
         def sink(param, full):
             fresh[id(param)] = full.clone()
-        tracker.peak_init = materialize(module, torch.device("cpu"), init_weights, sink)
+        tracker.peak_init = materialize(module, target or torch.device("cpu"), init_weights,
+                                        sink)
         for e in entries:
             new = nn.Parameter(fresh[id(e.param)], requires_grad=e.param.requires_grad)
             new.__dict__.update(e.param.__dict__)
@@ -144,6 +151,20 @@ def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
         _broadcast_from_first([e.param for e in entries], groups)
         _broadcast_buffers(module, groups)
     return ReplicateState(module, [e.param for e in entries], groups, bucket_mb, tracker)
+
+
+def _validate_comm(quant, stage: int, reshard_after_forward: bool) -> None:
+    if quant is None:
+        return
+    if not isinstance(quant, CommQuant):
+        raise ValueError(f"comm must be a shardwise.CommQuant, got {type(quant).__name__}")
+    if quant.enabled and stage == 0:
+        raise ValueError(f"comm={quant} needs stage 1, 2 or 3: stage 0 all-reduces whole "
+                         f"gradients")
+    if quant.hierarchy and not (stage == 3 and reshard_after_forward):
+        raise ValueError(f"comm.hierarchy={quant.hierarchy} needs stage 3 with "
+                         f"reshard_after_forward=True (got stage {stage}, reshard_after_forward="
+                         f"{reshard_after_forward}): only then does backward gather again")
 
 
 def _register_casts(module: nn.Module, mp: MixedPrecision) -> None:
@@ -160,7 +181,8 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
           reshard_after_forward: bool = True, prefetch: int = 1,
           init_weights: Callable[[nn.Module], None] | None = None, bucket_mb: float = 25.0,
           sync_module_states: bool = True, materialize: bool = True,
-          mixed_precision: MixedPrecision | None = None) -> nn.Module:
+          mixed_precision: MixedPrecision | None = None, comm: CommQuant | None = None,
+          device: torch.device | str | None = None) -> nn.Module:
     """Shard ``module`` for zero-redundancy data parallelism, in place.
 
     Args:
@@ -189,6 +211,13 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
             gives every byte this rank would hold, and the model cannot run. For planning.
         mixed_precision: a :class:`MixedPrecision` policy (default None: compute in the
             parameters' dtype). Masters and optimizer state keep the parameters' dtype.
+        comm: a :class:`CommQuant` policy: int8 / fp8 weight all-gathers, int8 / int4
+            gradient reduce-scatters (blockwise scales, fp32 accumulation), and a
+            hierarchical secondary partition (stage 3: ``hierarchy`` ranks per node keep a
+            node-sharded copy after forward so the backward all-gather stays in the node).
+            Default None: full-precision collectives.
+        device: where a meta-device model is materialised (default None: the CPU); a model
+            with real tensors stays where it is.
 
     Returns:
         ``module``, whose ``named_parameters()`` now yield this rank's shards.
@@ -201,21 +230,24 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise ValueError(f"mixed_precision must be a shardwise.MixedPrecision, got "
                          f"{type(mixed_precision).__name__}")
+    _validate_comm(comm, stage, reshard_after_forward)
     # Stage 0 with a compute dtype runs as units over one-rank shard groups (see
     # replicated_groups); plain stage 0 keeps DDP-style buckets.
     as_units = stage > 0 or bool(mixed_precision and mixed_precision.param_dtype)
     plans, _ = plan_units(module, wrap if as_units else None)
     _check_plans(plans)
-    groups = resolve_groups(mesh)
+    target = torch.device(device) if device is not None else None
+    real = next((p.device for p in module.parameters() if not p.is_meta), None)
+    groups = resolve_groups(mesh, (target or real or torch.device("cpu")).type)
     tracker = MemoryTracker()
     if stage == 0 and as_units:
         groups = replicated_groups(groups)
     if stage == 0 and not as_units:
         state = _replicate(module, plans[0].entries, groups, bucket_mb, tracker, init_weights,
-                           sync_module_states)
+                           sync_module_states, target)
     else:
         units = _build_units(module, plans, groups, stage, tracker, init_weights,
-                             sync_module_states, materialize, mixed_precision)
+                             sync_module_states, materialize, mixed_precision, target, comm)
         state = ShardState(module, units, units[0], groups, stage, reshard_after_forward,
                            prefetch, tracker)
         register_state_dict_hooks(module, state)

@@ -19,14 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.distributed import comm
+from shardwise.distributed.quant_comm import all_gather_quantized
 from shardwise.distributed.mesh import NodeGroup, ShardGroups
 from shardwise.shard.layout import UnitLayout, build_layout
 from shardwise.shard.memory import MemoryTracker
 from shardwise.shard.precision import MixedPrecision
+from shardwise.shard.quant import CommQuant
+from shardwise.shard.unit_grads import GradientReducer, nbytes as _nbytes
 
 __all__ = ["ParamEntry", "Unit"]
 
@@ -55,11 +57,7 @@ class _Done:
 _DONE = _Done()
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-class Unit:
+class Unit(GradientReducer):
     """Parameters gathered and reduced together: one all-gather and one reduce-scatter each.
 
     Args:
@@ -74,13 +72,14 @@ class Unit:
         mixed_precision: compute / reduce dtypes (default: the parameters' dtype).
         node: stage 3 hierarchical partition: keep a secondary copy sharded within this
             node after forward, so the backward all-gather stays inside the node.
+        quant: quantised communication of weights and / or gradients.
     """
 
     def __init__(self, name: str, module: nn.Module, entries: list[ParamEntry],
                  groups: ShardGroups, stage: int, tracker: MemoryTracker,
                  device: torch.device | None = None,
                  mixed_precision: MixedPrecision | None = None,
-                 node: NodeGroup | None = None) -> None:
+                 node: NodeGroup | None = None, quant: CommQuant | None = None) -> None:
         self.name, self.module, self.groups, self.stage = name, module, groups, stage
         self.tracker = tracker
         self.entries = sorted(entries, key=lambda e: not e.trainable)  # stable: trainable first
@@ -103,6 +102,7 @@ class Unit:
         self.gather_tmp: torch.Tensor | None = None
         self.gather_in: torch.Tensor | None = None
         self.node = node
+        self.quant = quant or CommQuant()
         self.secondary: torch.Tensor | None = None
         self._from_secondary = False
         self._direct = False
@@ -182,6 +182,15 @@ class Unit:
         if self.secondary is not None:
             self._gather(self.secondary, self.node.group, "secondary_all_gather", True)
             return
+        if self.quant.weights:  # blockwise int8 / fp8 on the wire, decoded to compute dtype
+            self.gather_tmp = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
+                                          device=self.device)
+            self.tracker.add("comm", _nbytes(self.gather_tmp))
+            self._from_secondary = False
+            self.gather_work = all_gather_quantized(
+                self.gather_tmp, self.shard_buf, self.groups.gather, self.quant.weights,
+                self.quant.block_size, label=f"{self.label}.all_gather", async_op=True)
+            return
         self.gather_in = self.shard_buf
         if self.compute_dtype != self.dtype:  # cast before the gather: half the bytes move
             self.gather_in = self.shard_buf.to(self.compute_dtype)
@@ -238,7 +247,7 @@ class Unit:
         rank's shard, node-major, which the copy-out reorders for free."""
         k, m, s = self.node.size, self.node.count, self.layout.shard_numel
         self.drop_secondary()
-        self.secondary = gathered.view(m, k, s)[:, self.node.index].clone()
+        self.secondary = gathered.view(m, k, s)[:, self.node.index].clone().view(-1)
         self.tracker.add("secondary", _nbytes(self.secondary))
 
     def drop_secondary(self) -> None:
@@ -266,94 +275,3 @@ class Unit:
         for e in self.entries:
             for mod, attr in e.registrations:
                 mod._parameters[attr] = e.param
-
-    # ---------------------------------------------------------------- reduce
-    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        r = self.groups.shard_rank
-        return [flat[p.offset:p.offset + p.local_rows(r) * p.row_numel].view(p.local_shape(r))
-                for p in self.layout.params[:len(self.trainable)]]
-
-    def pack_grads(self) -> None:
-        """Copy the full gradients into a rank-major reduce-scatter input, then drop them.
-
-        Parameters that received no gradient contribute zeros.
-        """
-        lay, n = self.layout, self.layout.world
-        if not self.trainable:
-            return
-        pieces = []
-        for full, p in zip(self.full_params, lay.params[:len(self.trainable)]):
-            g = full.grad
-            if g is None:
-                g = torch.zeros(n * p.padded_numel, dtype=self.compute_dtype, device=self.device)
-            elif p.rows != n * p.chunk_rows or len(p.shape) == 0:
-                g = F.pad(g.reshape(-1), (0, n * p.padded_numel - p.numel))
-            pieces.append(g.reshape(n, p.padded_numel))
-        self.reduce_in = torch.empty(n * lay.grad_numel, dtype=self.reduce_dtype,
-                                     device=self.device)
-        torch.cat(pieces, dim=1, out=self.reduce_in.view(n, lay.grad_numel))  # casts too
-        self.tracker.add("comm", _nbytes(self.reduce_in))
-        for full in self.full_params[:len(self.trainable)]:
-            if self.stage == 1 and full.grad is not None:
-                full.grad.zero_()  # ZeRO-1 keeps whole gradients allocated between steps
-            else:
-                full.grad = None
-
-    def _ensure_grad_buf(self) -> None:
-        if self.grad_buf is None:
-            self.grad_buf = torch.empty(self.layout.grad_numel, dtype=self.dtype,
-                                        device=self.device)
-            self.tracker.add("grads", _nbytes(self.grad_buf))
-            self.grad_views = self._views_of(self.grad_buf)
-
-    def launch_reduce(self) -> None:
-        """Issue the reduce-scatter of the packed gradients (async)."""
-        if self.reduce_in is None:
-            return
-        # Direct: nobody holds gradients, so the result can become them without an add.
-        self._direct = all(e.param.grad is None for e in self.trainable)
-        self._ensure_grad_buf()
-        if self._direct and self.reduce_dtype == self.dtype:
-            self.reduce_out = self.grad_buf
-        else:
-            self.reduce_out = torch.empty(self.layout.grad_numel, dtype=self.reduce_dtype,
-                                          device=self.device)
-            self.tracker.add("comm", _nbytes(self.reduce_out))
-        if self.layout.world > 1 and comm.reduce_scatter_needs_scratch(self.groups.shard):
-            # [Note: reduce-scatter on Gloo]
-            self.reduce_scratch = torch.empty_like(self.reduce_in)
-            self.tracker.add("comm", _nbytes(self.reduce_scratch))
-        if self.layout.world == 1:  # nothing to scatter (stage 0 as units, one-rank groups)
-            self.reduce_out.copy_(self.reduce_in)
-            return
-        self.reduce_work = comm.reduce_scatter_tensor(
-            self.reduce_out, self.reduce_in, self.groups.shard,
-            label=f"{self.label}.reduce_scatter", async_op=True, scratch=self.reduce_scratch)
-
-    def finish_reduce(self) -> None:
-        """Wait for the reduction, average, and expose the result as the shards' ``.grad``."""
-        if self.reduce_in is None:
-            return
-        if self.reduce_work is not None:
-            self.reduce_work.wait()
-        self.tracker.sub("comm", _nbytes(self.reduce_in) + _nbytes(self.reduce_scratch))
-        self.reduce_scratch = None
-        out = self.reduce_out
-        if self.groups.replicate is not None:
-            comm.all_reduce(out, self.groups.replicate, label=f"{self.label}.all_reduce")
-        out.div_(self.groups.dp_size)
-        if out is not self.grad_buf:
-            if self._direct:
-                self.grad_buf.copy_(out)
-            else:
-                for e, v in zip(self.trainable, self._views_of(out)):
-                    if e.param.grad is None:
-                        e.param.grad = v.to(self.dtype, copy=True)
-                    else:
-                        e.param.grad.add_(v)
-            self.tracker.sub("comm", _nbytes(out))
-        if self._direct:
-            for e, v in zip(self.trainable, self.grad_views):
-                e.param.grad = v
-        self.reduce_work, self.reduce_in, self.reduce_out = None, None, None
-        self.stale = True

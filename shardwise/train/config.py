@@ -144,6 +144,20 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute and communication dtypes; masters and optimizer state stay fp32."""
+
+    param_dtype: str = "fp32"
+    """Dtype of gathered parameters and compute: "fp32", "bf16" or "fp16"."""
+    reduce_dtype: str = "fp32"
+    """Dtype gradients are reduced in: "fp32", "bf16" or "fp16"."""
+    loss_scale: float = 65536.0
+    """fp16 only: initial dynamic loss scale (halved on overflow, the step skipped)."""
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: clean steps before the loss scale doubles."""
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """Where results go and how progress is shown."""
 
@@ -171,6 +185,8 @@ class Config:
     """Optimizer, learning-rate schedule and clipping."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     """Ranks, ZeRO stage and data-parallel degrees."""
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    """Mixed precision."""
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     """Outputs and progress display."""
 
@@ -232,6 +248,8 @@ def _non_negative(v: Any) -> bool:
     return v >= 0
 
 
+_DTYPES = ("fp32", "bf16", "fp16")
+
 # (key, predicate, what was expected). Checked in order; the first failure is reported.
 _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("model.dim", lambda v: v is None or v > 0, "a positive int"),
@@ -265,6 +283,10 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.prefetch", _non_negative, "an int >= 0"),
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
     ("parallel.timeout_s", _positive, "a positive number of seconds"),
+    ("precision.param_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
+    ("precision.reduce_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
+    ("precision.loss_scale", _positive, "a positive number"),
+    ("precision.loss_scale_growth_interval", _positive, "a positive int (steps)"),
     ("log.dir", lambda v: v.strip() != "", "a non-empty path"),
 ]
 

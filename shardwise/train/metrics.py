@@ -196,6 +196,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  {summary['steps']} steps, {summary['tokens']:,} tokens, "
         f"{num(summary['tokens_per_s'], ',.0f')} tokens/s on {summary['world_size']} ranks",
         f"  peak memory per rank (RSS): {format_memory(summary['peak_rss_mib'])}",
+        *([f"  model state per rank (ZeRO stage {summary['zero_stage']}: params + grads + "
+           f"optimizer): {format_memory(summary['model_state_mib'])}"]
+          if "model_state_mib" in summary else []),
+        *([f"  fp16 loss scaling skipped {summary['skipped_steps']} step(s)"]
+          if summary.get("skipped_steps") else []),
         f"  elapsed {summary['elapsed_s']:.1f} s (training {summary['train_time_s']:.1f} s)",
         f"  outputs in {summary['log_dir']}: " + ", ".join(summary["outputs"]),
     ]

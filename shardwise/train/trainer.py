@@ -24,49 +24,78 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import shardwise
+from shardwise import LossScaler, MixedPrecision
 from shardwise.distributed import env as dist_env
+from shardwise.distributed.mesh import ParallelDims
 from shardwise.train.config import Config
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
 from shardwise.train.preflight import build_model_config
 
 __all__ = [
-    "build_env", "build_model", "build_parallel_model", "no_sync", "clip_grad_norm_",
+    "build_env", "build_parallel_model", "build_mixed_precision", "build_loss_scaler",
+    "no_sync", "clip_grad_norm_",
     "build_optimizer", "lr_factor", "build_lr_schedule", "train_step", "evaluate", "train",
 ]
 
 
 # ----------------------------------------------------------------------------- parallelism
-# The only three places that know how the model is parallelised.
+# The only places that know how the model is parallelised.
 
 
-def build_parallel_model(model: nn.Module, cfg: Config, env: dist_env.DistEnv) -> nn.Module:
-    """Wrap ``model`` for data-parallel training over ``env``'s process group.
+def build_mixed_precision(cfg: Config) -> MixedPrecision | None:
+    """The ``[precision]`` section as an engine policy (None for plain fp32)."""
+    p = cfg.precision
+    if p.param_dtype == "fp32" and p.reduce_dtype == "fp32":
+        return None
+    return MixedPrecision(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype)
 
-    Today this is ``torch.nn.parallel.DistributedDataParallel`` (every ZeRO stage behaves as
-    stage 0); it becomes ``shardwise.shard(model, stage=cfg.parallel.stage,
-    wrap={TransformerBlock}, reshard_after_forward=..., prefetch=...)`` when the engine lands.
+
+def build_loss_scaler(cfg: Config) -> LossScaler:
+    """Dynamic loss scaling for fp16 compute; a pass-through otherwise."""
+    p = cfg.precision
+    return LossScaler(init_scale=p.loss_scale, growth_interval=p.loss_scale_growth_interval,
+                      enabled=p.param_dtype == "fp16")
+
+
+def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
+    """Build the model on the meta device and shard it with the ZeRO engine.
+
+    Each rank initialises the model one module at a time and keeps only its shard, so no
+    rank ever holds the whole model; the weights are bitwise those of eager init with
+    ``train.seed`` (see docs/engine.md).
 
     Args:
-        model: the plain model, already on ``env.device``.
-        cfg: the run config (``parallel`` section).
+        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``).
+        model_cfg: the model's :class:`~shardwise.models.LlamaConfig`.
         env: this process's place in the job.
 
     Returns:
-        The module to train (parameter names keep their ``module.`` prefix under DDP).
+        The sharded model (parameter names unchanged).
     """
-    device_ids = [env.device.index] if env.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    from shardwise.models import TransformerBlock, init_module_weights
+    from shardwise.models import build_model as build
+
+    par = cfg.parallel
+    dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size).resolved()
+    mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 else None
+    model = build(model_cfg, device="meta")
+    torch.manual_seed(cfg.train.seed)
+    return shardwise.shard(model, stage=par.stage, wrap={TransformerBlock}, mesh=mesh,
+                           reshard_after_forward=par.reshard_after_forward,
+                           prefetch=par.prefetch, init_weights=init_module_weights,
+                           mixed_precision=build_mixed_precision(cfg), device=env.device)
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
     """Context for accumulation micro-batches: backward without gradient communication."""
-    return model.no_sync()
+    return shardwise.no_sync(model)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the global gradient L2 norm to ``max_norm`` (``inf``: only measure it)."""
-    return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return shardwise.clip_grad_norm_(model, max_norm)
 
 
 # ----------------------------------------------------------------------------- building
@@ -88,13 +117,6 @@ def build_env(cfg: Config) -> dist_env.DistEnv:
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     return env
-
-
-def build_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
-    """The plain (unparallelised) model on this rank's device, seeded by ``train.seed``."""
-    from shardwise.models import build_model as build
-
-    return build(model_cfg, device=env.device, seed=cfg.train.seed)
 
 
 def build_optimizer(model: nn.Module, optim: Any) -> torch.optim.Optimizer:
@@ -155,7 +177,7 @@ def _gather_stats(values: list[float], env: dist_env.DistEnv) -> torch.Tensor:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, cfg: Config,
-               env: dist_env.DistEnv, step: int) -> dict[str, Any]:
+               env: dist_env.DistEnv, step: int, scaler: LossScaler) -> dict[str, Any]:
     """One optimizer step: ``grad_accum`` micro-batches, clip, update.
 
     Returns:
@@ -174,10 +196,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
         # Gradients are communicated once per step, on the last micro-batch.
         with no_sync(model) if micro < accum - 1 else contextlib.nullcontext():
             loss = _loss(model, inputs, targets) / accum
-            loss.backward()
+            scaler.scale(loss).backward()
         loss_sum += loss.item()
+    scaler.unscale_(model)
     grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip or math.inf)
-    optimizer.step()
+    stepped = scaler.step(model, optimizer)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     cuda_mib = (torch.cuda.max_memory_allocated(env.device) / 2**20
                 if env.device.type == "cuda" else 0.0)
@@ -193,6 +217,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     record = {"step": step, "loss": stats[:, 0].mean().item(), "lr": lr,
               "grad_norm": float(grad_norm), "tokens": tokens, "tokens_per_s": tokens / elapsed,
               "step_time_s": elapsed, "rss_mib": [round(m, 1) for m in stats[:, 1].tolist()]}
+    if scaler.enabled:
+        record.update(loss_scale=scaler.scale_value, skipped=not stepped,
+                      skipped_steps=scaler.skipped_steps)
     if env.device.type == "cuda":
         record["cuda_peak_mib"] = [round(m, 1) for m in stats[:, 2].tolist()]
     return record
@@ -245,8 +272,9 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
 
     start = time.perf_counter()
     model_cfg = build_model_config(cfg, data.vocab_size)
-    model = build_parallel_model(build_model(cfg, model_cfg, env), cfg, env)
+    model = build_parallel_model(cfg, model_cfg, env)
     optimizer = build_optimizer(model, cfg.optim)
+    scaler = build_loss_scaler(cfg)
     schedule = build_lr_schedule(optimizer, cfg.optim, cfg.train.steps)
     loader = TokenLoader(data.train_ids, seq_len=cfg.data.seq_len,
                          batch_size=cfg.train.batch_size, rank=env.rank,
@@ -259,13 +287,14 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
                 f"{env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.launcher}, "
                 f"{env.backend}); data "
                 f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
-    if isinstance(model, nn.parallel.DistributedDataParallel):  # until the engine is wired in
-        logger.echo(f"note: parallel.stage={cfg.parallel.stage} is not applied yet; training "
-                    "with plain DistributedDataParallel (a full replica on every rank)")
+    logger.echo(f"ZeRO stage {cfg.parallel.stage} over {cfg.parallel.dp_shard} rank(s)"
+                + (f" x {cfg.parallel.dp_replicate} replicas" if cfg.parallel.dp_replicate > 1
+                   else "") + f"; compute {cfg.precision.param_dtype}, reduce "
+                f"{cfg.precision.reduce_dtype}, masters fp32")
     train_time = 0.0
     try:
         for step in range(1, cfg.train.steps + 1):
-            record = train_step(model, optimizer, loader, cfg, env, step)
+            record = train_step(model, optimizer, loader, cfg, env, step, scaler)
             schedule.step()
             train_time += record["step_time_s"]
             logger.log_step(record)
@@ -273,14 +302,18 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
                 logger.log_eval(evaluate(model, data.val_ids, cfg, env, step))
     finally:
         logger.close()
-    peak = _gather_stats([peak_rss_mib()], env)[:, 0].tolist()
+    mem = shardwise.memory_report(model, optimizer)
+    peak = _gather_stats([peak_rss_mib(), mem.model_state_bytes / 2**20], env)
     if not env.is_main:
         return None
-    return _finish(cfg, env, logger.records, peak, train_time, time.perf_counter() - start)
+    return _finish(cfg, env, logger.records, peak[:, 0].tolist(), train_time,
+                   time.perf_counter() - start, model_state_mib=peak[:, 1].tolist(),
+                   skipped_steps=scaler.skipped_steps)
 
 
 def _finish(cfg: Config, env: dist_env.DistEnv, records: list[dict[str, Any]],
-            peak_mib: list[float], train_time: float, elapsed: float) -> dict[str, Any]:
+            peak_mib: list[float], train_time: float, elapsed: float,
+            model_state_mib: list[float], skipped_steps: int) -> dict[str, Any]:
     """Rank 0: loss plot, summary.json, and the summary printed."""
     import json
 
@@ -301,7 +334,10 @@ def _finish(cfg: Config, env: dist_env.DistEnv, records: list[dict[str, Any]],
         "final_val_loss": vals[-1]["val_loss"] if vals else None,
         "steps": len(steps), "tokens": tokens,
         "tokens_per_s": tokens / train_time if train_time > 0 else None,
-        "world_size": env.world_size, "peak_rss_mib": [round(m, 1) for m in peak_mib],
+        "world_size": env.world_size, "zero_stage": cfg.parallel.stage,
+        "peak_rss_mib": [round(m, 1) for m in peak_mib],
+        "model_state_mib": [round(m, 2) for m in model_state_mib],
+        "skipped_steps": skipped_steps,
         "train_time_s": train_time, "elapsed_s": elapsed,
         "log_dir": str(log_dir), "outputs": outputs,
     }

@@ -1,0 +1,121 @@
+"""The gradient side of a unit: pack full gradients, reduce-scatter them (optionally
+quantised), average, and hand each sharded parameter its ``.grad``.
+
+Mixed into :class:`~shardwise.shard.unit.Unit`, which provides the layout, buffers, groups
+and dtypes this code reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.distributed import comm
+from shardwise.distributed.quant_comm import reduce_scatter_quantized
+
+__all__ = ["GradientReducer", "nbytes"]
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    """Bytes of ``t`` (0 for None)."""
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class GradientReducer:
+    """Gradient reduction of one unit (see the module docstring)."""
+
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        r = self.groups.shard_rank
+        return [flat[p.offset:p.offset + p.local_rows(r) * p.row_numel].view(p.local_shape(r))
+                for p in self.layout.params[:len(self.trainable)]]
+
+    def pack_grads(self) -> None:
+        """Copy the full gradients into a rank-major reduce-scatter input, then drop them.
+
+        Parameters that received no gradient contribute zeros.
+        """
+        lay, n = self.layout, self.layout.world
+        if not self.trainable:
+            return
+        pieces = []
+        for full, p in zip(self.full_params, lay.params[:len(self.trainable)]):
+            g = full.grad
+            if g is None:
+                g = torch.zeros(n * p.padded_numel, dtype=self.compute_dtype, device=self.device)
+            elif p.rows != n * p.chunk_rows or len(p.shape) == 0:
+                g = F.pad(g.reshape(-1), (0, n * p.padded_numel - p.numel))
+            pieces.append(g.reshape(n, p.padded_numel))
+        self.reduce_in = torch.empty(n * lay.grad_numel, dtype=self.reduce_dtype,
+                                     device=self.device)
+        torch.cat(pieces, dim=1, out=self.reduce_in.view(n, lay.grad_numel))  # casts too
+        self.tracker.add("comm", nbytes(self.reduce_in))
+        for full in self.full_params[:len(self.trainable)]:
+            if self.stage == 1 and full.grad is not None:
+                full.grad.zero_()  # ZeRO-1 keeps whole gradients allocated between steps
+            else:
+                full.grad = None
+
+    def _ensure_grad_buf(self) -> None:
+        if self.grad_buf is None:
+            self.grad_buf = torch.empty(self.layout.grad_numel, dtype=self.dtype,
+                                        device=self.device)
+            self.tracker.add("grads", nbytes(self.grad_buf))
+            self.grad_views = self._views_of(self.grad_buf)
+
+    def launch_reduce(self) -> None:
+        """Issue the reduce-scatter of the packed gradients (async)."""
+        if self.reduce_in is None:
+            return
+        # Direct: nobody holds gradients, so the result can become them without an add.
+        self._direct = all(e.param.grad is None for e in self.trainable)
+        self._ensure_grad_buf()
+        if self._direct and self.reduce_dtype == self.dtype:
+            self.reduce_out = self.grad_buf
+        else:
+            self.reduce_out = torch.empty(self.layout.grad_numel, dtype=self.reduce_dtype,
+                                          device=self.device)
+            self.tracker.add("comm", nbytes(self.reduce_out))
+        if (self.layout.world > 1 and not self.quant.grads
+                and comm.reduce_scatter_needs_scratch(self.groups.shard)):
+            # [Note: reduce-scatter on Gloo]
+            self.reduce_scratch = torch.empty_like(self.reduce_in)
+            self.tracker.add("comm", nbytes(self.reduce_scratch))
+        if self.layout.world == 1:  # nothing to scatter (stage 0 as units, one-rank groups)
+            self.reduce_out.copy_(self.reduce_in)
+            return
+        if self.quant.grads:  # quantised pieces exchanged, summed in fp32 (no re-quantising)
+            self.reduce_work = reduce_scatter_quantized(
+                self.reduce_out, self.reduce_in, self.groups.shard, self.quant.grads,
+                self.quant.block_size, label=f"{self.label}.reduce_scatter", async_op=True)
+            return
+        self.reduce_work = comm.reduce_scatter_tensor(
+            self.reduce_out, self.reduce_in, self.groups.shard,
+            label=f"{self.label}.reduce_scatter", async_op=True, scratch=self.reduce_scratch)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction, average, and expose the result as the shards' ``.grad``."""
+        if self.reduce_in is None:
+            return
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+        self.tracker.sub("comm", nbytes(self.reduce_in) + nbytes(self.reduce_scratch))
+        self.reduce_scratch = None
+        out = self.reduce_out
+        if self.groups.replicate is not None:
+            comm.all_reduce(out, self.groups.replicate, label=f"{self.label}.all_reduce")
+        out.div_(self.groups.dp_size)
+        if out is not self.grad_buf:
+            if self._direct:
+                self.grad_buf.copy_(out)
+            else:
+                for e, v in zip(self.trainable, self._views_of(out)):
+                    if e.param.grad is None:
+                        e.param.grad = v.to(self.dtype, copy=True)
+                    else:
+                        e.param.grad.add_(v)
+            self.tracker.sub("comm", nbytes(out))
+        if self._direct:
+            for e, v in zip(self.trainable, self.grad_views):
+                e.param.grad = v
+        self.reduce_work, self.reduce_in, self.reduce_out = None, None, None
+        self.stale = True
