@@ -31,7 +31,7 @@ def _run(quant, steps: int):
                             wrap={TransformerBlock}, comm=quant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = _text_like_batches(steps, 4 * world, 16)
-    losses, labels = [], []
+    losses = []
     for s in range(steps):
         tok = batches[s, 4 * rank:4 * rank + 4]
         shardwise.reset_comm_stats()

@@ -35,7 +35,7 @@ def _step(model, opt, rank):
 
 
 def _volume_worker(stage, wrap_all):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     wrap = _every_module_with_params if wrap_all else {TransformerBlock}
     model = shardwise.shard(build_model(_cfg(), seed=0), stage=stage, wrap=wrap)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

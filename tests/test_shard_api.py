@@ -156,7 +156,7 @@ def _composed_worker():
     own = {e.fqns[0] for u in state.units for e in u.entries}
     batches = make_batches(4, 3, 1, 2 * dist.get_world_size(), 8, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     for step in range(3):
         _loss(model, batches[step, 0, 2 * rank:2 * rank + 2]).backward()
         shardwise.clip_grad_norm_(model, 1.0)
