@@ -149,25 +149,25 @@ def _cleanup(pool: ThreadPoolExecutor, fd: int, run_dir: str) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _read(fd: int, records: list[_Record | None], stats: IOStats, account: bool):
+def _read(fd: int, records: list[_Record | None], stats: IOStats):
     """Worker: read ``records`` into one new buffer; returns (buffer, state dicts)."""
     total = sum(r.nbytes for r in records if r is not None)
     flat = torch.empty(total, dtype=torch.uint8)
-    if account:
-        stats.hold(total)
-    t0, off, states = time.perf_counter(), 0, []
+    stats.hold(total)
+    t0, off, states, moved = time.perf_counter(), 0, [], 0
     for r in records:
         if r is None:
             states.append(None)
             continue
         end = max((o + n for _, _, _, o, n in r.tensors), default=0)  # padding after: unwritten
         _pread(fd, _view(flat, off, end), r.offset)
+        moved += end
         tensors = {key: flat[off + o:off + o + n].view(dt).view(shape)
                    for key, dt, shape, o, n in r.tensors}
         states.append({k: tensors[k] if k in tensors else r.other[k] for k in r.order})
         off += r.nbytes
     with stats.lock:
-        stats.read_bytes += total
+        stats.read_bytes += moved
         stats.read_s += time.perf_counter() - t0
     return flat, states
 
@@ -237,8 +237,7 @@ class DiskStore:
 
     def load_async(self, keys: list[int]) -> Future:
         """Queue a read of the state of ``keys``; the future gives (buffer, [state or None])."""
-        return self._submit(_read, self.fd, [self.records.get(k) for k in keys], self.stats,
-                            True)
+        return self._submit(_read, self.fd, [self.records.get(k) for k in keys], self.stats)
 
     def wait(self, fut: Future) -> tuple[torch.Tensor, list[dict | None]]:
         t0 = time.perf_counter()

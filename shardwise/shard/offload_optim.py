@@ -297,6 +297,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self._store is not None:
             self._spill()
 
+    def model_params(self) -> list[nn.Parameter]:
+        """The model's parameters in ``param_groups`` order (the indices of ``state_dict``).
+        ``param_groups`` may hold host masters in their place ([Note: CPU offload])."""
+        return [e.source for e in self._entries]
+
     # ------------------------------------------------------------------ reporting, cleanup
     def stats(self) -> OffloadStats:
         """Bytes and seconds of this rank's offload (:class:`OffloadStats`)."""
