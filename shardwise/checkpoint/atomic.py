@@ -160,14 +160,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist (expected a folder written "
                               f"by shardwise.checkpoint.save)", path=path)
+    if path.name.endswith(".partial"):
+        raise CheckpointError(f"checkpoint {path} is a save that was never committed: it may "
+                              f"be incomplete (see [Note: atomic commit])", path=path)
     file = path / MANIFEST
     try:
         manifest = json.loads(file.read_text(encoding="ascii"))
     except FileNotFoundError:
-        hint = (" (a .partial folder is a save that never completed)"
-                if path.name.endswith(".partial") else "")
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete or not a "
-                              f"shardwise checkpoint{hint}", path=path, file=MANIFEST) from None
+                              f"shardwise checkpoint", path=path, file=MANIFEST) from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable: {exc}",
                               path=path, file=MANIFEST) from None

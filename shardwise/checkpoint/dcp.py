@@ -20,6 +20,7 @@ import datetime
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,8 +217,10 @@ def write(path: str | os.PathLike, snap: Snapshot, process_group=None,
     _begin(staging, clean_root, process_group)
     writer = dcp.FileSystemWriter(staging, sync_files=True, overwrite=False)
     try:
-        md = dcp.save(snap.tensors, storage_writer=writer, process_group=process_group,
-                      no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            md = dcp.save(snap.tensors, storage_writer=writer, process_group=process_group,
+                          no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # a BaseException: `except Exception` misses it
         raise RuntimeError(f"saving checkpoint {path} failed: {exc}") from None
     own = (atomic.hash_rank_files(staging, rank, md), snap.rng)
@@ -342,8 +345,10 @@ def load(path: str | os.PathLike, model: nn.Module,
     if optimizer is not None:
         targets["optim"] = state.optimizer_targets(model, optimizer, md, manifest, path)
     try:
-        dcp.load(targets, storage_reader=reader, process_group=process_group,
-                 no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=reader, process_group=process_group,
+                     no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # a BaseException: `except Exception` misses it
         raise CheckpointError(f"loading checkpoint {path} failed: {exc}", path=path) from None
     model.load_state_dict(targets["model"])  # also marks gathered copies stale

@@ -35,8 +35,14 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint import atomic
-from shardwise.checkpoint.dcp import (CheckpointInfo, SaveResult, copy_tensors, load, snapshot,
-                                      write)
+from shardwise.checkpoint.dcp import (
+    CheckpointInfo,
+    SaveResult,
+    copy_tensors,
+    load,
+    snapshot,
+    write,
+)
 
 __all__ = ["Checkpointer", "resolve_resume"]
 

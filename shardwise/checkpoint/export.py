@@ -1,0 +1,272 @@
+"""Consolidated safetensors in Hugging Face Llama layout: export from a sharded checkpoint,
+import into a sharded model at any world size.
+
+    shardwise checkpoint export runs/x/checkpoints/step_00000150 out/hf
+    export_safetensors("runs/x/checkpoints/step_00000150", "out/hf")   # the same, from Python
+    import_safetensors("out/hf", model)      # every rank reads only its rows (collective-free)
+
+[Note: streaming export]
+Export never holds more than one tensor: the safetensors header (names, dtypes, shapes,
+offsets) is known from DCP's index before any data is read, so each shard file is written
+as header, then tensor after tensor, each read whole from the checkpoint (DCP gathers its
+chunks from every rank's file), permuted to HF's layout ([Note: RoPE layouts] in hf.py),
+written and dropped. Peak memory is about two copies of the largest tensor. Tied embeddings
+are one tensor in our checkpoints and stay one in the export (``tie_word_embeddings``).
+Import reads, per rank and per tensor, only the rows the rank owns (for ``wq``/``wk`` the
+whole heads containing them), through ``safetensors.safe_open(...).get_slice``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from shardwise.checkpoint import hf
+from shardwise.checkpoint.errors import CheckpointError
+
+__all__ = ["export_safetensors", "import_safetensors", "write_safetensors", "INDEX_FILE",
+           "DEFAULT_MAX_SHARD_BYTES"]
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default "5GB"
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def write_safetensors(path: str | os.PathLike, entries: list[tuple[str, torch.dtype, tuple]],
+                      produce, metadata: dict[str, str] | None = None) -> int:
+    """Write a safetensors file one tensor at a time ([Note: streaming export]).
+
+    Args:
+        path: the file to write.
+        entries: ``(name, dtype, shape)`` in file order.
+        produce: ``produce(name) -> tensor`` called once per entry, in order.
+        metadata: the header's ``__metadata__`` strings (default ``{"format": "pt"}``).
+
+    Returns:
+        Bytes of tensor data written.
+
+    Raises:
+        ValueError: a produced tensor does not have its entry's dtype and shape.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in entries:
+        size = _nbytes(shape, dtype)
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, dtype, shape in entries:
+            t = produce(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: produced {t.dtype} {tuple(t.shape)}, the header "
+                                 f"says {dtype} {tuple(shape)}")
+            f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    return offset
+
+
+def _plan_shards(entries: list[tuple[str, torch.dtype, tuple]], max_bytes: int) -> list[list]:
+    shards: list[list] = [[]]
+    size = 0
+    for e in entries:
+        nbytes = _nbytes(e[2], e[1])
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += nbytes
+    return shards
+
+
+def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
+                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                       verify_files: bool = True) -> Path:
+    """Write a checkpoint's model as Hugging Face Llama safetensors shards + index + config.
+
+    Runs in one process, one tensor in memory at a time ([Note: streaming export]).
+
+    Args:
+        checkpoint: a checkpoint folder of a shardwise Llama (any layout).
+        out: the output folder (created).
+        max_shard_bytes: largest shard file (default 5 GB, as Hugging Face).
+        verify_files: check the checkpoint's checksums first (default True).
+
+    Returns:
+        The path of ``model.safetensors.index.json``.
+
+    Raises:
+        CheckpointError: an unusable checkpoint, or one that is not of a shardwise Llama.
+    """
+    from shardwise.checkpoint.atomic import read_manifest
+    from shardwise.checkpoint.dcp import _read_index, verify
+
+    src, out = Path(checkpoint), Path(out)
+    manifest = verify(src) if verify_files else read_manifest(src)
+    config = (manifest.get("model") or {}).get("config")
+    if not config or "n_heads" not in config:
+        raise CheckpointError(f"checkpoint {src} is not of a shardwise Llama model (no model "
+                              f"config in its manifest); export needs the Llama shapes",
+                              path=src, file="manifest.json")
+    reader = _read_index(src, manifest)
+    md = reader.read_metadata()
+    entries, ours = [], {}
+    for key, tmd in md.state_dict_metadata.items():
+        if not key.startswith("model."):
+            continue
+        name = hf.hf_name(key[len("model."):])
+        if name is None:
+            raise CheckpointError(f"checkpoint {src}: tensor {key} has no Hugging Face Llama "
+                                  f"name", path=src, tensor=key)
+        entries.append((name, tmd.properties.dtype, tuple(tmd.size)))
+        ours[name] = key[len("model."):]
+
+    def produce(name: str) -> torch.Tensor:
+        fqn = ours[name]
+        tmd = md.state_dict_metadata["model." + fqn]
+        full = torch.empty(tmd.size, dtype=tmd.properties.dtype)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": {fqn: full}}, storage_reader=reader, no_dist=True)
+        return hf.to_hf(fqn, full, config)
+
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _plan_shards(entries, max_shard_bytes)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += write_safetensors(out / file, shard, produce)
+        weight_map.update({name: file for name, _, _ in shard})
+    dtype = str(entries[0][1]).removeprefix("torch.") if entries else "float32"
+    (out / "config.json").write_text(json.dumps(hf.hf_config(config, dtype), indent=2) + "\n")
+    index = out / INDEX_FILE
+    index.write_text(json.dumps({"metadata": {"total_size": total, "step": manifest.get("step")},
+                                 "weight_map": weight_map}, indent=2) + "\n")
+    return index
+
+
+def _weight_map(src: Path) -> tuple[dict[str, Path], Path]:
+    """``{hf name: file}`` and the file that said so (index, or the single file)."""
+    from safetensors import safe_open
+
+    if src.is_dir():
+        index = src / INDEX_FILE
+        if index.exists():
+            wm = json.loads(index.read_text())["weight_map"]
+            return {k: src / v for k, v in wm.items()}, index
+        single = src / "model.safetensors"
+        if not single.exists():
+            raise CheckpointError(f"{src} holds neither {INDEX_FILE} nor model.safetensors",
+                                  path=src)
+        src = single
+    if not src.exists():
+        raise CheckpointError(f"safetensors source {src} does not exist", path=src)
+    with safe_open(str(src), framework="pt") as f:
+        return {k: src for k in f.keys()}, src  # noqa: SIM118 - not a dict
+
+
+def _check_config(src: Path, model_config: dict[str, Any]) -> None:
+    file = (src if src.is_dir() else src.parent) / "config.json"
+    if not file.exists():
+        return
+    theirs = hf.config_from_hf(json.loads(file.read_text()), str(file))
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings"):
+        if getattr(theirs, key) != model_config[key]:
+            raise CheckpointError(f"{file}: {key} is {getattr(theirs, key)!r}, the model has "
+                                  f"{model_config[key]!r}: the weights are of another model",
+                                  path=src, file="config.json")
+
+
+def import_safetensors(src: str | os.PathLike, model: nn.Module, *,
+                       strict: bool = True) -> list[str]:
+    """Load Hugging Face Llama safetensors into a (sharded) shardwise Llama, in place.
+
+    Each rank reads only the rows it owns ([Note: streaming export]); works at any world
+    size and stage. Call it on every rank.
+
+    Args:
+        src: a folder with ``model.safetensors.index.json`` (or ``model.safetensors``), or
+            one ``.safetensors`` file.
+        model: a shardwise ``Transformer`` (sharded or not).
+        strict: refuse files holding tensors the model lacks (default True).
+
+    Returns:
+        The model's parameter names that were loaded.
+
+    Raises:
+        CheckpointError: a missing or misshapen tensor (naming file and tensor), a config.json
+            of another model, or tensors the model lacks (strict).
+    """
+    import dataclasses
+
+    from safetensors import safe_open
+
+    from shardwise.shard import sharded_param_specs
+
+    src = Path(src)
+    cfg = getattr(model, "config", None)
+    if not dataclasses.is_dataclass(cfg):
+        raise CheckpointError(f"import_safetensors needs a shardwise Llama model, got "
+                              f"{type(model).__name__}", path=src)
+    config = dataclasses.asdict(cfg)
+    _check_config(src, config)
+    weight_map, listing = _weight_map(src)
+    specs, sd = sharded_param_specs(model), model.state_dict()
+    wanted = {hf.hf_name(k): k for k in sd}
+    unknown = [n for n in weight_map if n not in wanted]
+    if strict and unknown:
+        raise CheckpointError(f"{listing} has tensor {unknown[0]}, which the model lacks "
+                              f"({len(unknown)} such tensors)", path=src, tensor=unknown[0])
+    handles: dict[Path, Any] = {}
+    new_sd = {}
+    for name, fqn in wanted.items():
+        if name not in weight_map:
+            raise CheckpointError(f"{listing} has no tensor {name} (the model's {fqn})",
+                                  path=src, tensor=name)
+        file = weight_map[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        new_sd[fqn] = _read_local(handles[file], fqn, name, file, specs.get(fqn), sd[fqn],
+                                  config)
+    model.load_state_dict(new_sd)
+    return list(new_sd)
+
+
+def _read_local(handle, fqn: str, name: str, file: Path, spec, current, config
+                ) -> torch.Tensor:
+    """This rank's rows of one tensor, in our layout (a DTensor when sharded)."""
+    sl = handle.get_slice(name)
+    shape = tuple(sl.get_shape())
+    full_shape = tuple(spec.shape) if spec is not None else tuple(current.shape)
+    if shape != full_shape:
+        raise CheckpointError(f"{file.name}: tensor {name} has shape {shape}, the model's {fqn} "
+                              f"is {full_shape}", path=file, file=file.name, tensor=name)
+    if spec is None or len(full_shape) == 0:
+        return hf.from_hf(fqn, handle.get_tensor(name), config)
+    start, stop = spec.row_offset, spec.row_offset + spec.local_rows
+    lo, hi = hf.hf_rows(fqn, start, stop, config)
+    block = sl[lo:hi]
+    local = hf.from_hf(fqn, block, config)[start - lo:stop - lo].clone()
+    return spec.to_dtensor(local)

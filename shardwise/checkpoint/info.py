@@ -1,0 +1,110 @@
+"""``shardwise checkpoint inspect``: what a checkpoint holds, read without loading tensors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from shardwise.checkpoint import atomic
+
+__all__ = ["describe", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _resolve(path: Path) -> tuple[Path, list[str]]:
+    """A checkpoint folder, or the latest one under a folder of checkpoints (listed)."""
+    if (path / atomic.MANIFEST).exists():
+        return path, []
+    found = atomic.list_checkpoints(path)
+    if not found:
+        atomic.read_manifest(path)  # raises the precise error
+    lines = [f"{len(found)} checkpoint(s) under {path}: " + ", ".join(p.name for _, p in found),
+             f"showing the latest, {found[-1][1].name}", ""]
+    return found[-1][1], lines
+
+
+def _header(path: Path, manifest: dict[str, Any]) -> list[str]:
+    lay = manifest.get("layout", {})
+    stage = lay.get("stage")
+    where = (f"ZeRO stage {stage}, dp_shard {lay.get('dp_shard')} x dp_replicate "
+             f"{lay.get('dp_replicate')}" if stage is not None else "not sharded")
+    model = manifest.get("model") or {}
+    cfg = model.get("config") or {}
+    shape = ", ".join(f"{k} {cfg[k]}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+                                                  "vocab_size", "tie_embeddings") if k in cfg)
+    lines = [f"checkpoint {path}",
+             f"  step:      {manifest.get('step')}   (saved {manifest.get('created')}, torch "
+             f"{manifest.get('torch')})",
+             f"  layout:    {lay.get('world_size')} rank(s), {where}",
+             f"  model:     {model.get('class')}" + (f" ({shape})" if shape else "")]
+    opt = manifest.get("optimizer")
+    if opt:
+        hyper = opt["param_groups"][0]["hyper"] if opt["param_groups"] else {}
+        lr = hyper.get("lr")
+        lines.append(f"  optimizer: {opt['class']}, {len(opt['param_groups'])} param group(s)"
+                     + (f", lr {lr:.6g}" if isinstance(lr, float) else ""))
+    else:
+        lines.append("  optimizer: none")
+    extra = manifest.get("extra") or {}
+    lines.append(f"  extra:     {', '.join(sorted(extra)) or 'none'}")
+    return lines
+
+
+def _tensor_lines(md) -> list[str]:
+    rows = []
+    for key, tmd in md.state_dict_metadata.items():
+        if not hasattr(tmd, "size"):
+            rows.append((key, "(bytes)", "", "", ""))
+            continue
+        n = 1
+        for s in tmd.size:
+            n *= s
+        dtype = str(tmd.properties.dtype).removeprefix("torch.")
+        nbytes = n * tmd.properties.dtype.itemsize
+        rows.append((key, str(tuple(tmd.size)), dtype, format_bytes(nbytes),
+                     f"{len(tmd.chunks)} chunk(s)"))
+    width = max((len(r[0]) for r in rows), default=0)
+    return [f"    {r[0]:<{width}}  {r[1]:<14} {r[2]:<9} {r[3]:>10}  {r[4]}" for r in rows]
+
+
+def describe(path: str | os.PathLike, verify_files: bool = False) -> str:
+    """A human-readable account of a checkpoint: step, layout, model, optimizer, extras,
+    files, and every tensor with its shape, dtype, size and number of saved chunks.
+
+    Args:
+        path: a checkpoint folder, or a folder of ``step_N`` checkpoints (the latest is shown).
+        verify_files: also check every file's checksums.
+
+    Returns:
+        The text.
+
+    Raises:
+        CheckpointError: not a checkpoint, or (``verify_files``) a damaged one.
+    """
+    from shardwise.checkpoint.dcp import _read_index, verify
+
+    path, lines = _resolve(Path(path))
+    manifest = verify(path) if verify_files else atomic.read_manifest(path)
+    lines += _header(path, manifest)
+    files = manifest.get("files", {})
+    total = sum(f["size"] for f in files.values())
+    status = "checksums verified" if verify_files else "not verified (--verify to check)"
+    lines.append(f"  files:     {len(files)} data file(s), {format_bytes(total)}; {status}")
+    md = _read_index(path, manifest).read_metadata()
+    model = [k for k in md.state_dict_metadata if k.startswith("model.")]
+    lines.append(f"  tensors:   {len(model)} model, {len(md.state_dict_metadata) - len(model)} "
+                 f"optimizer")
+    lines += _tensor_lines(md)
+    return "\n".join(lines)
+
+
+
