@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import shutil
 import signal
 import time
 import warnings
@@ -22,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
 from shardwise import checkpoint
-from shardwise.checkpoint import CheckpointError, Checkpointer, jsonable
+from shardwise.checkpoint import Checkpointer, CheckpointError, jsonable
 from shardwise.checkpoint.state import param_names
 from shardwise.models import TransformerBlock, build_model, get_model_config
 from shardwise.shard import sharded_param_specs

@@ -173,4 +173,5 @@ def test_read_only_output_dir(tmp_path):
 
 def test_all_keys_cover_every_section():
     sections = {k.split(".")[0] for k in all_keys()}
-    assert sections == {"model", "data", "train", "optim", "parallel", "precision", "log"}
+    assert sections == {"model", "data", "train", "optim", "parallel", "precision", "log",
+                        "checkpoint"}

@@ -18,6 +18,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from shardwise.checkpoint.cli import add_parser as add_checkpoint_parser
+from shardwise.checkpoint.cli import run as run_checkpoint
 from shardwise.train import config_io
 from shardwise.train.config import Config, all_keys
 
@@ -43,6 +45,9 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
                        help="TOML file with [section] tables (e.g. configs/debug.toml)")
     train.add_argument("--nproc", dest="parallel.nproc", metavar="N", default=argparse.SUPPRESS,
                        help="alias of --parallel.nproc")
+    train.add_argument("--checkpoint.async", dest="checkpoint.async_save", metavar="BOOL",
+                       nargs="?", const="true", default=argparse.SUPPRESS,
+                       help="alias of --checkpoint.async_save")
     section_docs = config_io.field_docs(Config)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for section, key, hint, default, doc in config_io.iter_fields(Config()):
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="shardwise: PyTorch-native distributed training (ZeRO-1/2/3).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train_parser(sub)
+    add_checkpoint_parser(sub)
     return parser
 
 
@@ -127,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if extra:
             raise _unknown_argument(extra)
+        if args.command == "checkpoint":
+            return run_checkpoint(args)
         return _cmd_train(args)
     except ValueError as exc:
         if _is_rank_zero():

@@ -31,7 +31,8 @@ from shardwise.train import config_io
 
 __all__ = [
     "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig", "ParallelConfig", "LogConfig",
-    "Config", "load_config", "validate", "resolve_world", "check_output_dir", "to_toml",
+    "CheckpointConfig", "Config", "load_config", "validate", "resolve_world", "check_output_dir",
+    "to_toml",
     "all_keys",
 ]
 
@@ -158,6 +159,25 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Periodic sharded checkpoints, resuming, and importing Hugging Face weights
+    (docs/checkpoints.md)."""
+
+    interval: int = 0
+    """Save a checkpoint every this many steps and after the last one (0: never)."""
+    dir: str = ""
+    """Folder of the checkpoints step_<N> ("": <log.dir>/checkpoints)."""
+    keep_last: int = 3
+    """Committed checkpoints to keep; older ones are deleted (0: keep all)."""
+    resume: str = "none"
+    """"auto" (latest complete checkpoint in the folder, else start fresh), "none", or a path."""
+    async_save: bool = False
+    """Write checkpoints in a background thread while training continues (--checkpoint.async)."""
+    import_safetensors: str = ""
+    """Start from Hugging Face Llama safetensors (a file or folder) instead of random init."""
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """Where results go and how progress is shown."""
 
@@ -189,6 +209,8 @@ class Config:
     """Mixed precision."""
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     """Outputs and progress display."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpoints, resuming and weight import."""
 
 
 # ----------------------------------------------------------------------------- loading
@@ -288,6 +310,9 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("precision.loss_scale", _positive, "a positive number"),
     ("precision.loss_scale_growth_interval", _positive, "a positive int (steps)"),
     ("log.dir", lambda v: v.strip() != "", "a non-empty path"),
+    ("checkpoint.interval", _non_negative, "an int >= 0 (steps; 0 disables saving)"),
+    ("checkpoint.keep_last", _non_negative, "an int >= 0 (0 keeps all)"),
+    ("checkpoint.resume", lambda v: v.strip() != "", "'auto', 'none' or a checkpoint path"),
 ]
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "build_env", "build_parallel_model", "build_mixed_precision", "build_loss_scaler",
     "no_sync", "clip_grad_norm_",
     "build_optimizer", "lr_factor", "build_lr_schedule", "train_step", "evaluate", "train",
+    "build_checkpointer", "resume_or_import",
 ]
 
 
@@ -160,6 +161,36 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, optim: Any,
         s, optim.warmup_steps, total_steps, optim.min_lr_ratio))
 
 
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def build_checkpointer(cfg: Config) -> Any:
+    """The run's :class:`shardwise.checkpoint.Checkpointer` under ``checkpoint.dir`` (default
+    ``<log.dir>/checkpoints``); collective: it makes its own process group."""
+    from shardwise.checkpoint import Checkpointer
+
+    c = cfg.checkpoint
+    root = Path(c.dir or Path(cfg.log.dir) / "checkpoints").expanduser()
+    return Checkpointer(root, keep_last=c.keep_last, async_save=c.async_save,
+                        timeout_s=max(cfg.parallel.timeout_s, 1800.0))
+
+
+def resume_or_import(cfg: Config, ckpt: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     stateful: dict[str, Any], env: dist_env.DistEnv) -> tuple[int, str | None]:
+    """``checkpoint.resume``, else ``checkpoint.import_safetensors`` (see
+    :func:`shardwise.checkpoint.run.resume_or_import`): ``(steps done, note or None)``."""
+    from shardwise.checkpoint.run import resume_or_import as load
+
+    c = cfg.checkpoint
+    return load(ckpt, model, optimizer, stateful, resume=c.resume, import_path=c.import_safetensors,
+                log_dir=cfg.log.dir, is_main=env.is_main)
+
+
+def _checkpoint_due(step: int, cfg: Config) -> bool:
+    interval = cfg.checkpoint.interval
+    return interval > 0 and (step % interval == 0 or step == cfg.train.steps)
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -279,6 +310,9 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     loader = TokenLoader(data.train_ids, seq_len=cfg.data.seq_len,
                          batch_size=cfg.train.batch_size, rank=env.rank,
                          world_size=env.world_size, seed=cfg.data.seed)
+    ckpt = build_checkpointer(cfg)
+    stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
+    done, note = resume_or_import(cfg, ckpt, model, optimizer, stateful, env)
     logger = MetricsLogger(cfg.log.dir, cfg.train.steps, enabled=env.is_main,
                            progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
                            refresh_every=cfg.train.log_interval)
@@ -291,29 +325,38 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
                 + (f" x {cfg.parallel.dp_replicate} replicas" if cfg.parallel.dp_replicate > 1
                    else "") + f"; compute {cfg.precision.param_dtype}, reduce "
                 f"{cfg.precision.reduce_dtype}, masters fp32")
+    if note:
+        logger.echo(note)
     train_time = 0.0
     try:
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(done + 1, cfg.train.steps + 1):
             record = train_step(model, optimizer, loader, cfg, env, step, scaler)
             schedule.step()
             train_time += record["step_time_s"]
             logger.log_step(record)
             if _eval_due(step, cfg):
                 logger.log_eval(evaluate(model, data.val_ids, cfg, env, step))
+            if _checkpoint_due(step, cfg):
+                ckpt.save(step, model, optimizer, extra=stateful)
     finally:
         logger.close()
+    ckpt.close()  # the last background save, if any, is committed before the summary
     mem = shardwise.memory_report(model, optimizer)
     peak = _gather_stats([peak_rss_mib(), mem.model_state_bytes / 2**20], env)
     if not env.is_main:
         return None
     return _finish(cfg, env, logger.records, peak[:, 0].tolist(), train_time,
                    time.perf_counter() - start, model_state_mib=peak[:, 1].tolist(),
-                   skipped_steps=scaler.skipped_steps)
+                   skipped_steps=scaler.skipped_steps,
+                   checkpoint={"resumed_from_step": done, "saved": [
+                       str(r.path) for r in ckpt.results],
+                       "peak_snapshot_mib": round(ckpt.peak_snapshot_bytes / 2**20, 2)})
 
 
 def _finish(cfg: Config, env: dist_env.DistEnv, records: list[dict[str, Any]],
             peak_mib: list[float], train_time: float, elapsed: float,
-            model_state_mib: list[float], skipped_steps: int) -> dict[str, Any]:
+            model_state_mib: list[float], skipped_steps: int,
+            checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank 0: loss plot, summary.json, and the summary printed."""
     import json
 
@@ -341,6 +384,8 @@ def _finish(cfg: Config, env: dist_env.DistEnv, records: list[dict[str, Any]],
         "train_time_s": train_time, "elapsed_s": elapsed,
         "log_dir": str(log_dir), "outputs": outputs,
     }
+    if checkpoint is not None:
+        summary["checkpoint"] = checkpoint
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="ascii")
     print(format_summary(summary), flush=True)
     return summary

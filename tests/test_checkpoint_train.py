@@ -1,0 +1,118 @@
+"""Checkpoints in the trainer: bitwise exact resume, ``--checkpoint.resume auto`` at another
+world size, importing safetensors weights, and the ``shardwise checkpoint`` commands."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise import checkpoint
+from shardwise.models import build_model
+from shardwise.testing.dist import run_ranks
+from shardwise.train.cli import main
+from shardwise.train.config import load_config
+from shardwise.train.preflight import build_model_config, preflight
+from shardwise.train.trainer import build_env, build_optimizer, train
+
+TINY = {"model.dim": "32", "model.n_layers": "2", "model.n_heads": "4", "model.n_kv_heads": "2",
+        "data.seq_len": "32", "train.batch_size": "4", "train.eval_batches": "2",
+        "data.max_bytes": "200000", "log.progress": "false", "log.plot": "false",
+        "train.steps": "6", "train.eval_interval": "0", "checkpoint.keep_last": "0"}
+
+
+def _run(log_dir: Path, world: int, **over: str):
+    cfg = load_config(None, {**TINY, "log.dir": str(log_dir), **over})
+    cfg, data = preflight(cfg, world_size=world)
+    run_ranks(_train, world, args=(cfg, data), timeout_s=180)
+    return cfg, data
+
+
+def _train(cfg, data):
+    train(cfg, data, build_env(cfg))
+
+
+def _records(log_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    lines = (log_dir / name).read_text().splitlines()
+    return [json.loads(line) for line in lines if "loss" in json.loads(line)]
+
+
+def _read(path: Path, cfg, data) -> tuple[dict, dict]:
+    """A trainer checkpoint read whole, in this process: weights and optimizer state."""
+    model = build_model(build_model_config(cfg, data.vocab_size), seed=1)
+    opt = build_optimizer(model, cfg.optim)
+    checkpoint.load(path, model, opt)
+    return model.state_dict(), opt.state_dict()["state"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """6 steps on 2 ranks, ZeRO-3, a background checkpoint every 3 steps."""
+    log = tmp_path_factory.mktemp("a")
+    cfg, data = _run(log, 2, **{"checkpoint.interval": "3", "checkpoint.async_save": "true"})
+    return log, cfg, data
+
+
+def test_resume_is_bitwise_equal_to_the_uninterrupted_run(uninterrupted, tmp_path):
+    log_a, cfg, data = uninterrupted
+    step3 = log_a / "checkpoints" / "step_00000003"
+    (tmp_path / "metrics.jsonl").write_text((log_a / "metrics.jsonl").read_text())  # an old log
+    _run(tmp_path, 2, **{"checkpoint.interval": "3", "checkpoint.resume": str(step3)})
+    resumed, full = _records(tmp_path), _records(log_a)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for key in ("loss", "grad_norm", "lr"):  # JSON floats round-trip exactly
+        assert [r[key] for r in resumed] == [r[key] for r in full[3:]], key
+    assert [r["step"] for r in _records(tmp_path, "metrics.until-step-3.jsonl")] == [1, 2, 3]
+    (wa, oa), (wb, ob) = (_read(d / "checkpoints" / "step_00000006", cfg, data)
+                          for d in (log_a, tmp_path))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checkpoint"]["resumed_from_step"] == 3
+
+
+def test_resume_auto_picks_the_latest_complete_checkpoint_at_another_world_size(
+        uninterrupted, tmp_path):
+    log_a, _, _ = uninterrupted
+    shutil.copytree(log_a / "checkpoints" / "step_00000003",
+                    tmp_path / "checkpoints" / "step_00000003")
+    (tmp_path / "checkpoints" / ".step_00000005.partial").mkdir()  # a save that was killed
+    _run(tmp_path, 3, **{"checkpoint.resume": "auto", "parallel.stage": "2"})
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [4, 5, 6]
+    assert all(0 < r["loss"] < 10 for r in records)
+    # nothing saved (interval 0), nothing found: a fresh start with resume auto
+    _run(tmp_path / "fresh", 1, **{"checkpoint.resume": "auto", "train.steps": "1"})
+    assert [r["step"] for r in _records(tmp_path / "fresh")] == [1]
+
+
+def test_commands_inspect_export_import_and_the_trainer_import_option(
+        uninterrupted, tmp_path, capsys):
+    log_a, cfg, data = uninterrupted
+    assert main(["checkpoint", "inspect", str(log_a / "checkpoints"), "--verify"]) == 0
+    text = capsys.readouterr().out
+    for part in ("2 checkpoint(s) under", "step:      6", "2 rank(s), ZeRO stage 3",
+                 "optimizer: AdamW, 2 param group(s)", "extra:     loader, scaler, schedule",
+                 "checksums verified", "model.tok_embeddings.weight", "(256, 32)",
+                 "optim.layers.1.feed_forward.w2.weight.exp_avg_sq"):
+        assert part in text, part
+    step6 = log_a / "checkpoints" / "step_00000006"
+    assert main(["checkpoint", "export", str(step6), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert main(["checkpoint", "import", str(tmp_path / "hf"), str(tmp_path / "imp")]) == 0
+    weights, _ = _read(step6, cfg, data)
+    back = build_model(build_model_config(cfg, data.vocab_size), seed=2)
+    checkpoint.load(tmp_path / "imp", back)
+    assert all(torch.equal(v, weights[k]) for k, v in back.state_dict().items())
+    # The trainer option: with lr 0 one step leaves the imported weights unchanged.
+    _run(tmp_path / "run", 2, **{"checkpoint.import_safetensors": str(tmp_path / "hf"),
+                                 "train.steps": "1", "checkpoint.interval": "1",
+                                 "optim.lr": "0"})
+    trained, _ = _read(tmp_path / "run" / "checkpoints" / "step_00000001", cfg, data)
+    assert all(torch.equal(trained[k], weights[k]) for k in weights)
+    capsys.readouterr()
+    assert main(["checkpoint", "inspect", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
