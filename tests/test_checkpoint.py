@@ -329,3 +329,23 @@ def test_async_save_over_its_memory_bound_saves_synchronously(tmp_path):
     for returned, _, steps_during, peak, _, same, _, _, caught in out:
         assert returned is not None and steps_during == 0 and peak == 0 and same
         assert any("saving synchronously" in m for m in caught)
+
+
+def _offloaded(root: str, stage: int):
+    from shardwise.shard.offload import Offload, offload_optimizer
+
+    model, plain = _build(0, stage)
+    opt = offload_optimizer(plain, Offload(device="disk", path=root, buffer_mb=0.05),
+                            model=model, _force_host_masters=True)
+    _train(model, opt, 2)
+    checkpoint.save(Path(root) / "ckpt", model, opt)
+    want = _state(model, opt)
+    opt.close()
+    return want
+
+
+def test_an_offloaded_optimizer_saves_and_loads_like_any_other(tmp_path):
+    """Disk offload with host masters standing in for the parameters, 2 ranks -> 3 ranks."""
+    want = run_ranks(_offloaded, 2, args=(str(tmp_path), 3), timeout_s=120)[0]
+    for got, _ in run_ranks(_load, 3, args=(str(tmp_path / "ckpt"), 2, False), timeout_s=120):
+        _assert_same(got, want, "offload")

@@ -52,16 +52,16 @@ def param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]
         ValueError: a parameter of the optimizer is not a parameter of ``model``.
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    # The offload wrapper may hold a host master in its parameter's place.
-    sources = {id(e.param): e.source for e in getattr(optimizer, "_entries", [])}
+    if callable(getattr(optimizer, "model_params", None)):
+        params = optimizer.model_params()  # offload: host masters stand in for parameters
+    else:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
     out = []
-    for gi, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            src = sources.get(id(p), p)
-            if id(src) not in names:
-                raise ValueError(f"optimizer param_groups[{gi}] holds a {tuple(p.shape)} "
-                                 f"tensor that is not a parameter of the model")
-            out.append(names[id(src)])
+    for i, p in enumerate(params):
+        if id(p) not in names:
+            raise ValueError(f"optimizer parameter #{i} (shape {tuple(p.shape)}) is not a "
+                             f"parameter of the model")
+        out.append(names[id(p)])
     return out
 
 
