@@ -42,6 +42,7 @@ __all__ = [
     "group_size",
     "group_rank",
     "recent_ops",
+    "set_tracker",
 ]
 
 
@@ -87,6 +88,9 @@ class _Recorder:
         self.stats = CommStats()
         self.seq: dict[int, int] = {}
         self.history: deque[tuple[int, str, str, int]] = deque(maxlen=history)
+        # The watchdog's per-collective bookkeeping (optrack.OpTracker); None when no
+        # watchdog runs, which leaves every collective below exactly as it was.
+        self.tracker = None
 
     def record(self, kind: str, group, label: str, sent: int, received: int) -> int:
         gid = id(group) if group is not None else 0
@@ -120,6 +124,22 @@ def recent_ops() -> list[tuple[int, str, str, int]]:
     """The last collectives issued: (sequence number, kind, label, bytes sent)."""
     with _RECORDER.lock:
         return list(_RECORDER.history)
+
+
+def set_tracker(tracker) -> None:
+    """Route every collective that reaches the backend through ``tracker.run`` (None: stop).
+
+    Used by :mod:`shardwise.distributed.watchdog`; see [Note: tracking cost] in optrack.py.
+    """
+    _RECORDER.tracker = tracker
+
+
+def _issue(kind: str, pg, label: str, tensor, is_async: bool, fn, /, *args, **kwargs):
+    """Call the c10d collective ``fn``, through the watchdog's tracker when one runs."""
+    tracker = _RECORDER.tracker
+    if tracker is None:
+        return fn(*args, **kwargs)
+    return tracker.run(kind, pg, label, tensor, is_async, fn, *args, **kwargs)
 
 
 def group_size(group=None) -> int:
@@ -162,7 +182,8 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard.view_as(output))
         return None
-    return _ALL_GATHER(_wire(output), _wire(shard), group=group, async_op=async_op)
+    return _issue("all_gather", group, label, shard, async_op, _ALL_GATHER, _wire(output),
+                  _wire(shard), group=group, async_op=async_op)
 
 
 class _SumAfterAllToAll:
@@ -209,13 +230,15 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group=None, 
         return None
     if dist.get_backend(group) == "gloo":
         received = scratch if scratch is not None else torch.empty_like(full)
-        work = dist.all_to_all_single(received, full, group=group, async_op=True)
+        work = _issue("reduce_scatter", group, label, full, True, dist.all_to_all_single,
+                      received, full, group=group, async_op=True)
         handle = _SumAfterAllToAll(work, received, output, n)
         if not async_op:
             handle.wait()
             return None
         return handle
-    return _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _issue("reduce_scatter", group, label, full, async_op, _REDUCE_SCATTER, output, full,
+                  op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group=None, *, label: str = "", async_op: bool = False,
@@ -226,7 +249,8 @@ def all_reduce(tensor: torch.Tensor, group=None, *, label: str = "", async_op: b
     _RECORDER.record("all_reduce", group, label, vol, vol)
     if n == 1:
         return None
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issue("all_reduce", group, label, tensor, async_op, dist.all_reduce, tensor, op=op,
+                  group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, *, label: str = "",
@@ -239,7 +263,8 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, *, label: str = "",
                      0 if is_src or n == 1 else b)
     if n == 1:
         return None
-    return dist.broadcast(_wire(tensor), src=src, group=group, async_op=async_op)
+    return _issue("broadcast", group, label, tensor, async_op, dist.broadcast, _wire(tensor),
+                  src=src, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, inp: torch.Tensor, output_split_sizes=None,
@@ -259,5 +284,8 @@ def all_to_all_single(output: torch.Tensor, inp: torch.Tensor, output_split_size
     if n == 1:
         output.copy_(inp)
         return None
-    return dist.all_to_all_single(_wire(output), _wire(inp), output_split_sizes,
-                                  input_split_sizes, group=group, async_op=async_op)
+    # Per-rank split sizes make the shapes legitimately differ between ranks.
+    agreed = inp if input_split_sizes is None and output_split_sizes is None else None
+    return _issue(kind, group, label, agreed, async_op, dist.all_to_all_single, _wire(output),
+                  _wire(inp), output_split_sizes, input_split_sizes, group=group,
+                  async_op=async_op)

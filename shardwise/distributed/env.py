@@ -83,20 +83,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(backend: str | None = None, timeout_s: float = 600.0) -> DistEnv:
+def init(backend: str | None = None, timeout_s: float = 600.0,
+         watchdog: str = "on") -> DistEnv:
     """Initialise the default process group from the environment (idempotent).
 
     Args:
         backend: "gloo", "nccl" or None for :func:`default_backend`.
         timeout_s: collective timeout in seconds (default 600). A collective that outlives it
             raises instead of hanging.
+        watchdog: "on" (default), "debug" or "off": the collective watchdog
+            (:mod:`shardwise.distributed.watchdog`), started with ``timeout_s`` when the
+            world has more than one rank. A hang, a divergence or a dead rank then fails
+            every rank with one report naming the rank, the collective and the stacks.
 
     Returns:
         The :class:`DistEnv` of this process.
 
     Raises:
-        ValueError: for an unknown backend, or SLURM without MASTER_ADDR/MASTER_PORT.
+        ValueError: for an unknown backend or watchdog mode, or SLURM without
+            MASTER_ADDR/MASTER_PORT.
     """
+    from shardwise.distributed import watchdog as wd
+
+    config = wd.WatchdogConfig(timeout_s=timeout_s, mode=watchdog)
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -123,10 +132,14 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> DistEnv:
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+    wd.start(config)
     return DistEnv(rank, world, local_rank, local_world, backend, device, launcher)
 
 
 def destroy() -> None:
-    """Tear the default process group down if one exists."""
+    """Stop the watchdog and tear the default process group down if one exists."""
+    from shardwise.distributed import watchdog
+
+    watchdog.stop()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,557 @@
+"""The collective watchdog: no rank hangs silently, every failure names its rank.
+
+    env = shardwise.distributed.init(timeout_s=600)      # starts the watchdog (watchdog="on")
+    with shardwise.distributed.watchdog.guard():          # optional: publish own exceptions
+        train(...)
+
+While it runs, every collective issued through :mod:`shardwise.distributed.comm` is numbered
+and remembered (optrack.py), and a daemon thread on every rank polls the c10d store every
+``poll_s``: it writes this rank's heartbeat (progress per process group), checks the shared
+alarm, compares its collective fingerprints with each group's first rank, and notices a
+collective this rank has waited in for longer than the timeout.
+
+[Note: tripping] The watchdog *trips* when, on some rank,
+
+* a collective fails in the backend (Gloo's own timeout of ``timeout_s``, a peer that closed
+  its connection because it died) -- noticed in the calling thread;
+* a collective has been waited on for ``timeout_s`` plus a poll interval (a backend that
+  does not time out by itself) -- noticed by the thread;
+* this rank's fingerprints differ from its group's first rank (a skipped, reordered or
+  reshaped collective, even one that Gloo silently matched with another) -- by the thread;
+* in the debug mode, a collective's kind, label, shape or dtype differ between the ranks
+  about to run it -- before it runs, in the calling thread;
+* the code on this rank raised an exception (:func:`guard`, or the interpreter's excepthook);
+* another rank raised the alarm.
+
+The tripping rank sets the ``alarm`` key (first one wins) and publishes its *state*
+(progress, the collective it waits in, its exception, its Python stack); every other rank's
+thread sees the alarm within ``poll_s`` and publishes its own. Each rank then waits up to
+``grace_s`` for the states of all ranks that are alive (a rank whose process is gone is not
+waited for), composes the report (diagnosis.py) and offers it with ``compare_set``: the first
+report stored is the one every rank raises, so there is exactly one message. A rank that
+raised an exception of its own publishes it and leaves at once (its exception is the cause).
+
+[Note: unblocking] Gloo cannot abort a collective in progress (``ProcessGroupGloo.abort``
+returns without waking the waiting thread; measured on torch 2.13), so the watchdog never
+relies on it. The report reaches the main thread as :class:`CollectiveError`: raised directly
+where the main thread noticed the failure, else injected as an asynchronous exception (taken
+at its next Python bytecode). A main thread still blocked in native code is woken when a
+peer exits (Gloo fails the collective with "connection closed", which is then re-raised as
+the report). If nothing has taken the report after ``exit_grace_s``, the thread writes it
+to stderr and to torchelastic's error file and ends the process with ``os._exit(1)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise.distributed import comm
+from shardwise.distributed.diagnosis import compose
+from shardwise.distributed.optrack import GroupInfo, Op, OpTracker, fingerprint_text, op_dict
+
+__all__ = ["WatchdogConfig", "Watchdog", "CollectiveError", "start", "stop", "active", "guard",
+           "MODES"]
+
+MODES = ("on", "debug", "off")
+
+# Messages of backend errors that are a symptom of another rank's failure, not a cause.
+_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
+             "Read error", "Broken pipe", "Socket Timeout", "Connection refused")
+
+
+class CollectiveError(RuntimeError):
+    """Raised on every rank when the watchdog trips; ``str(exc)`` is the whole report.
+
+    Attributes:
+        report: the report (identical on every rank).
+        rank: the rank that raised this.
+        reporter: whether this rank's composition became the report (print it once).
+    """
+
+    def __init__(self, report: str, rank: int = -1, reporter: bool = False) -> None:
+        super().__init__(report)
+        self.report, self.rank, self.reporter = report, rank, reporter
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """Timing of the watchdog.
+
+    Attributes:
+        timeout_s: a collective waited on for longer than this is a hang (default 600 s;
+            the process group's own timeout should be the same).
+        mode: "on", "debug" (also compare every collective's fingerprint across the ranks
+            before running it) or "off".
+        poll_s: heartbeat / alarm polling interval (default: timeout / 20, in [0.05, 1] s).
+        grace_s: how long to wait for the other ranks' states (default: 5 polls, >= 1 s).
+        exit_grace_s: how long the main thread may take to pick the report up before the
+            process is ended (default: grace_s + 2 s).
+    """
+
+    timeout_s: float = 600.0
+    mode: str = "on"
+    poll_s: float | None = None
+    grace_s: float | None = None
+    exit_grace_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"watchdog mode must be one of {MODES}, got {self.mode!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"watchdog timeout_s must be > 0, got {self.timeout_s!r}")
+
+    @property
+    def poll(self) -> float:
+        return self.poll_s or min(1.0, max(0.05, self.timeout_s / 20))
+
+    @property
+    def grace(self) -> float:
+        return self.grace_s or max(1.0, 5 * self.poll)
+
+    @property
+    def exit_grace(self) -> float:
+        return self.exit_grace_s or self.grace + 2.0
+
+
+def _process_gone(host: str | None, pid: int | None) -> bool:
+    """Whether ``pid`` on ``host`` is known to have ended (only judged on this host)."""
+    if host != socket.gethostname() or not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+# Frames that say nothing about where the user's code is: the process bootstrap, and the
+# plumbing between a comm.* call and the backend.
+_NOISE = ("/multiprocessing/", "<string>", "/shardwise/distributed/optrack.py",
+          "/shardwise/distributed/watchdog.py", "/torch/distributed/c10d_logger.py",
+          "/torch/distributed/elastic/multiprocessing/")
+
+
+def backend_message(exc: BaseException) -> str:
+    """The first line of a backend error without its source location and boilerplate."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])
+    return text.split(". This is typically")[0]
+
+
+def format_frames(frames: traceback.StackSummary | list, limit: int = 20) -> str:
+    """The last ``limit`` frames of a stack, without bootstrap and comm plumbing."""
+    kept = [f for f in frames if not any(n in f.filename for n in _NOISE)
+            and not (f.filename.endswith("/shardwise/distributed/comm.py")
+                     and f.name == "_issue")]
+    return "".join(traceback.StackSummary.from_list(kept[-limit:]).format())
+
+
+def _main_stack() -> str:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return format_frames(traceback.extract_stack(frame)) if frame is not None else ""
+
+
+def _caller_stack() -> str:
+    return format_frames(traceback.extract_stack())
+
+
+def _traceback(exc: BaseException) -> str:
+    tb = traceback.TracebackException.from_exception(exc)
+    return ("Traceback (most recent call last):\n" + format_frames(tb.stack)
+            + "".join(tb.format_exception_only()))
+
+
+class Watchdog:
+    """One rank's watchdog (see the module docstring); use :func:`start` / :func:`stop`.
+
+    Args:
+        store: the c10d store of the default process group (cloned: the watchdog talks to
+            it on connections of its own).
+        rank, world_size: this rank's place in the default group.
+        config: timing and mode.
+        prefix: key prefix inside the store (one per restart attempt).
+    """
+
+    def __init__(self, store, rank: int, world_size: int, config: WatchdogConfig,
+                 prefix: str = "shardwise/watchdog/") -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.prefix = prefix
+        timeout = datetime.timedelta(seconds=max(2.0, config.grace))
+        self._store = dist.PrefixStore(prefix, store.clone())      # this thread's connection
+        self._main_store = dist.PrefixStore(prefix, store.clone())  # the calling threads'
+        for s in (self._store, self._main_store):
+            s.set_timeout(timeout)
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.context: dict[str, Any] = {}
+        """Shown beside this rank in reports, e.g. ``{"step": 7}`` (the trainer sets it)."""
+        self.tracker = OpTracker(self._on_collective_error)
+        if config.mode == "debug":
+            self.tracker.check = self._check_fingerprint
+        self._lock = threading.Lock()
+        self._report: CollectiveError | None = None
+        self._stopped = threading.Event()
+        self._taken = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="shardwise-watchdog",
+                                        daemon=True)
+        self.tripped_at: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Watchdog:
+        comm.set_tracker(self.tracker)
+        self._heartbeat(self._main_store)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if comm._RECORDER.tracker is self.tracker:
+            comm.set_tracker(None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2 * self.config.poll + 1)
+
+    @property
+    def tripped(self) -> bool:
+        return self._report is not None
+
+    # ------------------------------------------------------------------ the thread
+
+    def _loop(self) -> None:
+        poll, store = self.config.poll, self._store
+        while not self._stopped.wait(poll):
+            try:
+                self._heartbeat(store)
+                reason = self._check_alarm(store) or self._check_blocked() \
+                    or self._check_marks(store)
+            except Exception as exc:  # noqa: BLE001 - an unreachable store must not kill us
+                if self._stopped.is_set():
+                    return
+                reason = None
+                if self._store_down_since(exc) > self.config.timeout_s:
+                    reason = ("store", f"the c10d store is unreachable ({exc}); the rank that "
+                                       "hosts it (rank 0 or the launcher) has probably died")
+            if reason is not None and not self._stopped.is_set():
+                err = self.trip(*reason)
+                self._deliver(err)
+                return
+
+    _down_since: float | None = None
+
+    def _store_down_since(self, exc: BaseException) -> float:
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+        return now - self._down_since
+
+    def _heartbeat(self, store) -> None:
+        beat = {"rank": self.rank, "host": self.host, "pid": self.pid, "time": time.time(),
+                "context": dict(self.context), **self.tracker.snapshot(recent=16)}
+        store.set(f"hb/{self.rank}", json.dumps(beat))
+        self._down_since = None
+
+    def _check_alarm(self, store) -> tuple[str, str] | None:
+        if store.check(["alarm"]):
+            alarm = json.loads(store.get("alarm"))
+            return "alarm", f"rank {alarm['rank']} raised the alarm: {alarm['detail']}"
+        return None
+
+    def _check_blocked(self) -> tuple[str, str] | None:
+        blocked = self.tracker.longest_blocked()
+        limit = self.config.timeout_s + self.config.poll
+        if blocked is not None and blocked[2] > limit:
+            op = blocked[1]
+            return "timeout", (f"{fingerprint_text(op.kind, op.label, op.shape, op.dtype)} "
+                               f"(seq {op.seq} of group {op.group}) waited on for "
+                               f"{blocked[2]:.1f} s (timeout {self.config.timeout_s:g} s)")
+        return None
+
+    def _check_marks(self, store) -> tuple[str, str] | None:
+        mine = dict(self.tracker.marks)
+        for info in dict(self.tracker.groups).values():
+            leader = min(info.ranks)
+            if leader == self.rank or not mine.get(info.name):
+                continue
+            if not store.check([f"hb/{leader}"]):
+                continue
+            theirs = json.loads(store.get(f"hb/{leader}")).get("marks", {}).get(info.name, [])
+            ours = dict(mine[info.name])
+            for seq, h in theirs:
+                if seq in ours and ours[seq] != h:
+                    return "divergence", (f"the collectives of group {info.name} up to seq "
+                                          f"{seq} differ between rank {self.rank} and rank "
+                                          f"{leader}")
+        return None
+
+    # ------------------------------------------------------------------ tripping
+
+    def _state(self, kind: str, detail: str, failure: str | None = None,
+               stack: str | None = None) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "time": time.time(),
+                "trigger": {"kind": kind, "detail": detail}, "failure": failure,
+                "stack": stack if stack is not None else _main_stack(),
+                "context": dict(self.context), **self.tracker.snapshot(recent=256)}
+
+    def _raise_alarm(self, store, kind: str, detail: str) -> dict[str, Any]:
+        mine = json.dumps({"rank": self.rank, "kind": kind, "detail": detail,
+                           "time": time.time()})
+        return json.loads(store.compare_set("alarm", "", mine))
+
+    def publish_failure(self, exc: BaseException) -> None:
+        """This rank raised ``exc`` on its own: publish it and raise the alarm, then return."""
+        with self._lock:
+            if self._report is not None:
+                return
+            failure = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            tb = _traceback(exc)
+            self._report = CollectiveError(failure, self.rank)
+            self.tripped_at = time.monotonic()
+            self._stopped.set()  # this exception is the message; the thread has nothing to add
+        try:
+            store = self._main_store
+            store.set(f"state/{self.rank}", json.dumps(
+                self._state("exception", failure, failure=failure.splitlines()[-1], stack=tb)))
+            self._raise_alarm(store, "exception", f"rank {self.rank} raised "
+                                                  f"{failure.splitlines()[-1]}")
+        except Exception:  # noqa: BLE001 - the store may be gone too; the exception stands
+            pass
+
+    def trip(self, kind: str, detail: str, stack: str | None = None,
+             by_caller: bool = False) -> CollectiveError:
+        """Publish this rank's state, collect the others', compose and agree on the report.
+
+        Runs once per process; later callers get the same :class:`CollectiveError`.
+
+        Args:
+            kind, detail: what this rank noticed.
+            stack: this rank's stack to publish (default: the main thread's, now).
+            by_caller: called from the thread that will raise the report itself (not the
+                watchdog's own thread), so nothing needs delivering.
+        """
+        with self._lock:
+            if by_caller:
+                self._taken.set()
+            if self._report is not None:
+                return self._report
+            self.tripped_at = time.monotonic()
+            store = self._main_store if by_caller else self._store
+            try:
+                report, mine = self._exchange(store, kind, detail, stack)
+            except Exception as exc:  # noqa: BLE001 - no store: report what this rank knows
+                state = self._state(kind, detail, stack=stack)
+                report = compose({self.rank: state}, {}, {}, self.world_size,
+                                 self.config.timeout_s, {"rank": self.rank, "detail": detail})
+                report += f"\n(the other ranks could not be asked: the c10d store failed: {exc})"
+                mine = True
+            self._report = CollectiveError(report, self.rank, reporter=mine)
+            return self._report
+
+    def _exchange(self, store, kind: str, detail: str, stack: str | None) -> tuple[str, bool]:
+        alarm = self._raise_alarm(store, kind, detail)
+        store.set(f"state/{self.rank}", json.dumps(self._state(kind, detail, stack=stack)))
+        states: dict[int, dict[str, Any]] = {}
+        beats: dict[int, dict[str, Any]] = {}
+        silent: dict[int, str] = {}
+        deadline = time.monotonic() + self.config.grace
+        while True:
+            for r in range(self.world_size):
+                if r not in states and store.check([f"state/{r}"]):
+                    states[r] = json.loads(store.get(f"state/{r}"))
+            missing = [r for r in range(self.world_size) if r not in states]
+            for r in missing:
+                if r not in beats and store.check([f"hb/{r}"]):
+                    beats[r] = json.loads(store.get(f"hb/{r}"))
+            gone = [r for r in missing if r in beats
+                    and _process_gone(beats[r].get("host"), beats[r].get("pid"))]
+            if len(gone) == len(missing) or time.monotonic() > deadline:
+                break
+            time.sleep(min(0.05, self.config.poll))
+        for r in missing:
+            hb = beats.get(r)
+            if r in gone:
+                silent[r] = (f"its process {hb['pid']} on host {hb['host']} has exited: "
+                             "killed, out of memory, or crashed in native code")
+            else:
+                silent[r] = (f"no state within {self.config.grace:g} s: dead, or stuck in "
+                             "native code")
+        report = compose(states, beats, silent, self.world_size, self.config.timeout_s, alarm)
+        mine = f"{self.rank}\n{report}"
+        winner = store.compare_set("report", "", mine).decode()
+        return winner.split("\n", 1)[1], winner == mine
+
+    def _on_collective_error(self, op: Op, exc: BaseException) -> BaseException:
+        """A collective failed in the calling thread: the report replaces the backend error."""
+        if self._report is not None:
+            self._taken.set()
+            return self._report
+        text = backend_message(exc)
+        kind = "timeout" if "imed out" in text else "collective_error"
+        where = f"{fingerprint_text(op.kind, op.label, op.shape, op.dtype)} (seq {op.seq} of " \
+                f"group {op.group})"
+        stack = _caller_stack()
+        return self.trip(kind, f"{where} failed: {text}", stack=stack, by_caller=True)
+
+    def _check_fingerprint(self, op: Op, info: GroupInfo) -> None:
+        """Debug mode: every member publishes the collective it is about to run; compare."""
+        if self._report is not None:
+            raise self._report
+        store, me = self._main_store, fingerprint_text(op.kind, op.label, op.shape, op.dtype)
+        key = f"fp/{op.group}/{op.seq}/"
+        store.set(key + str(self.rank), me)
+        others = [r for r in info.ranks if r != self.rank]
+        keys = [key + str(r) for r in others]
+        deadline = time.monotonic() + self.config.timeout_s
+        slice_ = datetime.timedelta(seconds=self.config.poll)
+        while True:  # in slices, so an alarm raised meanwhile is not missed
+            try:
+                store.wait(keys, slice_)
+                break
+            except Exception:  # noqa: BLE001 - not there yet
+                if self._report is not None:
+                    self._taken.set()
+                    raise self._report from None
+                if time.monotonic() > deadline:
+                    late = [r for r in others if not store.check([key + str(r)])]
+                    raise self._raised("timeout", f"{me} (seq {op.seq} of group {op.group}): "
+                                                  f"{'rank(s)'} {late} did not reach it within "
+                                                  f"{self.config.timeout_s:g} s") from None
+        theirs = {r: store.get(key + str(r)).decode() for r in others}
+        if op.seq >= 2:
+            store.delete_key(f"fp/{op.group}/{op.seq - 2}/{self.rank}")
+        odd = {r: t for r, t in theirs.items() if t != me}
+        if odd:
+            detail = f"seq {op.seq} of group {op.group}: rank {self.rank} issues {me}; " + \
+                "; ".join(f"rank {r} issues {t}" for r, t in sorted(odd.items()))
+            raise self._raised("mismatch", detail)
+
+    def _raised(self, kind: str, detail: str) -> CollectiveError:
+        return self.trip(kind, detail, stack=_caller_stack(), by_caller=True)
+
+    def _deliver(self, err: CollectiveError) -> None:
+        """From the thread: hand the report to the main thread, or end the process."""
+        if self._taken.is_set():
+            return
+        main = threading.main_thread()
+        taken = self._taken
+
+        def __init__(exc_self) -> None:  # raised in the main thread: the report arrived
+            CollectiveError.__init__(exc_self, err.report, err.rank, err.reporter)
+            taken.set()
+
+        cls = type("CollectiveError", (CollectiveError,),
+                   {"__init__": __init__, "__module__": __name__})
+        if main.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main.ident),
+                                                       ctypes.py_object(cls))
+        # A rank waiting in a collective is woken when a peer exits, so the ranks that are
+        # not (stuck elsewhere) are ended first: their exit unblocks the others.
+        grace = self.config.exit_grace
+        if self.tracker.longest_blocked() is not None:
+            grace += max(2.0, self.config.grace)
+        if self._taken.wait(grace) or self._stopped.wait(0.0):
+            return
+        if self._stopped.is_set():
+            return
+        _hard_exit(err)
+
+
+def _hard_exit(err: CollectiveError) -> None:
+    """Report through stderr and torchelastic's error file, then end the process."""
+    text = err.report if err.reporter else (
+        f"rank {err.rank}: stopped by the shardwise watchdog (report printed by another rank)"
+        f"\n{err.report.splitlines()[0]}")
+    print(text, file=sys.stderr, flush=True)
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(CollectiveError(err.report, err.rank, err.reporter))
+    except Exception:  # noqa: BLE001 - best effort; stderr already has it
+        pass
+    os._exit(1)
+
+
+# ---------------------------------------------------------------------- process-wide
+
+
+_ACTIVE: list[Watchdog] = []  # at most one: the watchdog of this process's default group
+
+
+def active() -> Watchdog | None:
+    """The running watchdog of this process, if any."""
+    return _ACTIVE[0] if _ACTIVE else None
+
+
+def start(config: WatchdogConfig | None = None) -> Watchdog | None:
+    """Start the watchdog over the default process group (idempotent).
+
+    Args:
+        config: timing and mode (default :class:`WatchdogConfig`).
+
+    Returns:
+        The watchdog, or None for mode "off" or a world of one rank.
+    """
+    config = config or WatchdogConfig()
+    if _ACTIVE:
+        return _ACTIVE[0]
+    if config.mode == "off" or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    # Every rank starts once per generation (a restart attempt, or init after destroy in one
+    # process): the k-th start of every rank reads a count in ((k-1) N, k N], so all ranks
+    # agree on k without a collective, and a report of an earlier generation is never read.
+    generation = (store.add("shardwise/watchdog/starts", 1) - 1) // world
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    wd = Watchdog(store, dist.get_rank(), world, config,
+                  prefix=f"shardwise/watchdog/{attempt}.{generation}/")
+    _ACTIVE.append(wd.start())
+    return wd
+
+
+def stop() -> None:
+    """Stop this process's watchdog, if one runs."""
+    while _ACTIVE:
+        _ACTIVE.pop().stop()
+
+
+@contextlib.contextmanager
+def guard() -> Iterator[None]:
+    """Publish an exception raised inside to the other ranks before it propagates.
+
+    The other ranks then stop within a poll interval with a report naming this rank and its
+    exception, instead of waiting in their next collective until the timeout. An exception
+    that is itself a symptom of another rank's failure (a collective that lost its peer) is
+    replaced by the watchdog's report.
+    """
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except BaseException as exc:
+        wd = active()
+        if wd is None or (isinstance(exc, SystemExit) and not exc.code):
+            raise
+        text = str(exc)
+        if any(s in text for s in _SYMPTOMS):
+            raise wd.trip("collective_error", backend_message(exc),
+                          stack=_traceback(exc), by_caller=True) from exc
+        wd.publish_failure(exc)
+        raise
