@@ -101,6 +101,21 @@ def _plan_shards(entries: list[tuple[str, torch.dtype, tuple]], max_bytes: int) 
     return shards
 
 
+def _model_entries(src: Path, md) -> tuple[list[tuple[str, torch.dtype, tuple]], dict]:
+    """``[(hf name, dtype, shape)]`` of the model tensors in DCP's index, and hf -> our name."""
+    entries, ours = [], {}
+    for key, tmd in md.state_dict_metadata.items():
+        if not key.startswith("model."):
+            continue
+        name = hf.hf_name(key[len("model."):])
+        if name is None:
+            raise CheckpointError(f"checkpoint {src}: tensor {key} has no Hugging Face Llama "
+                                  f"name", path=src, tensor=key)
+        entries.append((name, tmd.properties.dtype, tuple(tmd.size)))
+        ours[name] = key[len("model."):]
+    return entries, ours
+
+
 def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        verify_files: bool = True) -> Path:
@@ -132,18 +147,10 @@ def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                               path=src, file="manifest.json")
     reader = _read_index(src, manifest)
     md = reader.read_metadata()
-    entries, ours = [], {}
-    for key, tmd in md.state_dict_metadata.items():
-        if not key.startswith("model."):
-            continue
-        name = hf.hf_name(key[len("model."):])
-        if name is None:
-            raise CheckpointError(f"checkpoint {src}: tensor {key} has no Hugging Face Llama "
-                                  f"name", path=src, tensor=key)
-        entries.append((name, tmd.properties.dtype, tuple(tmd.size)))
-        ours[name] = key[len("model."):]
+    entries, ours = _model_entries(src, md)
 
     def produce(name: str) -> torch.Tensor:
+        """One tensor read whole from the checkpoint, in HF layout."""
         fqn = ours[name]
         tmd = md.state_dict_metadata["model." + fqn]
         full = torch.empty(tmd.size, dtype=tmd.properties.dtype)

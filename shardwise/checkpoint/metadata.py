@@ -71,6 +71,7 @@ class SafeUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        """Resolve an allowed global; refuse any other by name (nothing is built first)."""
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(
                 getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
             return super().find_class(module, name)
@@ -116,6 +117,7 @@ class SafeReader(FileSystemReader):
         self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's index via :func:`safe_load_metadata`, read once and cached."""
         if self._metadata is None:
             self._metadata = safe_load_metadata(Path(self.path) / METADATA_FILE)
         md = self._metadata

@@ -175,15 +175,26 @@ def build_checkpointer(cfg: Config) -> Any:
                         timeout_s=max(cfg.parallel.timeout_s, 1800.0))
 
 
-def resume_or_import(cfg: Config, ckpt: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     stateful: dict[str, Any], env: dist_env.DistEnv) -> tuple[int, str | None]:
-    """``checkpoint.resume``, else ``checkpoint.import_safetensors`` (see
-    :func:`shardwise.checkpoint.run.resume_or_import`): ``(steps done, note or None)``."""
+def resume_or_import(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     stateful: dict[str, Any], env: dist_env.DistEnv
+                     ) -> tuple[Any, int, str | None]:
+    """The Checkpointer, then ``checkpoint.resume``, else ``checkpoint.import_safetensors``
+    (see :func:`shardwise.checkpoint.run.resume_or_import`).
+
+    Returns:
+        ``(checkpointer, steps already done, a line saying what was loaded, or None)``.
+    """
     from shardwise.checkpoint.run import resume_or_import as load
 
-    c = cfg.checkpoint
-    return load(ckpt, model, optimizer, stateful, resume=c.resume, import_path=c.import_safetensors,
-                log_dir=cfg.log.dir, is_main=env.is_main)
+    c, ckpt = cfg.checkpoint, build_checkpointer(cfg)
+    done, note = load(ckpt, model, optimizer, stateful, resume=c.resume,
+                      import_path=c.import_safetensors, log_dir=cfg.log.dir, is_main=env.is_main)
+    return ckpt, done, note
+
+
+def _checkpoint_summary(ckpt: Any, done: int) -> dict[str, Any]:
+    return {"resumed_from_step": done, "saved": [str(r.path) for r in ckpt.results],
+            "peak_snapshot_mib": round(ckpt.peak_snapshot_bytes / 2**20, 2)}
 
 
 def _checkpoint_due(step: int, cfg: Config) -> bool:
@@ -310,9 +321,8 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     loader = TokenLoader(data.train_ids, seq_len=cfg.data.seq_len,
                          batch_size=cfg.train.batch_size, rank=env.rank,
                          world_size=env.world_size, seed=cfg.data.seed)
-    ckpt = build_checkpointer(cfg)
     stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
-    done, note = resume_or_import(cfg, ckpt, model, optimizer, stateful, env)
+    ckpt, done, note = resume_or_import(cfg, model, optimizer, stateful, env)
     logger = MetricsLogger(cfg.log.dir, cfg.train.steps, enabled=env.is_main,
                            progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
                            refresh_every=cfg.train.log_interval)
@@ -348,9 +358,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     return _finish(cfg, env, logger.records, peak[:, 0].tolist(), train_time,
                    time.perf_counter() - start, model_state_mib=peak[:, 1].tolist(),
                    skipped_steps=scaler.skipped_steps,
-                   checkpoint={"resumed_from_step": done, "saved": [
-                       str(r.path) for r in ckpt.results],
-                       "peak_snapshot_mib": round(ckpt.peak_snapshot_bytes / 2**20, 2)})
+                   checkpoint=_checkpoint_summary(ckpt, done))
 
 
 def _finish(cfg: Config, env: dist_env.DistEnv, records: list[dict[str, Any]],
