@@ -124,6 +124,7 @@ def test_malformed_and_missing_toml(tmp_path):
     ("data.tokenizer", "wordpiece"), ("parallel.backend", "mpi"), ("parallel.nproc", "0"),
     ("optim.min_lr_ratio", "1.5"), ("optim.betas", "0.9,1.0"), ("parallel.dp_shard", "0"),
     ("precision.param_dtype", "fp8"), ("precision.loss_scale", "0"),
+    ("train.nonfinite", "ignore"), ("parallel.watchdog", "maybe"), ("parallel.timeout_s", "0"),
 ])
 def test_impossible_values_name_the_value(key, value):
     with pytest.raises(ValueError) as info:

@@ -98,6 +98,9 @@ class TrainConfig:
     """Micro-batches per rank in each validation pass."""
     log_interval: int = 10
     """Gather per-rank memory and refresh the progress bar every this many steps."""
+    nonfinite: str = "stop"
+    """A nan/inf loss or gradient before the optimizer step: "stop" (fail naming the first
+    offending parameter and the step) or "skip" (drop the update, log it, continue)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,10 @@ class ParallelConfig:
     """c10d backend: "auto" (nccl with CUDA, else gloo), "gloo" or "nccl"."""
     timeout_s: float = 600.0
     """Collective timeout in seconds; a collective that outlives it fails instead of hanging."""
+    watchdog: str = "on"
+    """Collective watchdog: "on" (hangs, divergence and dead ranks fail every rank with one
+    report, docs/failures.md), "debug" (also compare every collective's shapes across ranks
+    before it runs: slower) or "off"."""
 
 
 @dataclass(frozen=True)
@@ -291,6 +298,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("train.eval_interval", _non_negative, "an int >= 0"),
     ("train.eval_batches", _positive, "a positive int"),
     ("train.log_interval", _positive, "a positive int"),
+    ("train.nonfinite", lambda v: v in ("stop", "skip"), "'stop' or 'skip'"),
     ("optim.lr", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
     ("optim.betas", lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     ("optim.eps", _positive, "a positive number"),
@@ -305,6 +313,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.prefetch", _non_negative, "an int >= 0"),
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
     ("parallel.timeout_s", _positive, "a positive number of seconds"),
+    ("parallel.watchdog", lambda v: v in ("on", "debug", "off"), "'on', 'debug' or 'off'"),
     ("precision.param_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
     ("precision.reduce_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
     ("precision.loss_scale", _positive, "a positive number"),
