@@ -113,9 +113,13 @@ def copy_tensors(obj: Any) -> Any:
     if hasattr(obj, "to_local"):
         from torch.distributed.tensor import DTensor
 
+        if obj.to_local().device.type != "cpu":
+            # Host memory, as torch's own async stager does (_state_dict_utils): the device
+            # keeps nothing, and the writer needs CPU tensors anyway.
+            return obj.detach().to(device="cpu")
         return DTensor.from_local(obj.to_local().clone(), obj.device_mesh, obj.placements,
                                   run_check=False, shape=obj.shape, stride=obj.stride())
-    return obj.detach().clone()
+    return obj.detach().to("cpu", copy=True)
 
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
