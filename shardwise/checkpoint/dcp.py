@@ -227,11 +227,18 @@ def write(path: str | os.PathLike, snap: Snapshot, process_group=None,
                           no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # a BaseException: `except Exception` misses it
         raise RuntimeError(f"saving checkpoint {path} failed: {exc}") from None
-    own = (atomic.hash_rank_files(staging, rank, md), snap.rng)
+    try:
+        own = (atomic.hash_rank_files(staging, rank, md), snap.rng, None)
+    except OSError as exc:  # every rank must still reach the gather below
+        own = ({}, snap.rng, f"hashing the files of checkpoint {path} failed: {exc}")
     gathered = [own]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size(process_group)
         dist.all_gather_object(gathered, own, group=process_group)
+    failed = next(((r, g[2]) for r, g in enumerate(gathered) if g[2]), None)
+    if failed:
+        raise RuntimeError(f"rank {failed[0]}: {failed[1]}")
+    gathered = [g[:2] for g in gathered]
     error, pruned = None, []
     if rank == 0:
         try:
