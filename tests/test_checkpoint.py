@@ -276,6 +276,12 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, wh
 # ----------------------------------------------------------------------------- async
 
 
+def _any(flag: bool) -> bool:
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _async_run(root: str, delay_s: float, limit: int | None):
     import torch.distributed.checkpoint.filesystem as fs
 
@@ -297,7 +303,7 @@ def _async_run(root: str, delay_s: float, limit: int | None):
         returned = ckpt.save(1, model, opt)
     submit_s = time.perf_counter() - t0
     steps_during = 0
-    while ckpt.in_flight:
+    while _any(ckpt.in_flight):  # every rank trains the same steps (collectives must match)
         _train(model, opt, 1, seed=steps_during + 1)  # training goes on, weights change
         steps_during += 1
     t0 = time.perf_counter()
@@ -316,7 +322,7 @@ def test_async_save_overlaps_training_with_a_bounded_snapshot(tmp_path):
     out = run_ranks(_async_run, 2, args=(str(tmp_path / "a"), 0.02, None), timeout_s=120)
     for returned, submit_s, steps_during, peak, local, same, second_s, _, _ in out:
         assert returned is None and steps_during >= 1      # the write ran behind training
-        assert submit_s < 0.5 < second_s or submit_s < second_s
+        assert submit_s < second_s  # blocking on the snapshot only, not on the write
         assert peak == local        # the snapshot is exactly this rank's shards + state
         assert same                 # and holds the weights as they were at save time
     steps_during = out[0][2]
