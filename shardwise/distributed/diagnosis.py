@@ -56,8 +56,9 @@ def _where(op: dict[str, Any], groups: dict[str, list[int]]) -> str:
 
 
 def _step(info: dict[str, Any]) -> str:
+    """`` at step 7`` from the context the trainer set (empty without one)."""
     ctx = info.get("context") or {}
-    return "".join(f", {k} {v}" for k, v in ctx.items())
+    return (" at " + ", ".join(f"{k} {v}" for k, v in ctx.items())) if ctx else ""
 
 
 def _all_groups(infos: Iterable[dict[str, Any]]) -> dict[str, list[int]]:

@@ -83,6 +83,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _elastic_store(env: dict[str, str], timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun: the agent's store, with keys of their own for this restart attempt.
+
+    [Note: restart attempts] torchrun's agent hosts one TCPStore for the whole job, and every
+    attempt's workers connect to it (TORCHELASTIC_USE_AGENT_STORE). Keys are not cleared
+    between attempts, so a restarted rank 0 can read the address a dead rank of the previous
+    attempt published and wait in Gloo's connectFullMesh until the timeout (seen in 3 of 4
+    restarts on torch 2.13). A prefix per attempt keeps the attempts apart.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in env:
+        return None
+    store = dist.TCPStore(env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"shardwise/attempt_{attempt}", store)
+
+
 def init(backend: str | None = None, timeout_s: float = 600.0,
          watchdog: str = "on") -> DistEnv:
     """Initialise the default process group from the environment (idempotent).
@@ -126,11 +143,14 @@ def init(backend: str | None = None, timeout_s: float = 600.0,
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _elastic_store(env, timeout) if launcher == "torchrun" else None
         dist.init_process_group(
             backend=backend,
+            store=store,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
     wd.start(config)
     return DistEnv(rank, world, local_rank, local_world, backend, device, launcher)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import functools
 import json
 import os
 import re
@@ -54,7 +55,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,7 @@ from shardwise.distributed.diagnosis import compose
 from shardwise.distributed.optrack import GroupInfo, Op, OpTracker, fingerprint_text, op_dict
 
 __all__ = ["WatchdogConfig", "Watchdog", "CollectiveError", "start", "stop", "active", "guard",
-           "MODES"]
+           "guarded", "MODES"]
 
 MODES = ("on", "debug", "off")
 
@@ -249,6 +250,13 @@ class Watchdog:
                 if self._store_down_since(exc) > self.config.timeout_s:
                     reason = ("store", f"the c10d store is unreachable ({exc}); the rank that "
                                        "hosts it (rank 0 or the launcher) has probably died")
+            if reason is not None and len(reason) == 3:
+                # Another rank raised; if this one raises too (an error all ranks agreed on),
+                # its own exception is its message: give the main thread a moment first.
+                if reason[2] == "exception" and self._stopped.wait(
+                        min(1.0, self.config.grace / 2)):
+                    return
+                reason = reason[:2]
             if reason is not None and not self._stopped.is_set():
                 err = self.trip(*reason)
                 self._deliver(err)
@@ -268,10 +276,11 @@ class Watchdog:
         store.set(f"hb/{self.rank}", json.dumps(beat))
         self._down_since = None
 
-    def _check_alarm(self, store) -> tuple[str, str] | None:
+    def _check_alarm(self, store) -> tuple[str, str, str] | None:
         if store.check(["alarm"]):
             alarm = json.loads(store.get("alarm"))
-            return "alarm", f"rank {alarm['rank']} raised the alarm: {alarm['detail']}"
+            return "alarm", f"rank {alarm['rank']} raised the alarm: {alarm['detail']}", \
+                alarm["kind"]
         return None
 
     def _check_blocked(self) -> tuple[str, str] | None:
@@ -447,7 +456,7 @@ class Watchdog:
 
     def _deliver(self, err: CollectiveError) -> None:
         """From the thread: hand the report to the main thread, or end the process."""
-        if self._taken.is_set():
+        if self._taken.is_set() or self._stopped.is_set():
             return
         main = threading.main_thread()
         taken = self._taken
@@ -555,3 +564,12 @@ def guard() -> Iterator[None]:
                           stack=_traceback(exc), by_caller=True) from exc
         wd.publish_failure(exc)
         raise
+
+
+def guarded(fn: Callable) -> Callable:
+    """Decorator: run ``fn`` inside :func:`guard`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with guard():
+            return fn(*args, **kwargs)
+    return wrapper

@@ -106,6 +106,20 @@ def _is_rank_zero() -> bool:
     return True
 
 
+def _report_collective_error(exc) -> None:
+    """The watchdog's report, printed once per job (by the rank that composed it)."""
+    if exc.reporter:
+        print(f"shardwise: error: {exc}", file=sys.stderr, flush=True)
+    else:
+        first = str(exc).splitlines()[0]
+        print(f"shardwise: error: rank {exc.rank} stopped ({first}); the full report is "
+              "printed by another rank", file=sys.stderr, flush=True)
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's summary names the cause too
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from shardwise.train.config import load_config
     from shardwise.train.launch import run_training
@@ -126,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from shardwise.distributed.watchdog import CollectiveError
     from shardwise.train.launch import RankFailure
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -142,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except RankFailure as exc:
         print(f"shardwise: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except CollectiveError as exc:  # this process is one rank of a torchrun / SLURM job
+        _report_collective_error(exc)
         return 1
     except (KeyboardInterrupt, SignalException):
         print("shardwise: interrupted", file=sys.stderr, flush=True)

@@ -37,9 +37,14 @@ class RankFailure(RuntimeError):
 
     def __init__(self, failures: dict[int, tuple[int, str]]) -> None:
         self.failures = dict(sorted(failures.items()))
-        parts = [f"rank {rank} failed (exit code {code}): {message}"
-                 for rank, (code, message) in self.failures.items()]
-        super().__init__("; ".join(parts))
+        parts, reports = [], []
+        for rank, (code, message) in self.failures.items():
+            if message.startswith("shardwise watchdog:"):
+                if message not in reports:  # every rank raises the same report: show it once
+                    reports.append(message)
+            else:
+                parts.append(f"rank {rank} failed (exit code {code}): {message}")
+        super().__init__("\n".join(["; ".join(parts)] * bool(parts) + reports))
 
 
 def _failure_message(failure: Any) -> str:
@@ -50,7 +55,10 @@ def _failure_message(failure: Any) -> str:
     if failure.exitcode < 0 or not message or "To enable traceback" in str(message):
         return f"killed by signal {failure.signal_name()}" if failure.exitcode < 0 else \
             "exited without an error report (see the rank's output above)"
-    return str(message).strip().splitlines()[-1]
+    text = str(message).strip()
+    if text.startswith("CollectiveError: shardwise watchdog:"):  # the whole report
+        return text.removeprefix("CollectiveError: ")
+    return text.splitlines()[-1]
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (),

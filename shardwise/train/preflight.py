@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.train.compat import check_fault_spec, check_resume
 from shardwise.train.config import Config, check_output_dir, resolve_world, to_toml
 from shardwise.train.metrics import require_tensorboard
 
@@ -127,18 +128,20 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
         ValueError: degrees that do not fit the world size, NCCL without CUDA, an unwritable
             ``log.dir``,
             TensorBoard asked for but missing, a bad model name / shape / seq_len, a corpus
-            with no or too little text.
+            with no or too little text, a bad ``$SHARDWISE_FAULT``, a ``checkpoint.resume``
+            that is missing or was saved from another model shape or vocabulary.
     """
     cfg = resolve_world(cfg, world_size)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
                          "expected 'gloo' or 'auto'")
     build_model_config(cfg)  # cheap shape / seq_len checks before touching disk
+    check_fault_spec()
     if cfg.log.tensorboard:
         require_tensorboard()
     check_output_dir(cfg.log.dir)
     data = build_data(cfg, world_size)
-    build_model_config(cfg, data.vocab_size)
+    check_resume(cfg, build_model_config(cfg, data.vocab_size))
     return cfg, data
 
 

@@ -20,18 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import shardwise
 from shardwise import LossScaler, MixedPrecision
+from shardwise.distributed import comm
 from shardwise.distributed import env as dist_env
+from shardwise.distributed import watchdog
 from shardwise.distributed.mesh import ParallelDims
 from shardwise.train.config import Config
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
 from shardwise.train.preflight import build_model_config
+from shardwise.train.stepguard import StepGuard
 
 __all__ = [
     "build_env", "build_parallel_model", "build_mixed_precision", "build_loss_scaler",
@@ -110,7 +112,8 @@ def build_env(cfg: Config) -> dist_env.DistEnv:
             MASTER_ADDR / MASTER_PORT).
     """
     backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
-    env = dist_env.init(backend=backend, timeout_s=cfg.parallel.timeout_s)
+    env = dist_env.init(backend=backend, timeout_s=cfg.parallel.timeout_s,
+                        watchdog=cfg.parallel.watchdog)
     if env.device.type == "cpu":
         # N ranks each using every core oversubscribe the CPU several times over.
         import os
@@ -213,21 +216,26 @@ def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torc
 def _gather_stats(values: list[float], env: dist_env.DistEnv) -> torch.Tensor:
     """Every rank's ``values``: (world_size, len(values)), in one small all-gather."""
     local = torch.tensor(values, dtype=torch.float64, device=env.device)
-    out = [torch.empty_like(local) for _ in range(env.world_size)]
-    dist.all_gather(out, local)
-    return torch.stack(out).cpu()
+    out = torch.empty(env.world_size * len(values), dtype=torch.float64, device=env.device)
+    comm.all_gather_into_tensor(out, local, label="train.stats")
+    return out.view(env.world_size, len(values)).cpu()
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, cfg: Config,
-               env: dist_env.DistEnv, step: int, scaler: LossScaler) -> dict[str, Any]:
+               env: dist_env.DistEnv, step: int, scaler: LossScaler,
+               guard: StepGuard | None = None) -> dict[str, Any]:
     """One optimizer step: ``grad_accum`` micro-batches, clip, update.
+
+    Args:
+        guard: failure handling (non-finite check before the update, injected faults).
 
     Returns:
         The step's record (loss averaged over micro-batches and ranks, lr used, grad norm,
         tokens/s, per-rank RSS and, on GPUs, peak allocated CUDA memory).
 
     Raises:
-        RuntimeError: if the loss is not finite on some rank (naming the rank and the step).
+        RuntimeError: if the loss is not finite on some rank (naming the rank and the step);
+            with a guard, :class:`~shardwise.train.nonfinite.NonFiniteError` before the update.
     """
     start = time.perf_counter()
     accum = cfg.train.grad_accum
@@ -238,12 +246,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
         # Gradients are communicated once per step, on the last micro-batch.
         with no_sync(model) if micro < accum - 1 else contextlib.nullcontext():
             loss = _loss(model, inputs, targets) / accum
+            if guard is not None:
+                loss = guard.on_loss(loss)
             scaler.scale(loss).backward()
         loss_sum += loss.item()
     scaler.unscale_(model)
-    grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip or math.inf)
-    stepped = scaler.step(model, optimizer)
-    scaler.update()
+    skip = guard.before_update(model, loss_sum, step, scaler.enabled) if guard else None
+    grad_norm, stepped = math.nan, False
+    if skip is None:
+        grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip or math.inf)
+        stepped = scaler.step(model, optimizer)
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
     cuda_mib = (torch.cuda.max_memory_allocated(env.device) / 2**20
                 if env.device.type == "cuda" else 0.0)
@@ -251,7 +264,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     # makes the step time honest.
     stats = _gather_stats([loss_sum, rss_mib(), cuda_mib], env)
     bad = [r for r in range(env.world_size) if not math.isfinite(stats[r, 0].item())]
-    if bad:
+    if bad and skip is None:
         raise RuntimeError(f"loss is {stats[bad[0], 0].item()} on rank {bad[0]} at step {step} "
                            f"(ranks with non-finite loss: {bad}); try a lower optim.lr")
     elapsed = time.perf_counter() - start
@@ -262,6 +275,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     if scaler.enabled:
         record.update(loss_scale=scaler.scale_value, skipped=not stepped,
                       skipped_steps=scaler.skipped_steps)
+    if skip is not None:
+        record.update(skipped=True, nonfinite=skip)
     if env.device.type == "cuda":
         record["cuda_peak_mib"] = [round(m, 1) for m in stats[:, 2].tolist()]
     return record
@@ -296,6 +311,7 @@ def _eval_due(step: int, cfg: Config) -> bool:
     return step == cfg.train.steps or (interval > 0 and step % interval == 0)
 
 
+@watchdog.guarded  # an exception here stops the other ranks at once, naming this one
 def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | None:
     """Train ``cfg.train.steps`` steps on this rank; rank 0 writes the outputs.
 
@@ -338,9 +354,11 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     if note:
         logger.echo(note)
     train_time = 0.0
+    guard = StepGuard(cfg, env, model)
     try:
         for step in range(done + 1, cfg.train.steps + 1):
-            record = train_step(model, optimizer, loader, cfg, env, step, scaler)
+            guard.begin(step)
+            record = train_step(model, optimizer, loader, cfg, env, step, scaler, guard)
             schedule.step()
             train_time += record["step_time_s"]
             logger.log_step(record)
@@ -350,6 +368,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
                 ckpt.save(step, model, optimizer, extra=stateful)
     finally:
         logger.close()
+        guard.close()
     ckpt.close()  # the last background save, if any, is committed before the summary
     mem = shardwise.memory_report(model, optimizer)
     peak = _gather_stats([peak_rss_mib(), mem.model_state_bytes / 2**20], env)
@@ -357,7 +376,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
         return None
     return _finish(cfg, env, logger.records, peak[:, 0].tolist(), train_time,
                    time.perf_counter() - start, model_state_mib=peak[:, 1].tolist(),
-                   skipped_steps=scaler.skipped_steps,
+                   skipped_steps=scaler.skipped_steps + len(guard.skipped),
                    checkpoint=_checkpoint_summary(ckpt, done))
 
 

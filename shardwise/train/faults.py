@@ -1,0 +1,270 @@
+"""Fault injection for testing failure handling: kill, crash, hang or corrupt a rank on cue.
+
+    SHARDWISE_FAULT="kill:rank=1:step=7:phase=backward" shardwise train ...
+    SHARDWISE_FAULT="raise:rank=0:step=3;hang:rank=1:step=9:attempt=1" torchrun ... train
+
+A spec is one or more faults separated by ``;``. Each is an action followed by ``key=value``
+conditions, all of which must hold for it to fire (once):
+
+actions
+    ``kill`` (SIGKILL this process), ``exit`` (``os._exit(code)``, default 3: a crash without
+    a Python traceback), ``raise`` (a :class:`InjectedFault` exception), ``oom`` (a real
+    allocation that cannot succeed), ``hang`` (sleep forever in Python; ``native=1``: in one
+    C call), ``nan`` / ``inf`` (corrupt the loss, phase ``loss``, or one parameter's gradient,
+    phase ``grad`` with ``param=FQN``), ``enospc`` (the disk is full: a checkpoint file write
+    fails with ENOSPC after writing part of its data), ``skip`` (do not issue the next
+    collective whose label contains ``label=...``; needs the watchdog).
+conditions
+    ``rank`` (default 0), ``step`` (an int, or ``random``: drawn from ``seed`` in
+    [2, steps - 1]), ``phase``, ``attempt`` (the torchrun restart count it fires in,
+    default 0, so a restarted job does not fail again; ``any``), ``param``, ``label``.
+phases
+    ``start`` (default: as the step begins), ``forward`` / ``backward`` (in the middle of the
+    model: at the middle transformer block), ``optimizer`` (just before the optimizer step),
+    ``checkpoint`` (while this rank writes its checkpoint files), ``commit`` (rank 0 inside
+    the checkpoint commit, before the rename), ``loss`` and ``grad`` (for ``nan`` / ``inf``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Fault", "FaultPlan", "InjectedFault", "parse_faults", "ENV_VAR"]
+
+ENV_VAR = "SHARDWISE_FAULT"
+ACTIONS = ("kill", "exit", "raise", "oom", "hang", "nan", "inf", "enospc", "skip")
+PHASES = ("start", "forward", "backward", "optimizer", "checkpoint", "commit", "loss", "grad")
+_DEFAULT_PHASE = {"nan": "loss", "inf": "loss", "enospc": "checkpoint", "skip": "start"}
+
+
+class InjectedFault(RuntimeError):
+    """The exception of a ``raise`` fault."""
+
+
+@dataclass
+class Fault:
+    """One fault: ``action`` when every condition holds (fires at most once)."""
+
+    action: str
+    rank: int = 0
+    step: int | str | None = None
+    phase: str = "start"
+    attempt: str = "0"
+    options: dict[str, str] = field(default_factory=dict)
+    fired: bool = False
+
+    def describe(self) -> str:
+        opts = "".join(f":{k}={v}" for k, v in self.options.items())
+        return f"{self.action}:rank={self.rank}:step={self.step}:phase={self.phase}{opts}"
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """Parse a ``SHARDWISE_FAULT`` spec (see the module docstring).
+
+    Raises:
+        ValueError: an unknown action, phase or key, or a malformed value (named).
+    """
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        action, *pairs = part.split(":")
+        if action not in ACTIONS:
+            raise ValueError(f"{ENV_VAR}: unknown action {action!r} in {part!r}; expected "
+                             f"one of {', '.join(ACTIONS)}")
+        fault = Fault(action, phase=_DEFAULT_PHASE.get(action, "start"))
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise ValueError(f"{ENV_VAR}: expected key=value, got {pair!r} in {part!r}")
+            if key == "rank" or (key == "step" and value != "random"):
+                if not value.isdigit():
+                    raise ValueError(f"{ENV_VAR}: {key} must be an int, got {value!r}")
+                setattr(fault, key, int(value))
+            elif key == "step":
+                fault.step = value
+            elif key == "phase":
+                if value not in PHASES:
+                    raise ValueError(f"{ENV_VAR}: unknown phase {value!r}; expected one of "
+                                     f"{', '.join(PHASES)}")
+                fault.phase = value
+            elif key == "attempt":
+                fault.attempt = value
+            elif key in ("param", "label", "seed", "code", "native"):
+                fault.options[key] = value
+            else:
+                raise ValueError(f"{ENV_VAR}: unknown key {key!r} in {part!r}")
+        faults.append(fault)
+    return faults
+
+
+class FaultPlan:
+    """The faults of this rank, armed on a model and fired by the trainer's hooks.
+
+    Args:
+        faults: parsed faults (all ranks' ones; only this rank's fire).
+        rank: this rank.
+        steps: the run's total steps (to draw ``step=random``).
+    """
+
+    def __init__(self, faults: list[Fault], rank: int, steps: int) -> None:
+        self.rank, self.step = rank, 0
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.faults = [f for f in faults if f.rank == rank
+                       and (f.attempt == "any" or f.attempt == attempt)]
+        for f in self.faults:
+            if f.step == "random":
+                rng = random.Random(int(f.options.get("seed", "0")))
+                f.step = rng.randint(2, max(2, steps - 1))
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    @classmethod
+    def from_env(cls, rank: int, steps: int) -> FaultPlan | None:
+        """The plan of ``$SHARDWISE_FAULT`` for this rank, or None when it is unset/empty."""
+        spec = os.environ.get(ENV_VAR, "")
+        plan = cls(parse_faults(spec), rank, steps) if spec.strip() else None
+        return plan if plan is not None and plan.faults else None
+
+    # ------------------------------------------------------------------ firing
+
+    def _due(self, phase: str) -> Fault | None:
+        for f in self.faults:
+            if not f.fired and f.phase == phase and (f.step is None or f.step == self.step):
+                f.fired = True
+                return f
+        return None
+
+    def fire(self, phase: str) -> None:
+        """Run the fault due now in ``phase``, if any (kill / exit / raise / oom / hang)."""
+        f = self._due(phase)
+        if f is not None:
+            _act(f, self.step)
+
+    def at_step(self, step: int) -> None:
+        """The trainer begins ``step`` (1-based): fire the ``start`` faults."""
+        self.step = step
+        self.fire("start")
+
+    def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``nan`` / ``inf`` with phase ``loss``: the corrupted loss (else ``loss``)."""
+        f = self._due("loss")
+        if f is None:
+            return loss
+        return loss * float(f.action)
+
+    def after_backward(self, model: nn.Module) -> None:
+        """``nan`` / ``inf`` with phase ``grad``: write it into ``param``'s gradient."""
+        f = self._due("grad")
+        if f is None:
+            return
+        name = f.options.get("param")
+        params = dict(model.named_parameters())
+        if name not in params:
+            raise ValueError(f"{ENV_VAR}: param {name!r} is not a parameter of the model")
+        grad = params[name].grad
+        if grad is not None and grad.numel():
+            with torch.no_grad():
+                grad.view(-1)[0] = float(f.action)
+
+    # ------------------------------------------------------------------ arming
+
+    def arm(self, model: nn.Module) -> FaultPlan:
+        """Install the hooks the phases need: model hooks, checkpoint writes, collectives."""
+        phases = {f.phase for f in self.faults}
+        if phases & {"forward", "backward"}:
+            self._arm_model(model)
+        if "checkpoint" in phases:
+            self._arm_checkpoint_writes()
+        if "commit" in phases:
+            from shardwise.checkpoint import atomic
+
+            self._wrap(atomic, "commit", lambda orig, *a, **k: (self.fire("commit"),
+                                                                  orig(*a, **k))[1])
+        if any(f.action == "skip" for f in self.faults):
+            from shardwise.distributed import watchdog
+
+            wd = watchdog.active()
+            if wd is None:
+                raise ValueError(f"{ENV_VAR}: 'skip' faults need the watchdog "
+                                 "(parallel.watchdog = 'on')")
+            wd.tracker.fault = self._on_collective
+        return self
+
+    def _arm_model(self, model: nn.Module) -> None:
+        blocks = [m for m in model.modules() if type(m).__name__ == "TransformerBlock"]
+        middle = blocks[len(blocks) // 2] if blocks else model
+
+        def pre_forward(module, args):
+            self.fire("forward")
+
+        def post_forward(module, args, output):
+            if torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(lambda grad: (self.fire("backward"), None)[1])
+
+        middle.register_forward_pre_hook(pre_forward)
+        middle.register_forward_hook(post_forward)
+
+    def _arm_checkpoint_writes(self) -> None:
+        from torch.distributed.checkpoint import filesystem
+
+        def write_item(orig, transforms, stream, data, *args, **kwargs):
+            f = self._due("checkpoint")
+            if f is None:
+                return orig(transforms, stream, data, *args, **kwargs)
+            # Leave a partly written file behind, as a real crash or a full disk would.
+            stream.write(b"\0" * 4096)
+            stream.flush()
+            if f.action == "enospc":
+                raise OSError(errno.ENOSPC, "No space left on device (injected by "
+                                            f"{ENV_VAR}={f.describe()})")
+            _act(f, self.step)
+            return orig(transforms, stream, data, *args, **kwargs)
+
+        self._wrap(filesystem, "_write_item", write_item)
+
+    def _on_collective(self, kind: str, label: str) -> str | None:
+        for f in self.faults:
+            if (f.action == "skip" and not f.fired and f.step in (None, self.step)
+                    and f.options.get("label", "") in label):
+                f.fired = True
+                return "skip"
+        return None
+
+    def _wrap(self, owner: Any, name: str, wrapper) -> None:
+        orig = getattr(owner, name)
+
+        def patched(*args, **kwargs):
+            return wrapper(orig, *args, **kwargs)
+
+        setattr(owner, name, patched)
+        self._patched.append((owner, name, orig))
+
+    def disarm(self) -> None:
+        """Undo every patch :meth:`arm` made."""
+        while self._patched:
+            owner, name, orig = self._patched.pop()
+            setattr(owner, name, orig)
+
+
+def _act(f: Fault, step: int) -> None:
+    what = f"{ENV_VAR}={f.describe()} at step {step}"
+    if f.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif f.action == "exit":
+        os._exit(int(f.options.get("code", "3")))
+    elif f.action == "raise":
+        raise InjectedFault(f"injected fault {what}")
+    elif f.action == "oom":
+        torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator refuses
+    elif f.action == "hang":
+        if f.options.get("native") == "1":
+            time.sleep(10**9)
+        while True:
+            time.sleep(0.05)

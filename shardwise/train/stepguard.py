@@ -1,0 +1,94 @@
+"""The trainer's per-step failure handling, in one object the loop calls at fixed points.
+
+    guard = StepGuard(cfg, env, model)
+    for step in ...:
+        guard.begin(step)                     # watchdog context; injected "start" faults
+        loss = guard.on_loss(loss)            # injected nan / inf loss
+        skip = guard.before_update(model, loss_sum, step, scaler.enabled)
+        ...                                   # clip + optimizer step unless skip
+    guard.close()
+
+``before_update`` runs after backward and before clipping: the non-finite check
+(:func:`shardwise.train.nonfinite.find_nonfinite_grads`, one small all-gather), with the
+``train.nonfinite`` policy: "stop" raises :class:`NonFiniteError` naming the step and the first
+offending parameter on every rank alike; "skip" returns the same message and the trainer drops
+the update. Faults come from ``$SHARDWISE_FAULT`` (shardwise.train.faults).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.distributed import watchdog
+from shardwise.train.faults import FaultPlan
+from shardwise.train.nonfinite import NonFiniteError, find_nonfinite_grads
+
+__all__ = ["StepGuard"]
+
+
+class StepGuard:
+    """Failure handling around each training step (see the module docstring).
+
+    Args:
+        cfg: the run config (``train.nonfinite``, ``train.steps``).
+        env: this rank's :class:`~shardwise.distributed.env.DistEnv`.
+        model: the parallel model (fault hooks are installed on it).
+    """
+
+    def __init__(self, cfg: Any, env: Any, model: nn.Module) -> None:
+        self.policy = cfg.train.nonfinite
+        self.faults = FaultPlan.from_env(env.rank, cfg.train.steps)
+        if self.faults is not None:
+            self.faults.arm(model)
+        self.watchdog = watchdog.active()
+        self.skipped: list[int] = []
+
+    def begin(self, step: int) -> None:
+        """The loop starts ``step``."""
+        if self.watchdog is not None:
+            self.watchdog.context["step"] = step
+        if self.faults is not None:
+            self.faults.at_step(step)
+
+    def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch loss, corrupted if a fault says so."""
+        return self.faults.on_loss(loss) if self.faults is not None else loss
+
+    def before_update(self, model: nn.Module, loss: float, step: int,
+                      scaled: bool) -> str | None:
+        """After backward, before clipping and the optimizer step (collective).
+
+        Args:
+            model: the model whose gradients are checked.
+            loss: this rank's loss for the step.
+            step: the step (for messages).
+            scaled: fp16 loss scaling is on: its scaler skips overflowing steps itself.
+
+        Returns:
+            None to update as usual, or the reason the update is skipped.
+
+        Raises:
+            NonFiniteError: a nan / inf loss or gradient under the "stop" policy.
+        """
+        if self.faults is not None:
+            self.faults.after_backward(model)
+        if not scaled:
+            report = find_nonfinite_grads(model, loss=loss)
+            if report is not None:
+                message = report.message(step)
+                if self.policy == "stop":
+                    raise NonFiniteError(f"{message}; try a lower optim.lr, or "
+                                         "train.nonfinite = 'skip' to drop such steps")
+                self.skipped.append(step)
+                return message
+        if self.faults is not None:
+            self.faults.fire("optimizer")
+        return None
+
+    def close(self) -> None:
+        """Undo the fault hooks (the watchdog stays: it belongs to the process group)."""
+        if self.faults is not None:
+            self.faults.disarm()
