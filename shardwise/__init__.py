@@ -11,6 +11,7 @@ from shardwise import distributed
 from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
 from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
                              clip_grad_norm_, full_state_dict, memory_report, no_sync, shard)
+from shardwise.train.nonfinite import NonFiniteReport, find_nonfinite_grads
 
 __version__ = "0.1.0"
 
@@ -29,4 +30,6 @@ __all__ = [
     "comm_stats",
     "reset_comm_stats",
     "CommStats",
+    "find_nonfinite_grads",
+    "NonFiniteReport",
 ]
