@@ -41,6 +41,28 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
         description=_TRAIN_DESCRIPTION, allow_abbrev=False,
         usage="shardwise train [-h] [--config FILE] [--nproc N] [--SECTION.KEY VALUE ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_options(train)
+
+
+_DOCTOR_DESCRIPTION = """\
+Check that the ranks of a job agree before training: every rank reports its host, device,
+backend, torch / shardwise / Python versions and the hash of its config, then all ranks run a
+test all-reduce (its sum checked, its bandwidth measured). A rank that differs is named with
+the value; exit code 2. Takes the same options as train (the config is what is compared);
+launched the same way (local ranks, torchrun or SLURM). See docs/failures.md."""
+
+
+def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
+    doctor = sub.add_parser(
+        "doctor", help="check that all ranks agree (versions, device, config) and can talk",
+        description=_DOCTOR_DESCRIPTION, allow_abbrev=False,
+        usage="shardwise doctor [-h] [--config FILE] [--nproc N] [--SECTION.KEY VALUE ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_options(doctor)
+
+
+def _add_config_options(train: argparse.ArgumentParser) -> None:
+    """--config, --nproc and one --section.key option per config field."""
     train.add_argument("--config", metavar="FILE", default=None,
                        help="TOML file with [section] tables (e.g. configs/debug.toml)")
     train.add_argument("--nproc", dest="parallel.nproc", metavar="N", default=argparse.SUPPRESS,
@@ -69,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="shardwise: PyTorch-native distributed training (ZeRO-1/2/3).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train_parser(sub)
+    _add_doctor_parser(sub)
     add_checkpoint_parser(sub)
     return parser
 
@@ -120,6 +143,18 @@ def _report_collective_error(exc) -> None:
         ErrorHandler().record_exception(exc)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from shardwise.train.config import load_config
+    from shardwise.train.doctor import format_reports
+    from shardwise.train.launch import run_doctor
+
+    overrides = {k: v for k, v in vars(args).items() if "." in k}
+    outcome = run_doctor(load_config(args.config, overrides))
+    if outcome is not None:
+        print(format_reports(outcome), flush=True)
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from shardwise.train.config import load_config
     from shardwise.train.launch import run_training
@@ -150,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _unknown_argument(extra)
         if args.command == "checkpoint":
             return run_checkpoint(args)
+        if args.command == "doctor":
+            return _cmd_doctor(args)
         return _cmd_train(args)
     except ValueError as exc:
         if _is_rank_zero():

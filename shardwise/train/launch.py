@@ -21,7 +21,8 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.distributed import env as dist_env
-from shardwise.train.config import Config
+from shardwise.train.config import Config, resolve_world
+from shardwise.train.doctor import check_ranks
 from shardwise.train.preflight import TokenData, announce, preflight
 from shardwise.train.trainer import build_env, train
 
@@ -100,6 +101,7 @@ def _rank_main(cfg: Config, data: TokenData) -> dict[str, Any] | None:
     """Entry point of one locally launched rank (checks already done by the launcher)."""
     env = build_env(cfg)
     try:
+        check_ranks(cfg, env)
         return train(cfg, data, env)
     finally:
         dist_env.destroy()
@@ -120,6 +122,7 @@ def _train_here(cfg: Config) -> dict[str, Any] | None:
     """This process is one rank (torchrun, SLURM, or a world of one)."""
     env = build_env(cfg)
     try:
+        check_ranks(cfg, env)  # another version or config on some rank: named, before all else
         error, data = None, None
         try:
             cfg, data = preflight(cfg, env.world_size)
@@ -131,6 +134,39 @@ def _train_here(cfg: Config) -> dict[str, Any] | None:
         return train(cfg, data, env)
     finally:
         dist_env.destroy()
+
+
+def _doctor_rank(cfg: Config) -> dict[str, Any] | None:
+    """One rank of ``shardwise doctor``: the outcome on rank 0, None elsewhere."""
+    env = build_env(cfg)
+    try:
+        outcome = check_ranks(cfg, env)
+        return outcome if env.is_main else None
+    finally:
+        dist_env.destroy()
+
+
+def run_doctor(cfg: Config) -> dict[str, Any] | None:
+    """``shardwise doctor``: :func:`shardwise.train.doctor.check_ranks` on the job's ranks.
+
+    Returns:
+        Rank 0's outcome (reports and the test all-reduce) where this process is (or launched)
+        rank 0, else None.
+
+    Raises:
+        ValueError: ranks that differ (named), or a wrong test all-reduce.
+        RankFailure: a locally launched rank failed.
+    """
+    if dist_env.detect_launcher() == "single" and cfg.parallel.nproc > 1:
+        cfg = resolve_world(cfg, cfg.parallel.nproc)
+        try:
+            return launch_local(_doctor_rank, cfg.parallel.nproc, (cfg,))[0]
+        except RankFailure as exc:  # the same mismatch on every rank: say it once
+            messages = {m for _, m in exc.failures.values()}
+            if len(messages) == 1 and next(iter(messages)).startswith("ValueError: "):
+                raise ValueError(next(iter(messages)).removeprefix("ValueError: ")) from None
+            raise
+    return _doctor_rank(cfg)
 
 
 def run_training(cfg: Config) -> dict[str, Any] | None:
