@@ -338,6 +338,21 @@ def test_state_created_before_wrapping_moves_to_disk(tmp_path):
     assert _same(ref.parameters(), model.parameters())
 
 
+def test_policy_given_to_shard_is_found_on_the_model(tmp_path):
+    from shardwise.shard.api import engine_states
+    model = shardwise.shard(_model(), stage=3, wrap={TransformerBlock})
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="needs offload=Offload"):
+        offload_optimizer(opt, model=model)
+    policy = Offload(device="disk", path=str(tmp_path), buffer_mb=BUFFER_MB)
+    engine_states(model)[0].offload = policy  # what shard(..., offload=policy) records
+    with offload_optimizer(opt, model=model) as wrapped:
+        assert wrapped.offload is policy
+        mine = wrapped.model_params()
+        assert len(mine) == len(list(model.parameters()))
+        assert all(a is b for a, b in zip(mine, model.parameters()))
+
+
 def _two_rank_parity(path: str):
     """No offload, CPU and disk offload at stage 3 on this rank: the same weights."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

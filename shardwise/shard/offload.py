@@ -83,11 +83,24 @@ from shardwise.shard.offload_config import (DiskUsage, Offload, OffloadStats, ch
                                             local_ranks)
 from shardwise.shard.offload_optim import OffloadedOptimizer
 
-__all__ = ["Offload", "OffloadedOptimizer", "OffloadStats", "offload_optimizer",
+__all__ = ["Offload", "OffloadedOptimizer", "OffloadStats", "offload_optimizer", "policy_of",
            "check_offload_dir", "local_ranks"]
 
 
-def offload_optimizer(optimizer: torch.optim.Optimizer, offload: Offload, *,
+def policy_of(model: nn.Module) -> Offload | None:
+    """The :class:`Offload` given to ``shardwise.shard(model, ..., offload=...)``, if any (the
+    engine keeps it as its state's ``offload`` attribute)."""
+    from shardwise.shard.api import engine_states  # lazy: the engine imports this module
+
+    found = {id(p): p for p in (getattr(s, "offload", None) for s in engine_states(model))
+             if p is not None}
+    if len(found) > 1:
+        raise ValueError("the model's sharded parts were given different Offload policies; "
+                         "pass offload= explicitly")
+    return next(iter(found.values()), None)
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, offload: Offload | None = None, *,
                       model: nn.Module | None = None,
                       disk_usage: DiskUsage = shutil.disk_usage,
                       _force_host_masters: bool = False) -> OffloadedOptimizer:
@@ -95,14 +108,15 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: Offload, *,
 
     Call it once, after building the optimizer on the (sharded) model's parameters and
     before the first step; then use the returned object as the optimizer everywhere
-    (``step``, ``zero_grad``, LR schedulers, ``state_dict``). Close it (or use it as a
-    context manager) to delete disk files; they are also deleted at garbage collection
-    and at interpreter exit.
+    (``step``, ``zero_grad``, LR schedulers, ``state_dict``, checkpoints). Close it (or use
+    it as a context manager) to delete disk files; they are also deleted at garbage
+    collection and at interpreter exit.
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` except LBFGS.
-        offload: the policy (:class:`Offload`).
-        model: optional, to name parameters in errors.
+        offload: the policy (:class:`Offload`). Default None: the one given to
+            ``shardwise.shard(model, ..., offload=...)`` (see :func:`policy_of`).
+        model: the model, to find that policy and to name parameters in errors.
         disk_usage: free-space query for the directory check (tests inject one).
         _force_host_masters: make host masters even for CPU parameters (tests exercise the
             accelerator code path with it).
@@ -111,9 +125,14 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: Offload, *,
         An :class:`OffloadedOptimizer`.
 
     Raises:
-        ValueError: a bad optimizer or policy, a directory that is missing, read-only or too
-            small (see :func:`check_offload_dir`), or a parameter whose state alone exceeds
-            a chunk.
+        ValueError: a bad optimizer or policy, no policy given or found on ``model``, a
+            directory that is missing, read-only or too small (see
+            :func:`check_offload_dir`), or a parameter whose state alone exceeds a chunk.
     """
+    if offload is None:
+        offload = policy_of(model) if model is not None else None
+        if offload is None:
+            raise ValueError("offload_optimizer needs offload=Offload(...), or model= sharded "
+                             "with shardwise.shard(..., offload=Offload(...))")
     return OffloadedOptimizer(optimizer, offload, model=model, disk_usage=disk_usage,
                               force_host_masters=_force_host_masters)
