@@ -43,6 +43,7 @@ __all__ = ["Fault", "FaultPlan", "InjectedFault", "parse_faults", "ENV_VAR"]
 ENV_VAR = "SHARDWISE_FAULT"
 ACTIONS = ("kill", "exit", "raise", "oom", "hang", "nan", "inf", "enospc", "skip")
 PHASES = ("start", "forward", "backward", "optimizer", "checkpoint", "commit", "loss", "grad")
+_CRASHES = ("kill", "exit", "raise", "oom", "hang")
 _DEFAULT_PHASE = {"nan": "loss", "inf": "loss", "enospc": "checkpoint", "skip": "start"}
 
 
@@ -134,9 +135,10 @@ class FaultPlan:
 
     # ------------------------------------------------------------------ firing
 
-    def _due(self, phase: str) -> Fault | None:
+    def _due(self, phase: str, actions: tuple[str, ...] = _CRASHES) -> Fault | None:
         for f in self.faults:
-            if not f.fired and f.phase == phase and (f.step is None or f.step == self.step):
+            if (not f.fired and f.phase == phase and f.action in actions
+                    and (f.step is None or f.step == self.step)):
                 f.fired = True
                 return f
         return None
@@ -154,14 +156,14 @@ class FaultPlan:
 
     def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``nan`` / ``inf`` with phase ``loss``: the corrupted loss (else ``loss``)."""
-        f = self._due("loss")
+        f = self._due("loss", ("nan", "inf"))
         if f is None:
             return loss
         return loss * float(f.action)
 
     def after_backward(self, model: nn.Module) -> None:
         """``nan`` / ``inf`` with phase ``grad``: write it into ``param``'s gradient."""
-        f = self._due("grad")
+        f = self._due("grad", ("nan", "inf"))
         if f is None:
             return
         name = f.options.get("param")
@@ -215,7 +217,7 @@ class FaultPlan:
         from torch.distributed.checkpoint import filesystem
 
         def write_item(orig, transforms, stream, data, *args, **kwargs):
-            f = self._due("checkpoint")
+            f = self._due("checkpoint", _CRASHES + ("enospc",))
             if f is None:
                 return orig(transforms, stream, data, *args, **kwargs)
             # Leave a partly written file behind, as a real crash or a full disk would.
