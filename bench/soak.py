@@ -145,15 +145,28 @@ def _run_torchrun(cfg: SoakConfig, log_dir: Path, spec: str, outcome: Outcome) -
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "SLURM_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
     env["SHARDWISE_FAULT"] = spec
+    start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    total = time.monotonic() - start
+    log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "torchrun.stderr.txt").write_text(proc.stderr)
-    failures = re.findall(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", proc.stderr)
-    for i, (code, rank) in enumerate(failures):
-        outcome.attempts.append({"attempt": i, "ended": f"local rank {rank} exit code {code}"})
-    reports = re.findall(r"shardwise watchdog: [^\n]*", proc.stderr)
-    outcome.attempts.append({"attempt": len(failures), "ended": "finished" if
+    # The agent logs each failed attempt: "E1130 04:27:05.677000 ... failed (exitcode: -9)
+    # local_rank: 1"; what the ranks printed before it belongs to that attempt.
+    pattern = re.compile(r"^E\d{4} (\d+):(\d+):([\d.]+) .*failed \(exitcode: (-?\d+)\) "
+                         r"local_rank: (\d+)", re.M)
+    last_end, last_t = 0, None
+    for i, m in enumerate(pattern.finditer(proc.stderr)):
+        t = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+        chunk = proc.stderr[last_end:m.start()]
+        attempt = {"attempt": i, "ended": f"local rank {m.group(5)} exit code {m.group(4)}",
+                   "report": _report_head(chunk)}
+        if last_t is not None:
+            attempt["seconds"] = t - last_t
+        outcome.attempts.append(attempt)
+        last_end, last_t = m.end(), t
+    outcome.attempts.append({"attempt": len(outcome.attempts), "ended": "finished" if
                              proc.returncode == 0 else f"torchrun exit {proc.returncode}"})
-    outcome.attempts[-1]["watchdog_reports"] = sorted(set(reports))
+    outcome.wall_s = total
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
@@ -200,6 +213,57 @@ def soak(cfg: SoakConfig, work: Path) -> Outcome:
     return outcome
 
 
+def _collectives(mode: str, n: int) -> float:
+    """Seconds per small all-reduce on this group with the watchdog in ``mode``."""
+    from shardwise.distributed import comm
+    from shardwise.distributed import watchdog
+
+    if mode != "off":
+        watchdog.start(watchdog.WatchdogConfig(timeout_s=60, mode=mode))
+    x = torch.ones(4)
+    for _ in range(50):
+        comm.all_reduce(x, label="warmup")
+    start = time.perf_counter()
+    for _ in range(n):
+        comm.all_reduce(x, label="bench.small")
+    seconds = (time.perf_counter() - start) / n
+    watchdog.stop()
+    return seconds
+
+
+def measure_overhead(n: int = 2000, rounds: int = 3) -> dict[str, float]:
+    """Per-collective cost of the watchdog: the bookkeeping alone (a no-op collective in one
+    process) and a 16-byte Gloo all-reduce on 2 ranks, watchdog off / on / debug (median of
+    ``rounds``), in microseconds."""
+    import statistics
+
+    import torch.distributed as dist
+
+    from shardwise.distributed import comm
+    from shardwise.distributed.optrack import OpTracker
+    from shardwise.testing.dist import run_ranks
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    x, tracker = torch.ones(4), OpTracker(lambda op, exc: exc)
+    out: dict[str, float] = {}
+    for name, tracked in (("noop_untracked_us", None), ("noop_tracked_us", tracker)):
+        comm.set_tracker(tracked)
+        start = time.perf_counter()
+        for _ in range(20 * n):
+            comm._issue("all_reduce", None, "unit3.all_gather", x, False, lambda *a, **k: None,
+                        x, group=None)
+        out[name] = (time.perf_counter() - start) / (20 * n) * 1e6
+    comm.set_tracker(None)
+    for mode in ("off", "on", "debug"):
+        times = [run_ranks(_collectives, 2, args=(mode, n if mode != "debug" else n // 10),
+                           timeout_s=600)[0] for _ in range(rounds)]
+        out[f"gloo_all_reduce_{mode}_us"] = statistics.median(times) * 1e6
+    return out
+
+
 def _markdown(cfg: SoakConfig, out: Outcome) -> str:
     lines = [f"# Soak: {cfg.steps} steps, {cfg.nproc} ranks, checkpoint every {cfg.interval} "
              f"steps, {len(out.faults)} injected faults ({cfg.launcher})", "",
@@ -228,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launcher", choices=("torchrun", "ranks"), default="torchrun")
     p.add_argument("--work", default="/tmp/shardwise-soak")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak"))
+    p.add_argument("--overhead", action="store_true",
+                   help="only measure the watchdog's cost per collective")
     a = p.parse_args(argv)
+    if a.overhead:
+        print(json.dumps(measure_overhead(), indent=2))
+        return 0
     cfg = SoakConfig(a.steps, a.nproc, a.interval, a.faults, a.seed, a.timeout_s, a.launcher)
     outcome = soak(cfg, Path(a.work))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

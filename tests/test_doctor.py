@@ -4,7 +4,6 @@ times the network."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 

@@ -44,6 +44,11 @@ def _plural(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {compact_ranks(ranks)}"
 
 
+def short_group(name: str) -> str:
+    """A process group's name as shown: c10d names subgroups by a 40-digit hash."""
+    return name if len(name) <= 12 else name[:8]
+
+
 def _op_text(op: dict[str, Any]) -> str:
     shape = tuple(op["shape"]) if op.get("shape") is not None else None
     return fingerprint_text(op["kind"], op["label"], shape, op.get("dtype"))
@@ -52,7 +57,7 @@ def _op_text(op: dict[str, Any]) -> str:
 def _where(op: dict[str, Any], groups: dict[str, list[int]]) -> str:
     ranks = groups.get(op["group"])
     members = f" [ranks {compact_ranks(ranks)}]" if ranks else ""
-    return f"seq {op['seq']} of group {op['group']}{members}"
+    return f"seq {op['seq']} of group {short_group(op['group'])}{members}"
 
 
 def _step(info: dict[str, Any]) -> str:
@@ -133,7 +138,7 @@ def _headline(states, silent, infos, groups, timeout_s: float, alarm) -> tuple[s
         group, seq, buckets = dis
         ordered = sorted(buckets.items(), key=lambda kv: (-len(kv[1]), kv[1]))
         parts = [f"{_plural(ranks)} issued {text}" for text, ranks in ordered]
-        head = (f"ranks disagree on collective seq {seq} of group {group}"
+        head = (f"ranks disagree on collective seq {seq} of group {short_group(group)}"
                 f" [ranks {compact_ranks(groups.get(group, sorted(infos)))}]: "
                 + "; ".join(parts))
         if len(ordered) > 1 and len(ordered[0][1]) > len(ordered[1][1]):
@@ -143,7 +148,8 @@ def _headline(states, silent, infos, groups, timeout_s: float, alarm) -> tuple[s
         return head, notes
     marks = _marks_disagree(infos)
     if marks is not None:
-        return (f"ranks disagree on the collectives of group {marks[0]} issued before seq "
+        return (f"ranks disagree on the collectives of group {short_group(marks[0])} issued "
+                f"before seq "
                 f"{marks[1] + 1} (their fingerprints differ; the difference is older than "
                 "the history kept)"), notes
     if silent:
@@ -188,8 +194,9 @@ def _rank_line(r: int, states, heartbeats, silent, groups) -> str:
         return (f"{who}: waiting {op['seconds']:.1f} s in {_op_text(op)} "
                 f"({_where(op, groups)}){_step(state)}")
     seqs = state.get("seqs") or {}
-    issued = ", ".join(f"{n} on group {g}" for g, n in sorted(seqs.items()))
-    return (f"{who}: not in a collective{_step(state)}; issued {issued or 'none'}; {last}")
+    issued = " and ".join(f"{n} on group {short_group(g)}" for g, n in sorted(seqs.items()))
+    return (f"{who}: not in a collective{_step(state)}; has issued "
+            f"{issued + ' collectives' if issued else 'no collective'}; {last}")
 
 
 def _stacks(states: dict[int, dict[str, Any]]) -> list[str]:

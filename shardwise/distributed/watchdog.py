@@ -62,8 +62,8 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.distributed import comm
-from shardwise.distributed.diagnosis import compose
-from shardwise.distributed.optrack import GroupInfo, Op, OpTracker, fingerprint_text, op_dict
+from shardwise.distributed.diagnosis import compose, short_group
+from shardwise.distributed.optrack import GroupInfo, Op, OpTracker, fingerprint_text
 
 __all__ = ["WatchdogConfig", "Watchdog", "CollectiveError", "start", "stop", "active", "guard",
            "guarded", "MODES"]
@@ -289,7 +289,7 @@ class Watchdog:
         if blocked is not None and blocked[2] > limit:
             op = blocked[1]
             return "timeout", (f"{fingerprint_text(op.kind, op.label, op.shape, op.dtype)} "
-                               f"(seq {op.seq} of group {op.group}) waited on for "
+                               f"(seq {op.seq} of group {short_group(op.group)}) waited on for "
                                f"{blocked[2]:.1f} s (timeout {self.config.timeout_s:g} s)")
         return None
 
@@ -305,7 +305,8 @@ class Watchdog:
             ours = dict(mine[info.name])
             for seq, h in theirs:
                 if seq in ours and ours[seq] != h:
-                    return "divergence", (f"the collectives of group {info.name} up to seq "
+                    return "divergence", (f"the collectives of group {short_group(info.name)} "
+                                          f"up to seq "
                                           f"{seq} differ between rank {self.rank} and rank "
                                           f"{leader}")
         return None
@@ -414,7 +415,7 @@ class Watchdog:
         text = backend_message(exc)
         kind = "timeout" if "imed out" in text else "collective_error"
         where = f"{fingerprint_text(op.kind, op.label, op.shape, op.dtype)} (seq {op.seq} of " \
-                f"group {op.group})"
+                f"group {short_group(op.group)})"
         stack = _caller_stack()
         return self.trip(kind, f"{where} failed: {text}", stack=stack, by_caller=True)
 
@@ -439,7 +440,8 @@ class Watchdog:
                     raise self._report from None
                 if time.monotonic() > deadline:
                     late = [r for r in others if not store.check([key + str(r)])]
-                    raise self._raised("timeout", f"{me} (seq {op.seq} of group {op.group}): "
+                    raise self._raised("timeout", f"{me} (seq {op.seq} of group "
+                                          f"{short_group(op.group)}): "
                                                   f"{'rank(s)'} {late} did not reach it within "
                                                   f"{self.config.timeout_s:g} s") from None
         theirs = {r: store.get(key + str(r)).decode() for r in others}
@@ -447,7 +449,8 @@ class Watchdog:
             store.delete_key(f"fp/{op.group}/{op.seq - 2}/{self.rank}")
         odd = {r: t for r, t in theirs.items() if t != me}
         if odd:
-            detail = f"seq {op.seq} of group {op.group}: rank {self.rank} issues {me}; " + \
+            detail = f"seq {op.seq} of group {short_group(op.group)}: rank {self.rank} " \
+                f"issues {me}; " + \
                 "; ".join(f"rank {r} issues {t}" for r, t in sorted(odd.items()))
             raise self._raised("mismatch", detail)
 

@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import shardwise
 from shardwise.distributed import comm
