@@ -194,9 +194,11 @@ def _rank_line(r: int, states, heartbeats, silent, groups) -> str:
         return (f"{who}: waiting {op['seconds']:.1f} s in {_op_text(op)} "
                 f"({_where(op, groups)}){_step(state)}")
     seqs = state.get("seqs") or {}
-    issued = " and ".join(f"{n} on group {short_group(g)}" for g, n in sorted(seqs.items()))
-    return (f"{who}: not in a collective{_step(state)}; has issued "
-            f"{issued + ' collectives' if issued else 'no collective'}; {last}")
+    parts = [f"{n} on group {short_group(g)}" for g, n in sorted(seqs.items())]
+    if parts:
+        parts[0] = parts[0].replace(" on ", " collectives on ", 1)
+    issued = " and ".join(parts) or "no collective"
+    return f"{who}: not in a collective{_step(state)}; has issued {issued}; {last}"
 
 
 def _stacks(states: dict[int, dict[str, Any]]) -> list[str]:
