@@ -272,3 +272,49 @@ def test_report_names_a_silent_rank_and_shows_identical_stacks_once():
                                       "within 1 s: dead, or stuck in native code")
     assert "--- Python stack of ranks 0-1, 3:\nsame" in report
     assert "its last heartbeat: last collective: all_reduce 'op1' float32[4]" in report
+
+
+# ----------------------------------------------------------------------------- no launcher
+
+
+def _store_host_dies(rank: int, port: int) -> None:
+    """One rank of a 2-rank SLURM-style job (rank 0 hosts the store, then is killed)."""
+    os.environ.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+                      SLURM_NTASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from shardwise.distributed import env
+
+    env.init(backend="gloo", timeout_s=T)
+    x = torch.ones(4)
+    comm.all_reduce(x, label="warmup")
+    if rank == 0:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(x, label="step.loss")
+    except wdm.CollectiveError as exc:
+        print(exc, flush=True)
+
+
+def test_when_the_rank_hosting_the_store_dies_the_others_still_report():
+    """Without torchrun, rank 0 hosts the c10d store: the survivor cannot ask anyone, and says
+    so instead of hanging."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = str(Path(__file__).parent)
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "SLURM_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_watchdog;"
+                               f" test_watchdog._store_host_dies({r}, {port})"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) for r in range(2)]
+    out = [p.communicate(timeout=60)[0] for p in procs]
+    assert procs[0].returncode == -signal.SIGKILL and procs[1].returncode == 0
+    assert out[1].startswith("shardwise watchdog: all_reduce 'step.loss' float32[4] (seq 1 of "
+                             "group 0) failed: Connection closed by peer"), out[1]
+    assert "the other ranks could not be asked: the c10d store failed" in out[1]
+    assert "rank 0: no answer: could not be asked" in out[1]

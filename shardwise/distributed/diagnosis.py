@@ -186,7 +186,9 @@ def _rank_line(r: int, states, heartbeats, silent, groups) -> str:
         hb = heartbeats.get(r)
         seen = f"; its last heartbeat: {last}" if hb else ""
         return f"{who}: no answer: {silent[r]}{seen}"
-    state = states[r]
+    state = states.get(r)
+    if state is None:
+        return f"{who}: no state and no heartbeat"
     if state.get("failure"):
         return f"{who}: failed{_step(state)}: {state['failure']}; {last}"
     op = state.get("blocked")

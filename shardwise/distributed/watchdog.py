@@ -129,6 +129,14 @@ class WatchdogConfig:
         return self.exit_grace_s or self.grace + 2.0
 
 
+def _clone(store):
+    """A connection of the watchdog's own to ``store`` (the store itself if it cannot)."""
+    try:
+        return store.clone()
+    except Exception:  # noqa: BLE001 - e.g. a FileStore or HashStore: share it
+        return store
+
+
 def _process_gone(host: str | None, pid: int | None) -> bool:
     """Whether ``pid`` on ``host`` is known to have ended (only judged on this host)."""
     if host != socket.gethostname() or not pid:
@@ -197,8 +205,8 @@ class Watchdog:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.prefix = prefix
         timeout = datetime.timedelta(seconds=max(2.0, config.grace))
-        self._store = dist.PrefixStore(prefix, store.clone())      # this thread's connection
-        self._main_store = dist.PrefixStore(prefix, store.clone())  # the calling threads'
+        self._store = dist.PrefixStore(prefix, _clone(store))       # this thread's connection
+        self._main_store = dist.PrefixStore(prefix, _clone(store))  # the calling threads'
         for s in (self._store, self._main_store):
             s.set_timeout(timeout)
         self.host, self.pid = socket.gethostname(), os.getpid()
@@ -366,13 +374,21 @@ class Watchdog:
             try:
                 report, mine = self._exchange(store, kind, detail, stack)
             except Exception as exc:  # noqa: BLE001 - no store: report what this rank knows
-                state = self._state(kind, detail, stack=stack)
-                report = compose({self.rank: state}, {}, {}, self.world_size,
-                                 self.config.timeout_s, {"rank": self.rank, "detail": detail})
-                report += f"\n(the other ranks could not be asked: the c10d store failed: {exc})"
-                mine = True
+                report, mine = self._local_report(kind, detail, stack, exc), True
             self._report = CollectiveError(report, self.rank, reporter=mine)
             return self._report
+
+    def _local_report(self, kind: str, detail: str, stack: str | None,
+                      exc: BaseException) -> str:
+        """The report when the store cannot be reached: this rank's view alone."""
+        state = self._state(kind, detail, stack=stack)
+        unknown = {r: "could not be asked" for r in range(self.world_size) if r != self.rank}
+        lines = compose({self.rank: state}, {}, unknown, self.world_size, self.config.timeout_s,
+                        {"rank": self.rank, "detail": detail}).splitlines()
+        lines[0] = (f"shardwise watchdog: {detail}; the other ranks could not be asked: the "
+                    f"c10d store failed ({backend_message(exc)}), so the rank or launcher "
+                    "hosting it (rank 0 without torchrun) has probably died")
+        return "\n".join(line for line in lines if not line.startswith("  detected by"))
 
     def _exchange(self, store, kind: str, detail: str, stack: str | None) -> tuple[str, bool]:
         alarm = self._raise_alarm(store, kind, detail)
