@@ -238,6 +238,32 @@ def test_the_engine_passes_the_debug_fingerprint_check(world, stage, hybrid):
         assert len({s[group] for s in seqs if group in s}) == 1, (group, seqs)
 
 
+def _quantized_bf16_in_debug_mode():
+    import shardwise
+    from shardwise.testing.models import EdgeBlock, EdgeCaseModel
+
+    wd = _start(timeout_s=30.0, mode="debug")
+    torch.manual_seed(0)
+    model = shardwise.shard(EdgeCaseModel(), stage=3, wrap={EdgeBlock},
+                            mixed_precision=shardwise.MixedPrecision(param_dtype=torch.bfloat16),
+                            comm=shardwise.CommQuant(weights="int8", grads="int4"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        model(torch.randint(0, 11, (2, 8), generator=g)).float().square().mean().backward()
+        shardwise.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+    seqs = dict(wd.tracker.seq)
+    wdm.stop()
+    return seqs
+
+
+def test_quantized_bf16_communication_passes_the_debug_fingerprint_check():
+    seqs = run_ranks(_quantized_bf16_in_debug_mode, world_size=2, timeout_s=120)
+    assert seqs[0] == seqs[1] and sum(seqs[0].values()) > 4
+
+
 # ----------------------------------------------------------------------------- the report
 
 
