@@ -80,7 +80,7 @@ def test_a_skipped_collective_fails_every_rank_with_one_report_within_the_timeou
     assert "rank 1 (host" in report and "not in a collective" in report
     assert "in _never_issues_then_idles\n    time.sleep(0.02)" in report  # rank 1's stack
     assert "--- Python stack of rank 0:" in report and "comm.all_reduce(x, label=\"step.loss\")" in report
-    assert T <= t0 < T + 2.5 and T <= t1 < T + 2.5, (t0, t1)
+    assert T <= t0 < T + 4 and T <= t1 < T + 4, (t0, t1)  # slack for a loaded machine
 
 
 def _reordered(rank_to_swap: int) -> None:
@@ -202,7 +202,7 @@ def test_a_rank_stuck_in_native_code_is_ended_and_named(tmp_path):
     seconds, report = _read(tmp_path, 0)
     assert "rank 1 never issued it" in report.splitlines()[0]
     assert "in body\n    time.sleep(3600)" in report
-    assert seconds < T + 4
+    assert seconds < T + 6
 
 
 # ----------------------------------------------------------------------------- the engine
