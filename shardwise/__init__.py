@@ -9,8 +9,9 @@
 
 from shardwise import distributed
 from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
-from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
-                             clip_grad_norm_, full_state_dict, memory_report, no_sync, shard)
+from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision, Offload,
+                             OffloadedOptimizer, clip_grad_norm_, full_state_dict,
+                             memory_report, no_sync, offload_optimizer, shard)
 from shardwise.train.nonfinite import NonFiniteReport, find_nonfinite_grads
 
 __version__ = "0.1.0"
@@ -27,6 +28,9 @@ __all__ = [
     "MixedPrecision",
     "LossScaler",
     "CommQuant",
+    "Offload",
+    "offload_optimizer",
+    "OffloadedOptimizer",
     "comm_stats",
     "reset_comm_stats",
     "CommStats",

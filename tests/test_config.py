@@ -124,6 +124,8 @@ def test_malformed_and_missing_toml(tmp_path):
     ("data.tokenizer", "wordpiece"), ("parallel.backend", "mpi"), ("parallel.nproc", "0"),
     ("optim.min_lr_ratio", "1.5"), ("optim.betas", "0.9,1.0"), ("parallel.dp_shard", "0"),
     ("precision.param_dtype", "fp8"), ("precision.loss_scale", "0"),
+    ("comm.weights", "int4"), ("comm.grads", "fp8"), ("offload.device", "nvme"),
+    ("offload.buffer_mb", "0"),
     ("train.nonfinite", "ignore"), ("parallel.watchdog", "maybe"), ("parallel.timeout_s", "0"),
 ])
 def test_impossible_values_name_the_value(key, value):
@@ -174,5 +176,27 @@ def test_read_only_output_dir(tmp_path):
 
 def test_all_keys_cover_every_section():
     sections = {k.split(".")[0] for k in all_keys()}
-    assert sections == {"model", "data", "train", "optim", "parallel", "precision", "log",
-                        "checkpoint"}
+    assert sections == {"model", "data", "train", "optim", "parallel", "precision", "comm",
+                        "offload", "log", "checkpoint"}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel.stage": "0", "comm.grads": "int4"},
+     "comm.weights='fp', comm.grads='int4', comm.hierarchy=0 need parallel.stage 1, 2 or 3, "
+     "got 0"),
+    ({"parallel.stage": "2", "comm.hierarchy": "2"},
+     "comm.hierarchy=2 needs parallel.stage 3 with parallel.reshard_after_forward true"),
+    ({"offload.device": "disk"}, "offload.device='disk' needs offload.path"),
+    ({"parallel.stage": "0", "offload.device": "cpu"},
+     "offload.device='cpu' needs parallel.stage 1, 2 or 3 (sharded masters), got 0"),
+])
+def test_keys_that_constrain_each_other_are_named(overrides, message):
+    with pytest.raises(ValueError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_hierarchy_must_divide_the_shard_degree():
+    cfg = load_config(None, {"comm.hierarchy": "2"})
+    with pytest.raises(ValueError, match="comm.hierarchy=2 must divide parallel.dp_shard=3"):
+        resolve_world(cfg, 3)

@@ -390,3 +390,23 @@ def test_two_ranks_stage3_offload_is_bitwise_equal(tmp_path):
     assert dirs[0] != dirs[1] and "rank0" in dirs[0] and "rank1" in dirs[1]
     assert os.listdir(tmp_path) == []
     assert isinstance(OffloadedOptimizer, type)
+
+
+def test_shard_records_the_policy_and_refuses_an_unwrapped_optimizer(tmp_path):
+    import shardwise
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    policy = shardwise.Offload(device="disk", path=str(tmp_path), buffer_mb=1)
+    shardwise.shard(model, stage=3, offload=policy)
+    plain = torch.optim.AdamW(model.parameters())
+    model(torch.ones(3, 4)).sum().backward()
+    with pytest.raises(ValueError, match="was not wrapped: use opt = shardwise.offload_optimiz"):
+        plain.step()
+    with shardwise.offload_optimizer(torch.optim.AdamW(model.parameters()), model=model) as opt:
+        opt.step()
+        assert opt.stats().offloaded_bytes > 0
+    with pytest.raises(ValueError, match="offload must be a shardwise.Offload, got str"):
+        shardwise.shard(torch.nn.Linear(2, 2), offload="disk")
+    with pytest.raises(ValueError, match="nope. does not exist; create the directory first"):
+        shardwise.shard(torch.nn.Linear(2, 2),
+                        offload=shardwise.Offload(device="disk", path=str(tmp_path / "nope")))

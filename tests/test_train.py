@@ -131,6 +131,28 @@ def test_every_zero_stage_and_bf16_train_the_same_numbers(tmp_path):
     torch.testing.assert_close(runs["bf16"], runs["s0"], rtol=2e-2, atol=1e-2)
 
 
+def test_quantised_comm_and_disk_offload_from_the_command_line(tmp_path):
+    """[comm] and [offload] reach the engine: int8 weights / int4 gradients with optimizer
+    state on disk train like the plain run; a missing offload folder stops the launch."""
+    plain = load_config(None, {**TINY, "train.steps": "3", "train.eval_interval": "0",
+                               "log.dir": str(tmp_path / "plain")})
+    (tmp_path / "opt").mkdir()
+    tuned = load_config(None, {**TINY, "train.steps": "3", "train.eval_interval": "0",
+                               "log.dir": str(tmp_path / "tuned"), "comm.weights": "int8",
+                               "comm.grads": "int4", "offload.device": "disk",
+                               "offload.path": str(tmp_path / "opt"), "offload.buffer_mb": "1"})
+    runs = {}
+    for name, cfg in (("plain", plain), ("tuned", tuned)):
+        cfg, data = preflight(cfg, world_size=2)
+        runs[name] = run_ranks(_train_on_ranks, world_size=2, args=(cfg, data), timeout_s=180)[0]
+    torch.testing.assert_close(runs["tuned"], runs["plain"], rtol=2e-2, atol=2e-2)
+    assert list((tmp_path / "opt").iterdir()) == []  # offload files removed at the end
+    missing = load_config(None, {**TINY, "offload.device": "disk",
+                                 "offload.path": str(tmp_path / "nope")})
+    with pytest.raises(ValueError, match="nope' does not exist; create the directory first"):
+        preflight(missing, world_size=2)
+
+
 def _fail_on_rank_one() -> int:
     rank = int(os.environ["RANK"])
     if rank == 1:

@@ -27,6 +27,7 @@ from shardwise.shard.discover import STATE_ATTR, UnitPlan, plan_units
 from shardwise.shard.materialize import has_meta, materialize
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
 from shardwise.shard.precision import MixedPrecision, cast_floating
+from shardwise.shard.offload_config import Offload
 from shardwise.shard.quant import CommQuant
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
@@ -182,6 +183,7 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
           init_weights: Callable[[nn.Module], None] | None = None, bucket_mb: float = 25.0,
           sync_module_states: bool = True, materialize: bool = True,
           mixed_precision: MixedPrecision | None = None, comm: CommQuant | None = None,
+          offload: Offload | None = None,
           device: torch.device | str | None = None) -> nn.Module:
     """Shard ``module`` for zero-redundancy data parallelism, in place.
 
@@ -216,6 +218,10 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
             hierarchical secondary partition (stage 3: ``hierarchy`` ranks per node keep a
             node-sharded copy after forward so the backward all-gather stays in the node).
             Default None: full-precision collectives.
+        offload: an :class:`Offload` policy (CPU or disk) for fp32 masters and optimizer
+            state; its directory is checked now, before any collective. Wrap the optimizer
+            with ``shardwise.offload_optimizer(opt, model=model)``; stepping an unwrapped one
+            raises. Default None.
         device: where a meta-device model is materialised (default None: the CPU); a model
             with real tensors stays where it is.
 
@@ -231,6 +237,11 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
         raise ValueError(f"mixed_precision must be a shardwise.MixedPrecision, got "
                          f"{type(mixed_precision).__name__}")
     _validate_comm(comm, stage, reshard_after_forward)
+    if offload is not None:
+        if not isinstance(offload, Offload):
+            raise ValueError(f"offload must be a shardwise.Offload, got "
+                             f"{type(offload).__name__}")
+        offload.validate()  # the directory, before any collective
     # Stage 0 with a compute dtype runs as units over one-rank shard groups (see
     # replicated_groups); plain stage 0 keeps DDP-style buckets.
     as_units = stage > 0 or bool(mixed_precision and mixed_precision.param_dtype)
@@ -253,6 +264,10 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
         register_state_dict_hooks(module, state)
         if mixed_precision is not None:
             _register_casts(module, mixed_precision)
+    state.offload = offload
+    if offload is not None:
+        from shardwise.shard.offload import guard_unwrapped_steps
+        guard_unwrapped_steps([p for m in [module] for p in m.parameters()], offload)
     setattr(module, STATE_ATTR, state)
     return module
 

@@ -134,5 +134,32 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, offload: Offload | None 
         if offload is None:
             raise ValueError("offload_optimizer needs offload=Offload(...), or model= sharded "
                              "with shardwise.shard(..., offload=Offload(...))")
-    return OffloadedOptimizer(optimizer, offload, model=model, disk_usage=disk_usage,
-                              force_host_masters=_force_host_masters)
+    wrapper = OffloadedOptimizer(optimizer, offload, model=model, disk_usage=disk_usage,
+                                 force_host_masters=_force_host_masters)
+    optimizer._shardwise_offload_wrapped = True  # see guard_unwrapped_steps
+    return wrapper
+
+
+def guard_unwrapped_steps(params: list[nn.Parameter], offload: Offload) -> None:
+    """Refuse, at its first step, an optimizer over these parameters that was not passed
+    through :func:`offload_optimizer`: without it nothing is offloaded, silently.
+
+    Registers one global optimizer step pre-hook per call (``shard(..., offload=...)``).
+    """
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    owned = weakref.WeakValueDictionary({id(p): p for p in params})  # tensors: no == here
+
+    def hook(optimizer, args, kwargs):
+        if isinstance(optimizer, OffloadedOptimizer) or getattr(
+                optimizer, "_shardwise_offload_wrapped", False):
+            return
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        if first is not None and owned.get(id(first)) is first:
+            raise ValueError(
+                f"this model was sharded with offload={offload}, but "
+                f"{type(optimizer).__name__} was not wrapped: use "
+                f"opt = shardwise.offload_optimizer(opt, model=model) before the first step")
+    register_optimizer_step_pre_hook(hook)

@@ -18,18 +18,15 @@ rank starts.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import socket
 import tomllib
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from shardwise.train import config_io
 
 __all__ = [
+    "CommConfig", "OffloadConfig", "PrecisionConfig",
     "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig", "ParallelConfig", "LogConfig",
     "CheckpointConfig", "Config", "load_config", "validate", "resolve_world", "check_output_dir",
     "to_toml",
@@ -185,6 +182,36 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class CommConfig:
+    """Quantised communication (ZeRO++) and the hierarchical partition; stages 1-3."""
+
+    weights: str = "fp"
+    """Parameter all-gathers: "fp" (the compute dtype), "int8" or "fp8" (blockwise scales)."""
+    grads: str = "fp"
+    """Gradient reduce-scatters: "fp" (the reduce dtype), "int8" or "int4" (fp32 sums)."""
+    block_size: int = 256
+    """Elements per quantisation block (one fp32 scale each)."""
+    hierarchy: int = 0
+    """Stage 3: ranks per node keeping a secondary partition for backward (0: off)."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """CPU or disk offload of fp32 masters and optimizer state."""
+
+    device: str = "none"
+    """Where optimizer state lives: "none", "cpu" or "disk" (files under path)."""
+    path: str = ""
+    """Disk offload: an existing, writable directory with room for the optimizer state."""
+    buffer_mb: float = 64.0
+    """Disk offload: RAM for streaming optimizer state, in MiB (the bound it stays under)."""
+    budget_mb: float = 0.0
+    """CPU offload on an accelerator: MiB of masters + state moved to the host (0: all)."""
+    prefetch: bool = True
+    """Disk offload: read the next chunk's state while the current one steps."""
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """Where results go and how progress is shown."""
 
@@ -214,6 +241,10 @@ class Config:
     """Ranks, ZeRO stage and data-parallel degrees."""
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     """Mixed precision."""
+    comm: CommConfig = dataclasses.field(default_factory=CommConfig)
+    """Quantised communication and hierarchical partitions."""
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    """CPU / disk offload of optimizer state."""
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     """Outputs and progress display."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -266,126 +297,5 @@ def to_toml(config: Config, comments: bool = True) -> str:
     return config_io.to_toml(config, comments)
 
 
-# ----------------------------------------------------------------------------- checks
-
-
-def _positive(v: Any) -> bool:
-    return v > 0
-
-
-def _non_negative(v: Any) -> bool:
-    return v >= 0
-
-
-_DTYPES = ("fp32", "bf16", "fp16")
-
-# (key, predicate, what was expected). Checked in order; the first failure is reported.
-_RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
-    ("model.dim", lambda v: v is None or v > 0, "a positive int"),
-    ("model.n_layers", lambda v: v is None or v > 0, "a positive int"),
-    ("model.n_heads", lambda v: v is None or v > 0, "a positive int"),
-    ("model.n_kv_heads", lambda v: v is None or v > 0, "a positive int"),
-    ("model.ffn_dim", lambda v: v is None or v > 0, "a positive int"),
-    ("model.max_seq_len", lambda v: v is None or v > 0, "a positive int"),
-    ("data.max_bytes", lambda v: v is None or v > 0, "a positive int (bytes)"),
-    ("data.tokenizer", lambda v: v in ("byte", "bpe"), "'byte' or 'bpe'"),
-    ("data.bpe_vocab_size", lambda v: v >= 256, "an int >= 256 (the byte alphabet)"),
-    ("data.seq_len", _positive, "a positive int (tokens)"),
-    ("data.val_fraction", lambda v: 0 < v < 1, "a fraction strictly between 0 and 1"),
-    ("train.steps", _positive, "a positive int"),
-    ("train.batch_size", _positive, "a positive int (sequences per rank)"),
-    ("train.grad_accum", _positive, "a positive int"),
-    ("train.eval_interval", _non_negative, "an int >= 0"),
-    ("train.eval_batches", _positive, "a positive int"),
-    ("train.log_interval", _positive, "a positive int"),
-    ("train.nonfinite", lambda v: v in ("stop", "skip"), "'stop' or 'skip'"),
-    ("optim.lr", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
-    ("optim.betas", lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
-    ("optim.eps", _positive, "a positive number"),
-    ("optim.weight_decay", _non_negative, "a number >= 0"),
-    ("optim.warmup_steps", _non_negative, "an int >= 0"),
-    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
-    ("optim.grad_clip", _non_negative, "a number >= 0 (0 disables clipping)"),
-    ("parallel.nproc", _positive, "a positive int (local ranks)"),
-    ("parallel.stage", lambda v: v in (0, 1, 2, 3), "a ZeRO stage in 0..3"),
-    ("parallel.dp_replicate", _positive, "a positive int"),
-    ("parallel.dp_shard", lambda v: v == -1 or v > 0, "a positive int or -1 (infer)"),
-    ("parallel.prefetch", _non_negative, "an int >= 0"),
-    ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
-    ("parallel.timeout_s", _positive, "a positive number of seconds"),
-    ("parallel.watchdog", lambda v: v in ("on", "debug", "off"), "'on', 'debug' or 'off'"),
-    ("precision.param_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
-    ("precision.reduce_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
-    ("precision.loss_scale", _positive, "a positive number"),
-    ("precision.loss_scale_growth_interval", _positive, "a positive int (steps)"),
-    ("log.dir", lambda v: v.strip() != "", "a non-empty path"),
-    ("checkpoint.interval", _non_negative, "an int >= 0 (steps; 0 disables saving)"),
-    ("checkpoint.keep_last", _non_negative, "an int >= 0 (0 keeps all)"),
-    ("checkpoint.resume", lambda v: v.strip() != "", "'auto', 'none' or a checkpoint path"),
-]
-
-
-def _get(config: Config, dotted: str) -> Any:
-    section, key = dotted.split(".")
-    return getattr(getattr(config, section), key)
-
-
-def validate(config: Config) -> None:
-    """Check every value that can be judged without the model, data or world size.
-
-    Raises:
-        ValueError: naming the first offending key, its value and what was expected.
-    """
-    for key, ok, expected in _RULES:
-        value = _get(config, key)
-        if not ok(value):
-            raise ValueError(f"{key} must be {expected}, got {value!r}")
-
-
-def resolve_world(config: Config, world_size: int) -> Config:
-    """Fill in ``parallel.dp_shard = -1`` and check the degrees multiply to the world size.
-
-    Args:
-        config: a validated config.
-        world_size: number of ranks in the job.
-
-    Returns:
-        The config with ``parallel.dp_shard`` resolved.
-
-    Raises:
-        ValueError: if ``dp_replicate * dp_shard != world_size``.
-    """
-    par = config.parallel
-    shard = par.dp_shard
-    if shard == -1:
-        if world_size % par.dp_replicate != 0:
-            raise ValueError(f"parallel.dp_replicate={par.dp_replicate} does not divide the world "
-                             f"size {world_size}; expected a divisor of {world_size}")
-        shard = world_size // par.dp_replicate
-    if par.dp_replicate * shard != world_size:
-        raise ValueError(f"parallel.dp_replicate * parallel.dp_shard = {par.dp_replicate} * "
-                         f"{shard} = {par.dp_replicate * shard}, expected the world size "
-                         f"{world_size}")
-    return dataclasses.replace(config, parallel=dataclasses.replace(par, dp_shard=shard))
-
-
-def check_output_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` if needed and prove it is writable by writing and removing a probe file.
-
-    Returns:
-        The folder as a :class:`Path`.
-
-    Raises:
-        ValueError: naming the folder when it cannot be created or written.
-    """
-    folder = Path(path).expanduser()
-    # Host and pid in the name: ranks of several nodes may probe one shared folder at once.
-    probe = folder / f".write-probe-{socket.gethostname()}-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok", encoding="ascii")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"log.dir {str(path)!r} cannot be written: {exc.strerror or exc}; "
-                         "expected a folder this user can create files in") from None
-    return folder
+# The value checks live in config_checks.py (imported last: they read the dataclasses above).
+from shardwise.train.config_checks import check_output_dir, resolve_world, validate  # noqa: E402

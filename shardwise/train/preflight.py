@@ -126,7 +126,7 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
 
     Raises:
         ValueError: degrees that do not fit the world size, NCCL without CUDA, an unwritable
-            ``log.dir``,
+            ``log.dir``, an offload directory that is missing or read-only,
             TensorBoard asked for but missing, a bad model name / shape / seq_len, a corpus
             with no or too little text, a bad ``$SHARDWISE_FAULT``, a ``checkpoint.resume``
             that is missing or was saved from another model shape or vocabulary.
@@ -140,6 +140,10 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     if cfg.log.tensorboard:
         require_tensorboard()
     check_output_dir(cfg.log.dir)
+    from shardwise.train.parallelize import build_offload  # the engine's own directory check
+    offload = build_offload(cfg)
+    if offload is not None:
+        offload.validate()
     data = build_data(cfg, world_size)
     check_resume(cfg, build_model_config(cfg, data.vocab_size))
     return cfg, data

@@ -6,9 +6,9 @@
 
 ``shardwise train`` (shardwise.train.cli) wires these together for each way of launching.
 
-Parallelism lives in three call sites only, at the top of this module: the model wrapper
-(:func:`build_parallel_model`), the no-communication context for accumulation micro-batches
-(:func:`no_sync`) and gradient clipping (:func:`clip_grad_norm_`).
+Parallelism lives in shardwise.train.parallelize only: the sharded model, the optimizer
+wrapper for offload, the no-communication context for accumulation micro-batches and
+gradient clipping.
 """
 
 from __future__ import annotations
@@ -24,81 +24,22 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise
-from shardwise import LossScaler, MixedPrecision
+from shardwise import LossScaler
 from shardwise.distributed import comm
 from shardwise.distributed import env as dist_env
 from shardwise.distributed import watchdog
-from shardwise.distributed.mesh import ParallelDims
 from shardwise.train.config import Config
+from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model,
+                                         clip_grad_norm_, no_sync, wrap_optimizer)
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
 from shardwise.train.preflight import build_model_config
 from shardwise.train.stepguard import StepGuard
 
 __all__ = [
-    "build_env", "build_parallel_model", "build_mixed_precision", "build_loss_scaler",
-    "no_sync", "clip_grad_norm_",
-    "build_optimizer", "lr_factor", "build_lr_schedule", "train_step", "evaluate", "train",
-    "build_checkpointer", "resume_or_import",
+    "build_env", "build_optimizer", "lr_factor", "build_lr_schedule", "train_step", "evaluate",
+    "train", "build_checkpointer", "resume_or_import",
 ]
-
-
-# ----------------------------------------------------------------------------- parallelism
-# The only places that know how the model is parallelised.
-
-
-def build_mixed_precision(cfg: Config) -> MixedPrecision | None:
-    """The ``[precision]`` section as an engine policy (None for plain fp32)."""
-    p = cfg.precision
-    if p.param_dtype == "fp32" and p.reduce_dtype == "fp32":
-        return None
-    return MixedPrecision(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype)
-
-
-def build_loss_scaler(cfg: Config) -> LossScaler:
-    """Dynamic loss scaling for fp16 compute; a pass-through otherwise."""
-    p = cfg.precision
-    return LossScaler(init_scale=p.loss_scale, growth_interval=p.loss_scale_growth_interval,
-                      enabled=p.param_dtype == "fp16")
-
-
-def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
-    """Build the model on the meta device and shard it with the ZeRO engine.
-
-    Each rank initialises the model one module at a time and keeps only its shard, so no
-    rank ever holds the whole model; the weights are bitwise those of eager init with
-    ``train.seed`` (see docs/engine.md).
-
-    Args:
-        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``).
-        model_cfg: the model's :class:`~shardwise.models.LlamaConfig`.
-        env: this process's place in the job.
-
-    Returns:
-        The sharded model (parameter names unchanged).
-    """
-    from shardwise.models import TransformerBlock, init_module_weights
-    from shardwise.models import build_model as build
-
-    par = cfg.parallel
-    dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size).resolved()
-    mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 else None
-    model = build(model_cfg, device="meta")
-    torch.manual_seed(cfg.train.seed)
-    return shardwise.shard(model, stage=par.stage, wrap={TransformerBlock}, mesh=mesh,
-                           reshard_after_forward=par.reshard_after_forward,
-                           prefetch=par.prefetch, init_weights=init_module_weights,
-                           mixed_precision=build_mixed_precision(cfg), device=env.device)
-
-
-def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
-    """Context for accumulation micro-batches: backward without gradient communication."""
-    return shardwise.no_sync(model)
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient L2 norm to ``max_norm`` (``inf``: only measure it)."""
-    return shardwise.clip_grad_norm_(model, max_norm)
 
 
 # ----------------------------------------------------------------------------- building
@@ -331,7 +272,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     start = time.perf_counter()
     model_cfg = build_model_config(cfg, data.vocab_size)
     model = build_parallel_model(cfg, model_cfg, env)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = wrap_optimizer(build_optimizer(model, cfg.optim), model)
     scaler = build_loss_scaler(cfg)
     schedule = build_lr_schedule(optimizer, cfg.optim, cfg.train.steps)
     loader = TokenLoader(data.train_ids, seq_len=cfg.data.seq_len,
@@ -371,6 +312,8 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
         guard.close()
     ckpt.close()  # the last background save, if any, is committed before the summary
     mem = shardwise.memory_report(model, optimizer)
+    if hasattr(optimizer, "close"):  # offloaded optimizer state: remove its files now
+        optimizer.close()
     peak = _gather_stats([peak_rss_mib(), mem.model_state_bytes / 2**20], env)
     if not env.is_main:
         return None
