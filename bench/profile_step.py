@@ -26,7 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.frameworks import FRAMEWORKS, LABELS  # noqa: E402

@@ -79,7 +79,7 @@ def plan_faults(cfg: SoakConfig) -> list[str]:
     kinds = [k for k in KINDS for _ in range(k[2])]
     spacing = max(2, (cfg.steps - 2) // (cfg.faults + 1))
     faults, step = [], 1
-    for i in range(cfg.faults):
+    for _ in range(cfg.faults):
         action, phase, _ = rng.choice(kinds)
         step += rng.randint(max(1, spacing // 2), spacing)
         if phase in ("checkpoint", "commit"):  # only a step that saves has a write to hit

@@ -97,7 +97,8 @@ def test_unwritable_output_dir(capsys, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     message = _refused(capsys, *TINY, "--log.dir", str(blocker / "run"))
-    assert "log.dir" in message and str(blocker / "run") in message and "cannot be written" in message
+    assert "log.dir" in message and str(blocker / "run") in message
+    assert "cannot be written" in message
 
 
 def test_missing_corpus_path(capsys, tmp_path):

@@ -335,7 +335,9 @@ def test_iterator_protocol() -> None:
 
 def test_resume_same_world_size() -> None:
     tokens = torch.arange(37 * 6)
-    make = lambda r: TokenLoader(tokens, seq_len=5, batch_size=2, rank=r, world_size=2, seed=3)
+    def make(r):
+        return TokenLoader(tokens, seq_len=5, batch_size=2, rank=r, world_size=2, seed=3)
+
     full = [make(r) for r in range(2)]
     expected = _global_stream(full, 30)
     first = [make(r) for r in range(2)]

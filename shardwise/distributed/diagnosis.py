@@ -73,7 +73,9 @@ def _all_groups(infos: Iterable[dict[str, Any]]) -> dict[str, list[int]]:
     return groups
 
 
-def find_disagreement(infos: dict[int, dict[str, Any]]) -> tuple[str, int, dict[str, list[int]]] | None:
+def find_disagreement(
+    infos: dict[int, dict[str, Any]],
+) -> tuple[str, int, dict[str, list[int]]] | None:
     """The first (group, seq) where ranks' recorded collectives differ.
 
     Returns:

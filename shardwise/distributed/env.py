@@ -127,7 +127,9 @@ def init(backend: str | None = None, timeout_s: float = 600.0,
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs CUDA, which is not available on this machine; use 'gloo'")
+        raise ValueError(
+            "backend 'nccl' needs CUDA, which is not available on this machine; use 'gloo'"
+        )
     env = dict(os.environ)
     launcher = detect_launcher(env)
     rank, world, local_rank, local_world = _rank_info(launcher, env)

@@ -11,4 +11,5 @@ from shardwise.shard.state_dict import ShardedParamSpec, full_state_dict, sharde
 
 __all__ = ["shard", "no_sync", "clip_grad_norm_", "full_state_dict", "memory_report",
            "MemoryReport", "engine_states", "MixedPrecision", "LossScaler",
-           "CommQuant", "Offload", "offload_optimizer", "OffloadedOptimizer", "ShardedParamSpec", "sharded_param_specs"]
+           "CommQuant", "Offload", "offload_optimizer", "OffloadedOptimizer",
+           "ShardedParamSpec", "sharded_param_specs"]
