@@ -10,8 +10,9 @@
 from shardwise import distributed
 from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
 from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision, Offload,
-                             OffloadedOptimizer, clip_grad_norm_, full_state_dict,
-                             memory_report, no_sync, offload_optimizer, shard)
+                             OffloadedOptimizer, clip_grad_norm_, empty_cache,
+                             full_state_dict, memory_report, no_sync, offload_optimizer,
+                             shard)
 from shardwise.train.nonfinite import NonFiniteReport, find_nonfinite_grads
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "full_state_dict",
     "memory_report",
     "MemoryReport",
+    "empty_cache",
     "MixedPrecision",
     "LossScaler",
     "CommQuant",

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardwise.shard.pool import POOL
+
 __all__ = ["MemoryTracker", "MemoryReport", "build_memory_report"]
 
 KINDS = ("params", "grads", "unsharded", "comm", "secondary")
@@ -59,6 +61,8 @@ class MemoryReport:
         secondary_bytes, peak_secondary_bytes: hierarchical secondary partitions held.
         peak_init_bytes: meta-device init only: peak bytes of full parameter values alive
             at once while materialising (one module's, plus tied parameters in flight).
+        cached_bytes: free staging buffers this process keeps for reuse, shared by every
+            sharded model (see [Note: buffer pool]; ``shardwise.empty_cache()`` frees them).
     """
 
     param_bytes: int
@@ -72,6 +76,7 @@ class MemoryReport:
     secondary_bytes: int = 0
     peak_secondary_bytes: int = 0
     peak_init_bytes: int = 0
+    cached_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
@@ -111,4 +116,5 @@ def build_memory_report(trackers: list[MemoryTracker], params: list[torch.nn.Par
         peak_transient_bytes=sum(t.peak_transient for t in trackers),
         secondary_bytes=cur["secondary"], peak_secondary_bytes=peak["secondary"],
         peak_init_bytes=max((t.peak_init for t in trackers), default=0),
+        cached_bytes=POOL.cached_bytes,
     )

@@ -11,7 +11,13 @@ created once and swapped into the owning modules while the unit computes.
 zero bytes instead of being dropped, so the full parameters keep their shapes and autograd
 metadata. Autograd has saved them for backward; the copy that refills the storage runs under
 ``_unsafe_preserve_version_counter`` so autograd does not mistake the refill for an in-place
-modification of a saved tensor.
+modification of a saved tensor. The bytes come from the buffer pool (see [Note: buffer
+pool] in pool.py): the storage swaps data pointers with a pooled buffer on gather and
+swaps them back on free, so one storage object (which views of the parameters that
+autograd saved, such as a transposed weight, keep referring to) is refilled with reused
+memory instead of fresh allocations that fragment the heap. Pointing the parameters at a
+different buffer per gather would not do: those saved views keep the storage they were
+made from. Without ``UntypedStorage._swap_data_ptr_`` (older torch) the storage is resized.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from shardwise.distributed.quant_comm import all_gather_quantized
 from shardwise.distributed.mesh import NodeGroup, ShardGroups
 from shardwise.shard.layout import UnitLayout, build_layout
 from shardwise.shard.memory import MemoryTracker
+from shardwise.shard.pool import POOL
 from shardwise.shard.precision import MixedPrecision
 from shardwise.shard.quant import CommQuant
 from shardwise.shard.unit_grads import GradientReducer, nbytes as _nbytes
@@ -55,6 +62,7 @@ class _Done:
 
 
 _DONE = _Done()
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class Unit(GradientReducer):
@@ -101,6 +109,7 @@ class Unit(GradientReducer):
         self.gather_work = None
         self.gather_tmp: torch.Tensor | None = None
         self.gather_in: torch.Tensor | None = None
+        self._full_donor: torch.Tensor | None = None  # pooled buffer lending its bytes
         self.node = node
         self.quant = quant or CommQuant()
         self.secondary: torch.Tensor | None = None
@@ -159,7 +168,12 @@ class Unit(GradientReducer):
                              f"materialize=False: it can be inspected and planned, not run")
         st = self.full_buf.untyped_storage()
         if st.nbytes() == 0:
-            st.resize_(self.layout.full_numel * self.full_buf.element_size())
+            if _CAN_SWAP:  # [Note: freeing gathered parameters]
+                self._full_donor = POOL.take(self.layout.full_numel, self.compute_dtype,
+                                             self.device)
+                st._swap_data_ptr_(self._full_donor.untyped_storage())
+            else:
+                st.resize_(self.layout.full_numel * self.full_buf.element_size())
             self.tracker.add("unsharded", st.nbytes())
 
     def gather_async(self) -> None:
@@ -198,8 +212,7 @@ class Unit(GradientReducer):
         self._gather(self.gather_in, self.groups.gather, "all_gather", False)
 
     def _gather(self, source: torch.Tensor, group, kind: str, from_secondary: bool) -> None:
-        self.gather_tmp = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
-                                      device=self.device)
+        self.gather_tmp = POOL.take(self.layout.full_numel, self.compute_dtype, self.device)
         self.tracker.add("comm", _nbytes(self.gather_tmp))
         self._from_secondary = from_secondary
         if from_secondary and self.node.size == 1:
@@ -236,6 +249,8 @@ class Unit(GradientReducer):
                 if keep_secondary and self.node is not None:
                     self._keep_secondary(tmp)
         self.tracker.sub("comm", _nbytes(self.gather_tmp))
+        if not self.quant.weights or self._from_secondary:  # [Note: buffer pool]
+            POOL.give(self.gather_tmp)
         if self.gather_in is not None and self.gather_in is not self.shard_buf:
             self.tracker.sub("comm", _nbytes(self.gather_in))
         self.gather_work, self.gather_tmp, self.gather_in = None, None, None
@@ -261,7 +276,12 @@ class Unit(GradientReducer):
             return
         st = self.full_buf.untyped_storage()
         self.tracker.sub("unsharded", st.nbytes())
-        st.resize_(0)
+        if self._full_donor is not None:
+            st._swap_data_ptr_(self._full_donor.untyped_storage())
+            POOL.give(self._full_donor)
+            self._full_donor = None
+        else:
+            st.resize_(0)
         self.gathered = False
 
     def swap_in(self) -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from shardwise.distributed import comm
 from shardwise.distributed.quant_comm import reduce_scatter_quantized
+from shardwise.shard.pool import POOL
 
 __all__ = ["GradientReducer", "nbytes"]
 
@@ -45,8 +46,7 @@ class GradientReducer:
             elif p.rows != n * p.chunk_rows or len(p.shape) == 0:
                 g = F.pad(g.reshape(-1), (0, n * p.padded_numel - p.numel))
             pieces.append(g.reshape(n, p.padded_numel))
-        self.reduce_in = torch.empty(n * lay.grad_numel, dtype=self.reduce_dtype,
-                                     device=self.device)
+        self.reduce_in = POOL.take(n * lay.grad_numel, self.reduce_dtype, self.device)
         torch.cat(pieces, dim=1, out=self.reduce_in.view(n, lay.grad_numel))  # casts too
         self.tracker.add("comm", nbytes(self.reduce_in))
         for full in self.full_params[:len(self.trainable)]:
@@ -72,13 +72,13 @@ class GradientReducer:
         if self._direct and self.reduce_dtype == self.dtype:
             self.reduce_out = self.grad_buf
         else:
-            self.reduce_out = torch.empty(self.layout.grad_numel, dtype=self.reduce_dtype,
-                                          device=self.device)
+            self.reduce_out = POOL.take(self.layout.grad_numel, self.reduce_dtype, self.device)
             self.tracker.add("comm", nbytes(self.reduce_out))
         if (self.layout.world > 1 and not self.quant.grads
                 and comm.reduce_scatter_needs_scratch(self.groups.shard)):
             # [Note: reduce-scatter on Gloo]
-            self.reduce_scratch = torch.empty_like(self.reduce_in)
+            self.reduce_scratch = POOL.take(self.reduce_in.numel(), self.reduce_in.dtype,
+                                            self.device)
             self.tracker.add("comm", nbytes(self.reduce_scratch))
         if self.layout.world == 1:  # nothing to scatter (stage 0 as units, one-rank groups)
             self.reduce_out.copy_(self.reduce_in)
@@ -99,6 +99,8 @@ class GradientReducer:
         if self.reduce_work is not None:
             self.reduce_work.wait()
         self.tracker.sub("comm", nbytes(self.reduce_in) + nbytes(self.reduce_scratch))
+        POOL.give(self.reduce_in)  # [Note: buffer pool]: the collective has completed
+        POOL.give(self.reduce_scratch)
         self.reduce_scratch = None
         out = self.reduce_out
         if self.groups.replicate is not None:
@@ -114,6 +116,7 @@ class GradientReducer:
                     else:
                         e.param.grad.add_(v)
             self.tracker.sub("comm", nbytes(out))
+            POOL.give(out)
         if self._direct:
             for e, v in zip(self.trainable, self.grad_views):
                 e.param.grad = v
