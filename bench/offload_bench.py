@@ -71,7 +71,8 @@ def _ds_config(offload: bool, cpu_adam: bool) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]),
                                                      "torch_adam": not cpu_adam}},
-           "zero_optimization": zero, "steps_per_print": 10 ** 9}
+           "zero_optimization": zero, "steps_per_print": 10 ** 9,
+           "gradient_clipping": 0.0}  # shardwise's rows do not clip either
     if offload and not cpu_adam:
         cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW on the offloaded state
     return cfg
