@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,9 @@ def test_under_torchrun_max_restarts_a_kill_during_a_checkpoint_write_resumes_ex
     env["SHARDWISE_FAULT"] = "kill:rank=1:step=6:phase=checkpoint"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "failed (exitcode: -9) local_rank: 1" in proc.stderr
+    # The agent names the first failure it observes: usually the killed rank 1 (-9), but
+    # on a loaded machine it may first see rank 0, which it is already terminating (-15).
+    assert re.search(r"failed \(exitcode: -(9|15)\) local_rank: [01]", proc.stderr), \
+        proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_00000004 at step 4" in proc.stdout
     _assert_same(_final_state(tmp_path), clean)
