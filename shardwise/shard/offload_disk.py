@@ -46,7 +46,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -91,6 +91,11 @@ class IOStats:
         with self.lock:
             self.resident_bytes -= nbytes
             assert self.resident_bytes >= 0, self.resident_bytes
+
+    def snapshot(self) -> dict[str, int | float]:
+        """The counters, read together under the lock (the I/O thread updates them)."""
+        with self.lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
 
 
 def _host_tag() -> str:

@@ -316,12 +316,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             held = sum(tensor_nbytes(v) for e in off for v in self.state.get(e.param, {}).values()
                        if isinstance(v, torch.Tensor))
             return OffloadStats(**common, resident_bytes=held, peak_resident_bytes=held)
-        s = self._store.stats
-        return OffloadStats(**common, resident_bytes=s.resident_bytes,
-                            peak_resident_bytes=s.peak_resident_bytes, read_bytes=s.read_bytes,
-                            write_bytes=s.write_bytes, read_s=s.read_s, write_s=s.write_s,
-                            wait_s=s.wait_s, file_bytes=self._store.file_bytes(),
-                            run_dir=self._store.dir)
+        return OffloadStats(**common, **self._store.stats.snapshot(),
+                            file_bytes=self._store.file_bytes(), run_dir=self._store.dir)
 
     def reset_peak(self) -> None:
         """Restart ``peak_resident_bytes`` from the bytes held now."""

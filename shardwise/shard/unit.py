@@ -197,8 +197,7 @@ class Unit(GradientReducer):
             self._gather(self.secondary, self.node.group, "secondary_all_gather", True)
             return
         if self.quant.weights:  # blockwise int8 / fp8 on the wire, decoded to compute dtype
-            self.gather_tmp = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
-                                          device=self.device)
+            self.gather_tmp = POOL.take(self.layout.full_numel, self.compute_dtype, self.device)
             self.tracker.add("comm", _nbytes(self.gather_tmp))
             self._from_secondary = False
             self.gather_work = all_gather_quantized(
@@ -249,8 +248,7 @@ class Unit(GradientReducer):
                 if keep_secondary and self.node is not None:
                     self._keep_secondary(tmp)
         self.tracker.sub("comm", _nbytes(self.gather_tmp))
-        if not self.quant.weights or self._from_secondary:  # [Note: buffer pool]
-            POOL.give(self.gather_tmp)
+        POOL.give(self.gather_tmp)  # [Note: buffer pool]: the gather has completed
         if self.gather_in is not None and self.gather_in is not self.shard_buf:
             self.tracker.sub("comm", _nbytes(self.gather_in))
         self.gather_work, self.gather_tmp, self.gather_in = None, None, None
