@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import shardwise
 from shardwise import LossScaler, MixedPrecision
 from shardwise.models import TransformerBlock, build_model, get_model_config
+from shardwise.shard.identity import TAG_BYTES
 from shardwise.testing import run_ranks
 
 CFG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32,
@@ -53,7 +54,9 @@ def _train(stage: int, dtype: str | None, steps: int, init_scale: float = 2.0**1
         shardwise.reset_comm_stats()
         loss = F.cross_entropy(model(tok[:, :-1]).float().flatten(0, 1), tok[:, 1:].flatten())
         scaler.scale(loss).backward()
-        bytes_gathered = shardwise.comm_stats()["all_gather"].bytes_sent
+        gathers = shardwise.comm_stats()["all_gather"]
+        # without the 8-byte unit identity each gather carries ([Note: gather identity])
+        bytes_gathered = gathers.bytes_sent - gathers.calls * (world - 1) * TAG_BYTES
         before = [p.detach().clone() for p in model.parameters()]
         ok = scaler.step(model, opt)
         if not ok:  # a skipped step leaves every weight untouched

@@ -13,6 +13,7 @@ import shardwise
 from shardwise.distributed import comm
 from shardwise.models import (TransformerBlock, build_model, get_model_config,
                               init_module_weights)
+from shardwise.shard.identity import TAG_BYTES
 from shardwise.testing import run_ranks
 
 LLAMA = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16,
@@ -61,7 +62,8 @@ def test_step_moves_exactly_the_zero_volume(stage):
         assert set(stats) == {"all_reduce"}
         return
     gathers = 2 if stage == 3 else 1
-    shard_bytes = 4 * sum(s for s, _, _ in units)
+    # every gathered shard carries its unit's 8-byte identity ([Note: gather identity])
+    shard_bytes = sum(4 * s + TAG_BYTES for s, _, _ in units if s)
     root = 4 * sum(s for s, _, is_root in units if is_root)
     grad_bytes = 4 * sum(g for _, g, _ in units)
     assert root == 0 or stage < 3
@@ -86,7 +88,7 @@ def _memory_worker():
     local = sum(p.numel() for p in model.parameters())
     block_full = max(u.layout.full_numel for u in units if u is not units[0]) * 4
     root_full = units[0].layout.full_numel * 4
-    return (rep, local, sum(u.layout.shard_numel for u in units) * 4,
+    return (rep, local, sum(u.layout.shard_numel * 4 + TAG_BYTES for u in units),
             sum(u.layout.grad_numel for u in units) * 4, cfg.num_params(), world, block_full,
             root_full, len(list(model.parameters())))
 

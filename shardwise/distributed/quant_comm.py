@@ -47,6 +47,9 @@ class QuantizedWork:
 
     def __init__(self, work, finish: Callable[[], None], *buffers: torch.Tensor) -> None:
         self.work, self._finish, self._buffers = work, finish, buffers
+        self.trailers: torch.Tensor | None = None
+        """All-gather with a ``trailer``: every rank's trailer bytes, ``(n, len)``, valid
+        after :meth:`wait`."""
 
     def wait(self, timeout=None) -> bool:
         if self._finish is not None:
@@ -83,7 +86,8 @@ def _finish(handle: QuantizedWork, async_op: bool) -> QuantizedWork | None:
 
 def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
                          quant_kind: str = "int8", block_size: int = 256, *, label: str = "",
-                         async_op: bool = False) -> QuantizedWork | None:
+                         async_op: bool = False, trailer: torch.Tensor | None = None
+                         ) -> QuantizedWork | None:
     """Gather every rank's ``shard`` into ``output`` (rank-major), quantized on the wire.
 
     Each rank quantizes its shard with ``quant_kind`` and ``block_size``, the packed bytes are
@@ -100,6 +104,9 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
         block_size: elements per quantization block (default 256).
         label: names the collective in ``comm`` records.
         async_op: return a handle whose ``wait()`` finishes the gather and the decoding.
+        trailer: uint8 bytes appended, unquantized, to this rank's packed shard; every rank's
+            trailer is in the handle's ``trailers`` after ``wait()`` (default None). The
+            engine sends its unit identity this way ([Note: gather identity]).
 
     Returns:
         A :class:`QuantizedWork` when ``async_op`` and ``n > 1``, else None (done).
@@ -115,14 +122,21 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
         dequantize(q, out=output)
         return None
     send = pack(q)
+    packed = send.numel()
+    if trailer is not None:
+        send = torch.cat([send, trailer.to(send.device).view(torch.uint8)])
     recv = torch.empty(n, send.numel(), dtype=torch.uint8, device=send.device)
     work = comm.all_gather_into_tensor(recv.view(-1), send, group, label=label,
                                        async_op=True)
+    handle = QuantizedWork(work, lambda: None, send, recv)
 
     def decode() -> None:
-        dequantize(unpack(recv, m, quant_kind, block_size), out=output)
+        dequantize(unpack(recv[:, :packed], m, quant_kind, block_size), out=output)
+        if trailer is not None:
+            handle.trailers = recv[:, packed:]
 
-    return _finish(QuantizedWork(work, decode, send, recv), async_op)
+    handle._finish = decode
+    return _finish(handle, async_op)
 
 
 def reduce_scatter_quantized(output: torch.Tensor, full: torch.Tensor, group=None,

@@ -24,6 +24,7 @@ from shardwise.distributed import comm
 from shardwise.distributed.mesh import (ShardGroups, node_group, replicated_groups,
                                         resolve_groups)
 from shardwise.shard.discover import STATE_ATTR, UnitPlan, plan_units
+from shardwise.shard.identity import UnitTag, next_state_id
 from shardwise.shard.materialize import has_meta, materialize
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
 from shardwise.shard.precision import MixedPrecision, cast_floating
@@ -109,8 +110,10 @@ def _build_units(module, plans, groups, stage, tracker, init_weights, sync_state
     if is_meta:
         device = (target or torch.device("cpu")) if do_materialize else torch.device("meta")
     node = node_group(groups, quant.hierarchy) if quant and quant.hierarchy else None
-    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker, device, mp, node, quant)
-             for p in plans]
+    state_id, names = next_state_id(), {}
+    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker, device, mp, node, quant,
+                  UnitTag(state_id, i, p.name or "<root>", names))
+             for i, p in enumerate(plans)]
     where = {id(e.param): (u, i) for u in units for i, e in enumerate(u.entries)}
     if is_meta and not do_materialize:
         pass  # planning mode: shards stay on the meta device, bytes are still accounted

@@ -3,26 +3,50 @@ reduce.
 
 Per step, for each unit ``u`` (forward order recorded on the fly, see [Note: prefetch order]):
 
-forward pre-hook   gather u (wait), issue the gathers of the next ``prefetch`` units,
-                   register u's full parameters in its modules;
+forward pre-hook   gather u (wait), issue the gathers of the next ``prefetch`` units that
+                   have not run in this forward yet, register u's full parameters in its
+                   modules;
 forward post-hook  register the sharded parameters again; stage 3 frees u's gathered
                    parameters (except the root unit, which backward needs at once);
-                   hooks on u's outputs wait for backward;
+                   hooks on u's outputs wait for backward. The root's post-hook ends the
+                   forward pass ([Note: prefetch safety]);
 pre-backward       (first gradient reaching u's outputs) gather u again, prefetch the units
                    backward reaches next, register the full parameters;
 post-backward      (every trainable full parameter of u has its gradient) pack the gradients,
                    free them and u's gathered parameters, mark u ready for reduction
                    ([Note: ordered reductions]);
-end of backward    units that saw no gradient contribute zeros, all reductions finish, the
-                   sharded parameters get their averaged ``.grad``.
+end of backward    units that saw no gradient contribute zeros, all reductions finish, gathers
+                   still in flight are completed and discarded, the sharded parameters get
+                   their averaged ``.grad``.
 
 [Note: prefetch order] Forward prefetch follows the order in which units started their
 forward in the previous step; backward prefetch follows the reverse of the order in which
-they finished it (the order in which backward reaches them). Both are the same on every rank
-for the same model code, which keeps the gather sequence identical across ranks.
+they finished it in this step (the order in which backward is expected to reach them). Both
+are the same on every rank for the same model code, which keeps the gather sequence
+identical across ranks; [Note: gather identity] in identity.py checks it on every gather.
+
+[Note: prefetch safety] A prefetch is a bet that a unit will compute soon. Two rules keep a
+lost bet from changing any number:
+
+* only units that can still compute in the current pass are prefetched: in forward, units
+  that have not run yet in it; in backward, units that ran forward in this step and whose
+  backward has not begun (so a unit is never gathered again after its backward, however
+  many of its outputs' gradients arrive later -- the root's outputs typically receive
+  gradients throughout backward);
+* a gather still in flight when its pass ends (a prefetched unit that did not run: a skipped
+  branch, an order that changed) is completed and discarded at the end of the forward pass
+  (the root's post-hook) and of backward, so no gather survives into an optimizer step.
+
+Behind both, a unit uses gathered data only if the shards have not changed since it was
+gathered ([Note: unit gather state] in unit.py). The bug these rules close: the root's
+later output gradients re-issued the prefetch of a unit whose backward had finished; that
+gather, still in flight at the end of backward, survived the optimizer step and the next
+forward used the pre-step weights of that unit on every rank (issue 15).
 """
 
 from __future__ import annotations
+
+import enum
 
 import torch
 from torch import nn
@@ -34,6 +58,16 @@ from shardwise.shard.memory import MemoryTracker
 from shardwise.shard.unit import Unit
 
 __all__ = ["ShardState"]
+
+
+class Phase(enum.Enum):
+    """Where a unit is in the current training step (forward with gradients, then backward)."""
+
+    IDLE = "idle"                    # not run since the step's forward began
+    FORWARD = "forward"              # its forward is running
+    FORWARD_DONE = "forward_done"    # ran forward; its backward is expected
+    BACKWARD = "backward"            # its backward has begun
+    BACKWARD_DONE = "backward_done"  # gradients packed (or the step ended)
 
 
 class ShardState:
@@ -48,12 +82,14 @@ class ShardState:
         self.sync = True
         self.launcher = OrderedLauncher()
         self.fwd_order: list[Unit] = []       # previous step's pre-forward order
-        self.bwd_order: list[Unit] = []       # previous step's reversed post-forward order
+        self.bwd_order: list[Unit] = []       # this step's reversed post-forward order
         self._pre_order: list[Unit] = []
         self._post_order: list[Unit] = []
+        self._seen: set[int] = set()          # units run in the current forward pass
         self._backward_started = False
         self._handles = []
         for u in units:
+            u.phase = Phase.IDLE
             self._handles.append(u.module.register_forward_pre_hook(
                 self._make_pre_forward(u), prepend=True))
             self._handles.append(u.module.register_forward_hook(self._make_post_forward(u)))
@@ -68,13 +104,17 @@ class ShardState:
                 u.unshard()
                 u.swap_in()
                 return None
-            if u is self.root and torch.is_grad_enabled():
-                self._begin_forward()
-            if torch.is_grad_enabled() and u not in self._pre_order:
-                self._pre_order.append(u)
+            grad = torch.is_grad_enabled()
+            if u is self.root:
+                self._begin_forward(grad)
+            self._seen.add(id(u))
+            if grad:
+                if u not in self._pre_order:
+                    self._pre_order.append(u)
+                u.phase = Phase.FORWARD
             u.unshard(keep_secondary=self.reshard_after_forward and u is not self.root
-                      and torch.is_grad_enabled())
-            self._prefetch(u, self.fwd_order, forward=True)
+                      and grad)
+            self._prefetch(u, self.fwd_order, lambda v: id(v) not in self._seen)
             u.swap_in()
             return None
         return hook
@@ -88,28 +128,48 @@ class ShardState:
                 if u in self._post_order:
                     self._post_order.remove(u)
                 self._post_order.append(u)
+                u.phase = Phase.FORWARD_DONE
                 register_output_hooks(output, lambda: self._pre_backward(u))
                 if self.reshard_after_forward and u is not self.root:
                     u.reshard()
             elif self.stage == 3:
                 u.reshard()
+            if u is self.root:
+                self._end_forward()
             return None
         return hook
 
-    def _begin_forward(self) -> None:
+    def _begin_forward(self, grad: bool) -> None:
+        self._seen = set()
+        if not grad:
+            return
         if self._pre_order:
             self.fwd_order = self._pre_order
         self._pre_order, self._post_order = [], []
         for u in self.units:
             u.pending = len(u.trainable)
-            u.backward_done = False
+            u.phase = Phase.IDLE
 
-    def _prefetch(self, u: Unit, order: list[Unit], forward: bool) -> None:
+    def _end_forward(self) -> None:
+        """[Note: prefetch safety]: discard gathers of prefetched units that did not run."""
+        for u in self.units:
+            if u is not self.root and id(u) not in self._seen:
+                if self.stage == 3:
+                    u.reshard()
+                else:
+                    u._drain()
+
+    def _prefetch(self, u: Unit, order: list[Unit], eligible) -> None:
+        """Issue the gathers of the next ``prefetch`` eligible units after ``u`` in ``order``."""
         if not self.prefetch or u not in order:
             return
-        i = order.index(u)
-        for nxt in order[i + 1:i + 1 + self.prefetch]:
-            nxt.gather_async()
+        left = self.prefetch
+        for nxt in order[order.index(u) + 1:]:
+            if left == 0:
+                break
+            if eligible(nxt):
+                nxt.gather_async()
+                left -= 1
 
     # ---------------------------------------------------------------- backward
     def _start_backward(self) -> None:
@@ -123,10 +183,11 @@ class ShardState:
     def _pre_backward(self, u: Unit) -> None:
         if not self._backward_started:
             self._start_backward()
-        if u.backward_done:
-            return
+        if u.phase in (Phase.BACKWARD, Phase.BACKWARD_DONE):
+            return  # gathered already, or done: another of its outputs' gradients arrived
+        u.phase = Phase.BACKWARD
         u.unshard()
-        self._prefetch(u, self.bwd_order, forward=False)
+        self._prefetch(u, self.bwd_order, lambda v: v.phase is Phase.FORWARD_DONE)
         u.swap_in()
 
     def _make_on_grad(self, u: Unit):
@@ -139,9 +200,9 @@ class ShardState:
         return hook
 
     def _post_backward(self, u: Unit) -> None:
-        if u.backward_done:
+        if u.phase is Phase.BACKWARD_DONE:
             return
-        u.backward_done = True
+        u.phase = Phase.BACKWARD_DONE
         u.swap_out()
         if self.stage == 3:
             u.reshard()
@@ -157,11 +218,13 @@ class ShardState:
         else:
             self.launcher.order = []
         for u in self.units:
-            u.backward_done = True
+            u.phase = Phase.BACKWARD_DONE
             u.swap_out()
             u.drop_secondary()
             if self.stage == 3:
-                u.reshard()
+                u.reshard()  # completes and discards a gather still in flight
+            else:
+                u._drain()
         self._backward_started = False
 
     # ---------------------------------------------------------------- misc

@@ -18,10 +18,20 @@ autograd saved, such as a transposed weight, keep referring to) is refilled with
 memory instead of fresh allocations that fragment the heap. Pointing the parameters at a
 different buffer per gather would not do: those saved views keep the storage they were
 made from. Without ``UntypedStorage._swap_data_ptr_`` (older torch) the storage is resized.
+
+[Note: unit gather state] ``state`` is one of :class:`Gather`. A gather records the version
+of the shards it read (``shard_version``: the sum of the shard Parameters' autograd version
+counters, which every in-place update -- an optimizer step, a user's ``p.mul_()`` -- bumps).
+Gathered data is used only while that version is current and the unit is not ``stale``
+(stages 1/2: set once the reduction hands out gradients, i.e. an optimizer step is
+expected); otherwise it is discarded and gathered again. A gather that is still in flight
+when its pass ends is completed and discarded (see [Note: prefetch safety] in state.py), so
+a gather never outlives the values it read.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +40,7 @@ from torch import nn
 from shardwise.distributed import comm
 from shardwise.distributed.quant_comm import all_gather_quantized
 from shardwise.distributed.mesh import NodeGroup, ShardGroups
+from shardwise.shard.identity import TAG_BYTES, UnitTag
 from shardwise.shard.layout import UnitLayout, build_layout
 from shardwise.shard.memory import MemoryTracker
 from shardwise.shard.pool import POOL
@@ -53,15 +64,14 @@ class ParamEntry:
         return self.param.requires_grad
 
 
-class _Done:
-    """A finished work handle (gathers that needed no communication)."""
+class Gather(enum.Enum):
+    """Whether a unit's full parameters hold its current values ([Note: unit gather state])."""
 
-    @staticmethod
-    def wait() -> bool:
-        return True
+    SHARDED = "sharded"        # the full parameters are not valid (storage may be freed)
+    GATHERING = "gathering"    # an all-gather is in flight; ``unshard`` completes it
+    GATHERED = "gathered"      # the full parameters equal the shards of ``gathered_version``
 
 
-_DONE = _Done()
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
@@ -81,13 +91,16 @@ class Unit(GradientReducer):
         node: stage 3 hierarchical partition: keep a secondary copy sharded within this
             node after forward, so the backward all-gather stays inside the node.
         quant: quantised communication of weights and / or gradients.
+        tag: the unit's identity, sent with every gather ([Note: gather identity]);
+            default: a tag of shard call 0, unit 0.
     """
 
     def __init__(self, name: str, module: nn.Module, entries: list[ParamEntry],
                  groups: ShardGroups, stage: int, tracker: MemoryTracker,
                  device: torch.device | None = None,
                  mixed_precision: MixedPrecision | None = None,
-                 node: NodeGroup | None = None, quant: CommQuant | None = None) -> None:
+                 node: NodeGroup | None = None, quant: CommQuant | None = None,
+                 tag: UnitTag | None = None) -> None:
         self.name, self.module, self.groups, self.stage = name, module, groups, stage
         self.tracker = tracker
         self.entries = sorted(entries, key=lambda e: not e.trainable)  # stable: trainable first
@@ -104,8 +117,11 @@ class Unit(GradientReducer):
         if self.device.type == "meta" and device is None:
             self.device = torch.device("cpu")
         self.label = name or "<root>"
-        self.gathered = False
-        self.stale = True  # stages 1/2: shards changed since the last gather
+        self.tag = tag or UnitTag(0, 0, self.label, {})
+        self.state = Gather.SHARDED
+        self.gathered_version = -1
+        self.stale = True  # stages 1/2: shards changed (or will) since the last gather
+        self.regathers = 0  # gathers discarded because the shards changed ([Note: unit ...])
         self.gather_work = None
         self.gather_tmp: torch.Tensor | None = None
         self.gather_in: torch.Tensor | None = None
@@ -122,14 +138,21 @@ class Unit(GradientReducer):
         self.grad_buf: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []
         self.pending = 0
-        self.backward_done = False
         self._build_buffers()
 
     # ---------------------------------------------------------------- construction
     def _build_buffers(self) -> None:
         lay, n, r = self.layout, self.layout.world, self.groups.shard_rank
-        self.shard_buf = torch.zeros(lay.shard_numel, dtype=self.dtype, device=self.device)
-        self.tracker.add("params", _nbytes(self.shard_buf))
+        # The send buffer of the all-gather: the flat shard, then the identity trailer.
+        tag_bytes = TAG_BYTES if self.entries else 0  # a unit with no parameters never gathers
+        self.trailer_numel = tag_bytes // self.dtype.itemsize
+        self.wire_row = lay.shard_numel + tag_bytes // self.compute_dtype.itemsize
+        self.send_buf = torch.zeros(lay.shard_numel + self.trailer_numel, dtype=self.dtype,
+                                    device=self.device)
+        self.shard_buf = self.send_buf[:lay.shard_numel]
+        if self.device.type != "meta" and self.entries:
+            self.tag.write(self.send_buf[lay.shard_numel:])
+        self.tracker.add("params", _nbytes(self.send_buf))
         self.full_buf = torch.empty(lay.full_numel, dtype=self.compute_dtype, device=self.device)
         self.shard_views, self.full_blocks, self.full_params = [], [], []
         for e, p in zip(self.entries, lay.params):
@@ -161,6 +184,18 @@ class Unit(GradientReducer):
                 e.param.data = view
                 e.param.grad = None
 
+    def shard_version(self) -> int:
+        """Sum of the shard Parameters' version counters ([Note: unit gather state])."""
+        return sum(e.param._version for e in self.entries)
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the full parameters hold current values."""
+        return self.state is Gather.GATHERED
+
+    def _current(self) -> bool:
+        return not self.stale and self.gathered_version == self.shard_version()
+
     # ---------------------------------------------------------------- gather
     def _alloc_full(self) -> None:
         if self.device.type == "meta":
@@ -177,22 +212,27 @@ class Unit(GradientReducer):
             self.tracker.add("unsharded", st.nbytes())
 
     def gather_async(self) -> None:
-        """Issue the all-gather of this unit's shards unless gathered or already in flight.
+        """Issue the all-gather of this unit's shards unless current data is held or coming.
 
         With a secondary partition in hand (see [Note: hierarchical partition]) the gather
         runs inside the node only.
         """
-        if not self.entries or self.gather_work is not None:
+        if not self.entries or self.state is not Gather.SHARDED and self._current():
             return
-        if self.gathered and not (self.stage < 3 and self.stale):
-            return
+        if self.state is Gather.GATHERING:  # in flight, but the shards changed since
+            self.regathers += 1
+            self._drain()
+        # The gather reads the shards as they are now: from here on only a change of their
+        # version (or a new ``stale``) makes its data out of date.
+        self.gathered_version, self.stale = self.shard_version(), False
         self._alloc_full()
         n = self.layout.world
         if n == 1:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_buf):
                 self.full_buf.copy_(self.shard_buf)
-            self.gathered, self.stale = True, False
+            self.state = Gather.GATHERED
             return
+        self.state = Gather.GATHERING
         if self.secondary is not None:
             self._gather(self.secondary, self.node.group, "secondary_all_gather", True)
             return
@@ -202,65 +242,96 @@ class Unit(GradientReducer):
             self._from_secondary = False
             self.gather_work = all_gather_quantized(
                 self.gather_tmp, self.shard_buf, self.groups.gather, self.quant.weights,
-                self.quant.block_size, label=f"{self.label}.all_gather", async_op=True)
+                self.quant.block_size, label=f"{self.label}.all_gather", async_op=True,
+                trailer=self.tag.on(self.device))
             return
-        self.gather_in = self.shard_buf
+        self.gather_in = self.send_buf
         if self.compute_dtype != self.dtype:  # cast before the gather: half the bytes move
-            self.gather_in = self.shard_buf.to(self.compute_dtype)
+            self.gather_in = POOL.take(self.wire_row, self.compute_dtype, self.device)
+            self.gather_in[:self.layout.shard_numel].copy_(self.shard_buf)
+            self.tag.write(self.gather_in[self.layout.shard_numel:])
             self.tracker.add("comm", _nbytes(self.gather_in))
         self._gather(self.gather_in, self.groups.gather, "all_gather", False)
 
     def _gather(self, source: torch.Tensor, group, kind: str, from_secondary: bool) -> None:
-        self.gather_tmp = POOL.take(self.layout.full_numel, self.compute_dtype, self.device)
+        rows = self.layout.world if not from_secondary else self.node.size
+        self.gather_tmp = POOL.take(rows * source.numel(), self.compute_dtype, self.device)
         self.tracker.add("comm", _nbytes(self.gather_tmp))
         self._from_secondary = from_secondary
         if from_secondary and self.node.size == 1:
             self.gather_tmp.copy_(source)
-            self.gather_work = _DONE
+            self.gather_work = None
             return
         self.gather_work = comm.all_gather_into_tensor(
             self.gather_tmp, source, group, label=f"{self.label}.{kind}", async_op=True)
 
+    def _wait(self) -> None:
+        """Complete the gather in flight and check every rank's identity trailer."""
+        if self.gather_work is not None:
+            self.gather_work.wait()
+        if self.quant.weights and not self._from_secondary:
+            trailers = getattr(self.gather_work, "trailers", None)
+            if trailers is not None:
+                self.tag.check(trailers, "all_gather")
+        else:
+            kind = "secondary_all_gather" if self._from_secondary else "all_gather"
+            s = self.layout.shard_numel
+            self.tag.check(self.gather_tmp.view(-1, self.wire_row)[:, s:], kind)
+
+    def _release_gather(self) -> None:
+        self.tracker.sub("comm", _nbytes(self.gather_tmp))
+        POOL.give(self.gather_tmp)  # [Note: buffer pool]: the gather has completed
+        if self.gather_in is not None and self.gather_in is not self.send_buf:
+            self.tracker.sub("comm", _nbytes(self.gather_in))
+            POOL.give(self.gather_in)
+        self.gather_work, self.gather_tmp, self.gather_in = None, None, None
+
+    def _drain(self) -> None:
+        """Complete a gather in flight and discard what it brought (not copied anywhere)."""
+        if self.state is not Gather.GATHERING:
+            return
+        self._wait()
+        self._release_gather()
+        self.state = Gather.SHARDED
+
     def unshard(self, keep_secondary: bool = False) -> None:
-        """Make the full parameters valid: issue the gather if needed, wait, copy out.
+        """Make the full parameters current: issue the gather if needed, wait, copy out.
 
         Args:
             keep_secondary: (forward, stage 3 with a node group) keep this rank's secondary
                 partition of the gathered parameters for the backward gather.
         """
-        self.gather_async()
-        if self.gather_work is None:
+        self.gather_async()  # discards a gather in flight whose shards changed since
+        if self.state is not Gather.GATHERING:
             return
-        self.gather_work.wait()
+        self._wait()
         n, lay, tmp = self.layout.world, self.layout, self.gather_tmp
         sizes = [p.padded_numel for p in lay.params]
         # [Note: freeing gathered parameters]
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_buf):
-            if self._from_secondary:  # node-major (k, m, S) -> rank-major (m, k, S)
+            if self._from_secondary:  # node-major (k, m, row) -> rank-major (m, k, S)
                 k, m = self.node.size, self.node.count
-                src = tmp.view(k, m, lay.shard_numel).transpose(0, 1)
+                src = tmp.view(k, m, self.wire_row)[:, :, :lay.shard_numel].transpose(0, 1)
                 torch.split_with_sizes_copy(src, sizes, dim=2,
                                             out=[b.view(m, k, -1) for b in self.full_blocks])
                 self.drop_secondary()
             else:
-                torch.split_with_sizes_copy(tmp.view(n, lay.shard_numel), sizes, dim=1,
-                                            out=self.full_blocks)
+                row = lay.shard_numel if self.quant.weights else self.wire_row
+                torch.split_with_sizes_copy(tmp.view(n, row)[:, :lay.shard_numel], sizes,
+                                            dim=1, out=self.full_blocks)
                 if keep_secondary and self.node is not None:
                     self._keep_secondary(tmp)
-        self.tracker.sub("comm", _nbytes(self.gather_tmp))
-        POOL.give(self.gather_tmp)  # [Note: buffer pool]: the gather has completed
-        if self.gather_in is not None and self.gather_in is not self.shard_buf:
-            self.tracker.sub("comm", _nbytes(self.gather_in))
-        self.gather_work, self.gather_tmp, self.gather_in = None, None, None
-        self.gathered, self.stale = True, False
+        self._release_gather()
+        self.state = Gather.GATHERED
 
     def _keep_secondary(self, gathered: torch.Tensor) -> None:
         """[Note: hierarchical partition] Rank j of a node of k keeps the primary shards of
         shard ranks j, j + k, j + 2k, ...: an all-gather inside the node then yields every
-        rank's shard, node-major, which the copy-out reorders for free."""
-        k, m, s = self.node.size, self.node.count, self.layout.shard_numel
+        rank's shard, node-major, which the copy-out reorders for free. The kept rows carry
+        their identity trailers, so the node gather is checked like the primary one."""
+        k, m, row = self.node.size, self.node.count, self.wire_row
         self.drop_secondary()
-        self.secondary = gathered.view(m, k, s)[:, self.node.index].clone().view(-1)
+        self.secondary = gathered.view(m, k, row)[:, self.node.index].clone().view(-1)
         self.tracker.add("secondary", _nbytes(self.secondary))
 
     def drop_secondary(self) -> None:
@@ -269,10 +340,15 @@ class Unit(GradientReducer):
             self.secondary = None
 
     def reshard(self) -> None:
-        """Free the gathered parameters (stage 3); their shapes and autograd links stay."""
-        if not self.gathered or self.gather_work is not None:
-            return
+        """Free the gathered parameters (stage 3); their shapes and autograd links stay.
+
+        A gather still in flight is completed and discarded first.
+        """
+        self._drain()
         st = self.full_buf.untyped_storage()
+        if self.device.type == "meta" or st.nbytes() == 0:
+            self.state = Gather.SHARDED
+            return
         self.tracker.sub("unsharded", st.nbytes())
         if self._full_donor is not None:
             st._swap_data_ptr_(self._full_donor.untyped_storage())
@@ -280,7 +356,7 @@ class Unit(GradientReducer):
             self._full_donor = None
         else:
             st.resize_(0)
-        self.gathered = False
+        self.state = Gather.SHARDED
 
     def swap_in(self) -> None:
         """Register the full parameters in their modules (for compute)."""
