@@ -1,6 +1,6 @@
 """Blockwise codecs: the documented error bounds, exact arithmetic and wire format, as properties.
 
-Bounds asserted here are the ones stated in [Note: error bounds] of shardwise/shard/quant.py,
+Bounds asserted here are the ones stated in [Note: error bounds] of shardwise/quant/codecs.py,
 with no extra tolerance: the test computes them independently in float64 and compares with
 ``<=``.
 """
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.shard.quant import (KINDS, CommQuant, QuantizedTensor, dequantize, error_bound,
+from shardwise.shard.comm_quant import CommQuant
+from shardwise.quant import (KINDS, QuantizedTensor, dequantize, error_bound,
                                    pack, packed_nbytes, quantize, unpack)
 
 QMAX = {"int8": 127, "int4": 7, "fp8": 448}

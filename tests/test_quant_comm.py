@@ -8,7 +8,7 @@ import torch
 
 from shardwise.distributed import comm
 from shardwise.distributed.quant_comm import all_gather_quantized, reduce_scatter_quantized
-from shardwise.shard.quant import KINDS, dequantize, error_bound, quantize
+from shardwise.quant import KINDS, dequantize, error_bound, quantize
 from shardwise.testing import run_ranks
 
 M = 10_000  # not a multiple of the block: a partial last block per piece

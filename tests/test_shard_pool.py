@@ -1,4 +1,4 @@
-"""The staging-buffer pool: reuse, its bound, and a stage-3 step that allocates nothing new."""
+"""The staging-buffer pool: reuse, its working-set bound, and steps that allocate nothing new."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import shardwise
 from shardwise.models import TransformerBlock, build_model, get_model_config
-from shardwise.shard.pool import POOL, BufferPool
+from shardwise.distributed.pool import POOL, BufferPool
 from shardwise.testing import run_ranks
 
 F32 = torch.float32
@@ -29,33 +29,37 @@ def test_given_back_buffer_is_handed_out_again_by_size_and_dtype():
     assert b.dtype == torch.bfloat16 and c.numel() == 99 and c.ndim == 1
 
 
-def test_cache_stays_within_twice_the_high_water_mark_largest_evicted_first():
+def test_cache_keeps_each_size_up_to_its_working_set():
     pool = BufferPool()
-    small = [pool.take(10, F32, CPU) for _ in range(3)]  # 120 bytes in use: the peak
+    small = [pool.take(10, F32, CPU) for _ in range(3)]  # three 10-element buffers at once
     for t in small:
         pool.give(t)
-    assert (pool.high_water_bytes, pool.cached_bytes) == (120, 120)
-    mid = pool.take(20, F32, CPU)  # 80 bytes
+    assert pool.cached_bytes == 120
+    mid = pool.take(20, F32, CPU)
     pool.give(mid)
-    assert pool.cached_bytes == 200  # <= 2 x 120
-    large = pool.take(25, F32, CPU)  # 100 bytes; the peak stays 120
-    pool.give(large)  # 300 > 240: the largest cached (80 bytes) goes first
-    assert pool.cached_bytes == 220 and pool.high_water_bytes == 120
-    assert pool.take(25, F32, CPU) is large
-    assert pool.take(20, F32, CPU) is not mid  # evicted: allocated anew
+    assert pool.cached_bytes == 200
+    stray = torch.empty(20)  # a fourth 20-element buffer beyond the working set of one
+    pool.in_use_bytes += 80
+    pool._in_use[(20, F32, CPU)] = 1
+    pool.give(stray)  # the one cached already covers the peak: this one is not kept
+    assert pool.cached_bytes == 200
     again = [pool.take(10, F32, CPU) for _ in range(3)]
-    assert {id(t) for t in again} == {id(t) for t in small}  # the small ones stayed
+    assert {id(t) for t in again} == {id(t) for t in small}  # all three reused
+    assert pool.take(20, F32, CPU) is mid
     pool.clear()
-    assert pool.cached_bytes == 0 and pool.high_water_bytes == pool.in_use_bytes == 300
-
-
-def test_a_buffer_larger_than_the_bound_is_not_kept():
-    pool = BufferPool()
-    pool.high_water_bytes = 0
-    t = torch.empty(10)
-    pool.in_use_bytes = 40  # as if taken without raising the mark
-    pool.give(t)
     assert pool.cached_bytes == 0
+
+
+def test_sizes_peaking_at_different_moments_are_all_kept():
+    """The case the old bound (2 x the peak bytes in use) evicted every step."""
+    pool = BufferPool()
+    for _ in range(3):  # a "step": a large buffer, then three small ones, never together
+        big = pool.take(1000, F32, CPU)
+        pool.give(big)
+        smalls = [pool.take(400, F32, CPU) for _ in range(3)]
+        for t in smalls:
+            pool.give(t)
+    assert pool.misses == 4 and pool.hits == 8
 
 
 def test_meta_and_none_are_ignored():
@@ -82,7 +86,7 @@ def _steady_state_worker(stage, prefetch, steps):
         opt.zero_grad()
         misses.append(POOL.misses)
         cached.append(shardwise.memory_report(model, opt).cached_bytes)
-    bound = 2 * POOL.high_water_bytes
+    bound = sum(k[0] * k[1].itemsize * c for k, c in POOL._peak.items())
     in_use = POOL.in_use_bytes
     shardwise.empty_cache()
     return misses, cached, bound, in_use, POOL.cached_bytes

@@ -20,7 +20,51 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "init", "detect_launcher", "default_backend", "destroy"]
+__all__ = ["DistEnv", "init", "detect_launcher", "default_backend", "destroy",
+           "quiet_flight_recorder", "flight_recorder_active"]
+
+_FR_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def quiet_flight_recorder(backend: str, environ: dict[str, str] | None = None) -> bool:
+    """Turn torch's flight recorder off for a Gloo process group about to be created.
+
+    [Note: flight recorder on Gloo] torch 2.13 records every collective of a Gloo process
+    group in a ring of 2,000 entries (its flight recorder, a debugging aid for hangs). Each
+    record allocates a few hundred bytes of small objects on the host heap, and once the
+    ring is full every new collective frees one record and allocates another, wherever the
+    heap has room: in the holes left by the step's freed activations. Those small long-lived
+    records keep the holes from merging, so resident memory grows every step, in proportion
+    to the number of collectives: measured on 2 ranks, ~2 MiB per step for stage 3 on a
+    4-layer width-256 model, ~0.03 MiB for DDP's few bucketed all-reduces; with the
+    recorder off, stage 3 stayed flat over 150 steps (mallinfo: free heap chunks grew by 25
+    per step with it, by 0.2 without). shardwise's own watchdog keeps the recent
+    collectives of every group for its reports, so on Gloo the recorder is turned off unless
+    the user set its size (``TORCH_FR_BUFFER_SIZE`` or ``TORCH_NCCL_TRACE_BUFFER_SIZE``).
+    NCCL groups keep torch's default: their tensors live in GPU memory, and the recorder is
+    NCCL's hang diagnosis. The setting is read when the process group is created.
+
+    Args:
+        backend: the backend of the group about to be created.
+        environ: the environment to update (default ``os.environ``).
+
+    Returns:
+        Whether the recorder was turned off by this call.
+    """
+    env = os.environ if environ is None else environ
+    if backend != "gloo" or any(k in env for k in _FR_VARS):
+        return False
+    env["TORCH_FR_BUFFER_SIZE"] = "0"
+    return True
+
+
+def flight_recorder_active(group=None) -> bool:
+    """Whether the process group records its collectives (see [Note: flight recorder on
+    Gloo]): a Gloo group created without a recorder size in the environment."""
+    if not dist.is_initialized() or dist.get_backend(group) != "gloo":
+        return False
+    sizes = [os.environ[k] for k in _FR_VARS if k in os.environ]
+    return not sizes or sizes[0] != "0"
 
 
 @dataclass(frozen=True)
@@ -147,6 +191,7 @@ def init(backend: str | None = None, timeout_s: float = 600.0,
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _elastic_store(env, timeout) if launcher == "torchrun" else None
+        quiet_flight_recorder(backend)  # [Note: flight recorder on Gloo]
         dist.init_process_group(
             backend=backend,
             store=store,

@@ -6,8 +6,8 @@ from shardwise.shard.memory import MemoryReport
 from shardwise.shard.precision import LossScaler, MixedPrecision
 from shardwise.shard.offload import OffloadedOptimizer, offload_optimizer
 from shardwise.shard.offload_config import Offload
-from shardwise.shard.pool import empty_cache
-from shardwise.shard.quant import CommQuant
+from shardwise.distributed.pool import empty_cache
+from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.state_dict import ShardedParamSpec, full_state_dict, sharded_param_specs
 
 __all__ = ["shard", "no_sync", "clip_grad_norm_", "full_state_dict", "memory_report",

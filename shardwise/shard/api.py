@@ -14,6 +14,7 @@ Example (launch with ``torchrun --nproc_per_node 4 train.py``)::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed import comm
+from shardwise.distributed.env import flight_recorder_active
 from shardwise.distributed.mesh import (ShardGroups, node_group, replicated_groups,
                                         resolve_groups)
 from shardwise.shard.discover import STATE_ATTR, UnitPlan, plan_units
@@ -29,7 +31,7 @@ from shardwise.shard.materialize import has_meta, materialize
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
 from shardwise.shard.precision import MixedPrecision, cast_floating
 from shardwise.shard.offload_config import Offload
-from shardwise.shard.quant import CommQuant
+from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
 from shardwise.shard.state_dict import register_state_dict_hooks
@@ -253,6 +255,13 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     target = torch.device(device) if device is not None else None
     real = next((p.device for p in module.parameters() if not p.is_meta), None)
     groups = resolve_groups(mesh, (target or real or torch.device("cpu")).type)
+    if flight_recorder_active():
+        warnings.warn("torch's flight recorder records every collective of this Gloo process "
+                      "group (TORCH_FR_BUFFER_SIZE unset); over a long CPU run its records "
+                      "fragment the heap and resident memory grows every step. Set "
+                      "TORCH_FR_BUFFER_SIZE=0 before init_process_group, or initialise with "
+                      "shardwise.distributed.init(), which does (docs/engine.md, 'Memory over "
+                      "long runs').", stacklevel=2)
     tracker = MemoryTracker()
     if stage == 0 and as_units:
         groups = replicated_groups(groups)

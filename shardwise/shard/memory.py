@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardwise.shard.pool import POOL
+from shardwise.distributed.pool import POOL
 
 __all__ = ["MemoryTracker", "MemoryReport", "build_memory_report"]
 

@@ -220,11 +220,11 @@ class ShardState:
         for u in self.units:
             u.phase = Phase.BACKWARD_DONE
             u.swap_out()
-            u.drop_secondary()
             if self.stage == 3:
                 u.reshard()  # completes and discards a gather still in flight
             else:
                 u._drain()
+            u.drop_secondary()  # after the drain: a gather in flight may read it
         self._backward_started = False
 
     # ---------------------------------------------------------------- misc

@@ -40,12 +40,12 @@ from torch import nn
 from shardwise.distributed import comm
 from shardwise.distributed.quant_comm import all_gather_quantized
 from shardwise.distributed.mesh import NodeGroup, ShardGroups
+from shardwise.distributed.pool import POOL
 from shardwise.shard.identity import TAG_BYTES, UnitTag
 from shardwise.shard.layout import UnitLayout, build_layout
 from shardwise.shard.memory import MemoryTracker
-from shardwise.shard.pool import POOL
 from shardwise.shard.precision import MixedPrecision
-from shardwise.shard.quant import CommQuant
+from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.unit_grads import GradientReducer, nbytes as _nbytes
 
 __all__ = ["ParamEntry", "Unit"]
@@ -125,6 +125,7 @@ class Unit(GradientReducer):
         self.gather_work = None
         self.gather_tmp: torch.Tensor | None = None
         self.gather_in: torch.Tensor | None = None
+        self.gather_scratch: torch.Tensor | None = None
         self._full_donor: torch.Tensor | None = None  # pooled buffer lending its bytes
         self.node = node
         self.quant = quant or CommQuant()
@@ -262,8 +263,12 @@ class Unit(GradientReducer):
             self.gather_tmp.copy_(source)
             self.gather_work = None
             return
+        if comm.all_gather_needs_scratch(group):  # [Note: all-gather on Gloo]
+            self.gather_scratch = POOL.take(self.gather_tmp.numel(), source.dtype, self.device)
+            self.tracker.add("comm", _nbytes(self.gather_scratch))
         self.gather_work = comm.all_gather_into_tensor(
-            self.gather_tmp, source, group, label=f"{self.label}.{kind}", async_op=True)
+            self.gather_tmp, source, group, label=f"{self.label}.{kind}", async_op=True,
+            scratch=self.gather_scratch)
 
     def _wait(self) -> None:
         """Complete the gather in flight and check every rank's identity trailer."""
@@ -279,8 +284,10 @@ class Unit(GradientReducer):
             self.tag.check(self.gather_tmp.view(-1, self.wire_row)[:, s:], kind)
 
     def _release_gather(self) -> None:
-        self.tracker.sub("comm", _nbytes(self.gather_tmp))
+        self.tracker.sub("comm", _nbytes(self.gather_tmp) + _nbytes(self.gather_scratch))
         POOL.give(self.gather_tmp)  # [Note: buffer pool]: the gather has completed
+        POOL.give(self.gather_scratch)
+        self.gather_scratch = None
         if self.gather_in is not None and self.gather_in is not self.send_buf:
             self.tracker.sub("comm", _nbytes(self.gather_in))
             POOL.give(self.gather_in)
@@ -331,12 +338,14 @@ class Unit(GradientReducer):
         their identity trailers, so the node gather is checked like the primary one."""
         k, m, row = self.node.size, self.node.count, self.wire_row
         self.drop_secondary()
-        self.secondary = gathered.view(m, k, row)[:, self.node.index].clone().view(-1)
+        self.secondary = POOL.take(m * row, self.compute_dtype, self.device)
+        self.secondary.view(m, row).copy_(gathered.view(m, k, row)[:, self.node.index])
         self.tracker.add("secondary", _nbytes(self.secondary))
 
     def drop_secondary(self) -> None:
         if self.secondary is not None:
             self.tracker.sub("secondary", _nbytes(self.secondary))
+            POOL.give(self.secondary)  # only ever the source of a completed gather
             self.secondary = None
 
     def reshard(self) -> None:

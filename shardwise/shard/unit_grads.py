@@ -12,9 +12,11 @@ import torch.nn.functional as F
 
 from shardwise.distributed import comm
 from shardwise.distributed.quant_comm import reduce_scatter_quantized
-from shardwise.shard.pool import POOL
+from shardwise.distributed.pool import POOL
 
 __all__ = ["GradientReducer", "nbytes"]
+
+_CHUNK_CAT = hasattr(torch, "_chunk_cat")  # torch >= 2.4
 
 
 def nbytes(t: torch.Tensor | None) -> int:
@@ -33,21 +35,27 @@ class GradientReducer:
     def pack_grads(self) -> None:
         """Copy the full gradients into a rank-major reduce-scatter input, then drop them.
 
-        Parameters that received no gradient contribute zeros.
+        Parameters that received no gradient contribute zeros. The input is a pooled buffer
+        filled in one ``torch._chunk_cat`` (chunk, pad, cast and concatenate: no temporary),
+        as FSDP2 packs its reduce-scatter input.
         """
         lay, n = self.layout, self.layout.world
         if not self.trainable:
             return
-        pieces = []
+        self.reduce_in = POOL.take(n * lay.grad_numel, self.reduce_dtype, self.device)
+        packed = self.reduce_in.view(n, lay.grad_numel)
+        grads = []
         for full, p in zip(self.full_params, lay.params[:len(self.trainable)]):
             g = full.grad
-            if g is None:
-                g = torch.zeros(n * p.padded_numel, dtype=self.compute_dtype, device=self.device)
-            elif p.rows != n * p.chunk_rows or len(p.shape) == 0:
-                g = F.pad(g.reshape(-1), (0, n * p.padded_numel - p.numel))
-            pieces.append(g.reshape(n, p.padded_numel))
-        self.reduce_in = POOL.take(n * lay.grad_numel, self.reduce_dtype, self.device)
-        torch.cat(pieces, dim=1, out=self.reduce_in.view(n, lay.grad_numel))  # casts too
+            if g is None:  # zeros without allocating them
+                g = torch.zeros((), dtype=self.compute_dtype, device=self.device).expand(p.shape)
+            grads.append(g.reshape(1) if g.dim() == 0 else g)
+        if _CHUNK_CAT:
+            torch._chunk_cat(grads, dim=0, num_chunks=n, out=packed)  # casts too
+        else:
+            for g, p in zip(grads, lay.params):
+                flat = F.pad(g.reshape(-1), (0, n * p.padded_numel - p.numel))
+                packed[:, p.offset:p.offset + p.padded_numel].copy_(flat.view(n, -1))
         self.tracker.add("comm", nbytes(self.reduce_in))
         for full in self.full_params[:len(self.trainable)]:
             if self.stage == 1 and full.grad is not None:

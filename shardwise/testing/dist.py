@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.env import quiet_flight_recorder
+
 __all__ = ["run_ranks", "RankFailure", "RankTimeout"]
 
 _CTX = None
@@ -81,6 +83,7 @@ def _worker(rank: int, world_size: int, port: int, payload: bytes,
     try:
         fn, args, kwargs = pickle.loads(payload)
         timeout = datetime.timedelta(seconds=collective_timeout_s)
+        quiet_flight_recorder(backend)  # as shardwise.distributed.init() does
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)

@@ -4,7 +4,8 @@ Pure tensor functions, no communication. :func:`quantize` / :func:`dequantize` t
 tensor into per-block codes plus fp32 scales and back; :func:`pack` / :func:`unpack` lay both
 out in one flat uint8 buffer whose size :func:`packed_nbytes` computes from the element count
 alone, so one collective moves a whole quantized piece. :class:`CommQuant` is the engine's
-policy (what to quantize); the collectives live in ``shardwise.distributed.quant_comm``.
+policy (what to quantize, ``shardwise.shard.comm_quant``); the collectives live in
+``shardwise.distributed.quant_comm``.
 
 A tensor is quantized row by row along its last dim (a 1-D tensor is one row; a 0-d tensor a
 row of one): each row is cut into blocks of ``block_size`` elements, the last one partial when
@@ -75,8 +76,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KINDS", "CommQuant", "QuantizedTensor", "quantize", "dequantize", "pack", "unpack",
-           "packed_nbytes", "error_bound", "check_kind", "check_block_size"]
+__all__ = ["KINDS", "WEIGHT_KINDS", "GRAD_KINDS", "QuantizedTensor", "quantize", "dequantize",
+           "pack", "unpack", "packed_nbytes", "error_bound", "check_kind", "check_block_size"]
 
 KINDS = ("int8", "int4", "fp8")
 WEIGHT_KINDS = ("int8", "fp8")
@@ -99,39 +100,6 @@ def check_block_size(block_size: object) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     return block_size
-
-
-@dataclass(frozen=True)
-class CommQuant:
-    """Which collectives of a sharded unit move quantized data, and how.
-
-    Raises:
-        ValueError: a field outside its choices, naming the value and the valid ones.
-    """
-
-    weights: str | None = None
-    """Parameter all-gather codec: "int8", "fp8" (e4m3) or None (gather unquantized)."""
-    grads: str | None = None
-    """Gradient reduce-scatter codec: "int8", "int4" or None (reduce unquantized)."""
-    block_size: int = 256
-    """Elements per quantization block (one fp32 scale each); 256 costs 4 bytes per 256."""
-    hierarchy: int | None = None
-    """Ranks per node for a secondary (hierarchical) parameter partition, or None (off)."""
-
-    def __post_init__(self) -> None:
-        if self.weights is not None:
-            check_kind(self.weights, WEIGHT_KINDS + (None,), "CommQuant.weights")
-        if self.grads is not None:
-            check_kind(self.grads, GRAD_KINDS + (None,), "CommQuant.grads")
-        check_block_size(self.block_size)
-        h = self.hierarchy
-        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
-            raise ValueError(f"CommQuant.hierarchy must be None or an int >= 1, got {h!r}")
-
-    @property
-    def enabled(self) -> bool:
-        """Whether anything is quantized or partitioned hierarchically."""
-        return bool(self.weights or self.grads or self.hierarchy)
 
 
 @dataclass(frozen=True)
@@ -243,14 +211,21 @@ def _pack_nibbles(codes: torch.Tensor, m: int) -> torch.Tensor:
     return (pairs[..., 0] | (pairs[..., 1] << 4))[:, :_payload_nbytes(m, "int4")]
 
 
-def _unpack_nibbles(payload: torch.Tensor, m: int) -> torch.Tensor:
-    """(R, ceil(m / 2)) bytes -> (R, m) fp32 int4 values in [-7, 7] (inverse of the above)."""
-    both = torch.stack((payload & 0xF, payload >> 4), dim=-1).flatten(1)[:, :m]
-    return both.float().sub_(8.0)
+def _unpack_nibbles_into(payload: torch.Tensor, dst: torch.Tensor) -> None:
+    """(R, ceil(m / 2)) bytes -> int4 values in [-7, 7] written into ``dst`` (R, m), any float
+    dtype: bytes copied to the even slots, the high nibble split off into the odd slots
+    (``floor(b / 16)``), the low one kept (``b mod 16``); exact for bytes in every float
+    dtype (integers up to 256)."""
+    low, high = dst[:, 0::2], dst[:, 1::2]              # ceil(m / 2), floor(m / 2) slots
+    low.copy_(payload[:, :low.shape[1]])
+    high.copy_(low[:, :high.shape[1]]).div_(16.0).floor_()
+    low.remainder_(16.0)
+    dst.sub_(8.0)
 
 
 def dequantize(q: QuantizedTensor, out: torch.Tensor | None = None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32,
+               work: torch.Tensor | None = None) -> torch.Tensor:
     """Decode ``q`` into a tensor of its original shape (``q * s`` per element).
 
     Args:
@@ -259,35 +234,47 @@ def dequantize(q: QuantizedTensor, out: torch.Tensor | None = None,
             a new tensor when None.
         dtype: the new tensor's dtype when ``out`` is None (default fp32, which is exact:
             [Note: exact codec arithmetic]).
+        work: for an ``out`` that is not fp32, an fp32 buffer of at least as many elements
+            to decode in before one cast into ``out`` (default None: torch allocates the
+            cast's temporaries). The result is the same either way.
 
     Returns:
         ``out``, or the new tensor.
 
     Raises:
-        ValueError: ``out`` of the wrong size, dtype or layout.
+        ValueError: ``out`` or ``work`` of the wrong size, dtype or layout.
     """
     if out is None:
         out = torch.empty(q.shape, dtype=dtype, device=q.payload.device)
     elif out.numel() != q.shape.numel() or not out.is_floating_point() or not out.is_contiguous():
         raise ValueError(f"dequantize out must be a contiguous float tensor of "
                          f"{q.shape.numel()} elements, got {out.dtype} {tuple(out.shape)}")
+    if work is not None and out.dtype != torch.float32:
+        if work.dtype != torch.float32 or work.numel() < out.numel():
+            raise ValueError(f"dequantize work must be fp32 with >= {out.numel()} elements, "
+                             f"got {work.dtype} {work.numel()}")
+        out.copy_(dequantize(q, out=work[:out.numel()]).view_as(out))
+        return out
     m, bs = q.row_numel, q.block_size
     num_rows = q.shape[:-1].numel()
     payload = q.payload.reshape(num_rows, q.payload.shape[-1])
     scales = q.scales.reshape(num_rows, q.scales.shape[-1])
-    if q.kind == "int8":
-        vals = payload  # int8 * fp32 promotes to fp32 inside the multiply: no temporary
-    elif q.kind == "int4":
-        vals = _unpack_nibbles(payload, m)
-    else:
-        vals = payload.view(torch.float8_e4m3fn).float()
     dst = out.view(payload.shape[0], m)
-    full = (m // bs) * bs  # whole blocks multiply as (R, nb, B) x (R, nb, 1); the tail apart
+    # Codes are small integers (and e4m3 values), exact in every float dtype, so they are
+    # first written into ``dst`` itself and then scaled in place: no (R, m) temporary when
+    # ``dst`` is fp32. The product is computed in fp32 (type promotion with the fp32 scales)
+    # and rounded once to ``dst``'s dtype.
+    if q.kind == "int8":
+        dst.copy_(payload[:, :m])
+    elif q.kind == "int4":
+        _unpack_nibbles_into(payload, dst)
+    else:
+        dst.copy_(payload.view(torch.float8_e4m3fn)[:, :m])
+    full = (m // bs) * bs  # whole blocks scale as (R, nb, B) x (R, nb, 1); the tail apart
     if full:
-        torch.mul(vals[:, :full].unflatten(1, (full // bs, bs)),
-                  scales[:, :full // bs].unsqueeze(-1), out=dst[:, :full].unflatten(1, (-1, bs)))
+        dst[:, :full].unflatten(1, (full // bs, bs)).mul_(scales[:, :full // bs].unsqueeze(-1))
     if full < m:
-        torch.mul(vals[:, full:], scales[:, -1:], out=dst[:, full:])
+        dst[:, full:].mul_(scales[:, -1:])
     return out
 
 

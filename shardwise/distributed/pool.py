@@ -14,7 +14,7 @@ parameters, see [Note: freeing gathered parameters] in unit.py) the same run sto
 above its start after 40 steps instead of 675 MiB; what still grows slowly comes from
 autograd's own temporaries, which stage 2 and DDP have too.
 
-What the pool keeps is bounded by the peak it already needed (see :class:`BufferPool`);
+What the pool keeps is bounded by the working set it already needed (see :class:`BufferPool`);
 ``cached_bytes`` reports it (``memory_report().cached_bytes``) and :func:`empty_cache`
 returns it to the allocator.
 A buffer is given back only after the collective that used it has completed and nothing
@@ -33,17 +33,20 @@ __all__ = ["BufferPool", "POOL", "empty_cache"]
 class BufferPool:
     """Free flat buffers by (numel, dtype, device), handed out again before allocating.
 
-    What it keeps is bounded by the high-water mark of the bytes in use: a buffer given
-    back is kept only while the cached bytes stay within twice the largest in-use total
-    seen so far (largest buffers evicted first otherwise). Buffers are only allocated when
-    none of their size is free, so for units of equal size the cache settles at what one
-    step's peak needs; the factor two leaves room for units of different sizes whose peaks
-    fall at different moments (the root unit beside the blocks) without evicting and
-    reallocating every step.
+    What it keeps is bounded per key by the working set: at most as many free buffers of a
+    key as were ever in use at the same time (``peak`` per key), so every buffer a step needs
+    is served from the cache after the first step, whatever the order in which buffers of
+    different sizes are taken and given back, and nothing beyond that set is kept. (An
+    earlier bound, twice the peak of the bytes in use across all keys, evicted one buffer
+    per step when units of several sizes peaked at different moments -- a stage-3 step in
+    bf16 with quantised communication at 3 ranks -- and reallocated it every step.)
+    ``cached_bytes`` reports what is kept; :meth:`clear` returns it to the allocator.
     """
 
     def __init__(self) -> None:
         self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._in_use: dict[tuple[int, torch.dtype, torch.device], int] = {}
+        self._peak: dict[tuple[int, torch.dtype, torch.device], int] = {}
         self._lock = threading.Lock()
         self.cached_bytes = 0
         self.in_use_bytes = 0
@@ -58,6 +61,8 @@ class BufferPool:
         with self._lock:
             self.in_use_bytes += size
             self.high_water_bytes = max(self.high_water_bytes, self.in_use_bytes)
+            count = self._in_use[key] = self._in_use.get(key, 0) + 1
+            self._peak[key] = max(self._peak.get(key, 0), count)
             free = self._free.get(key)
             if free:
                 self.cached_bytes -= size
@@ -70,31 +75,24 @@ class BufferPool:
         """Return ``buf`` (taken from :meth:`take`, no longer used anywhere) for reuse."""
         if buf is None or buf.device.type == "meta":
             return
+        key = (buf.numel(), buf.dtype, buf.device)
         size = _nbytes(buf)
         with self._lock:
             self.in_use_bytes -= size
-            limit = 2 * self.high_water_bytes
-            if size > limit:
-                return
-            self._evict(limit - size)
-            self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+            self._in_use[key] = max(0, self._in_use.get(key, 0) - 1)
+            free = self._free.setdefault(key, [])
+            if len(free) + self._in_use[key] >= self._peak.get(key, 0):
+                return  # more than the working set of this key: back to the allocator
+            free.append(buf)
             self.cached_bytes += size
 
-    def _evict(self, limit: int) -> None:
-        """Drop cached buffers, largest first, until at most ``limit`` bytes are cached."""
-        for key in sorted(self._free, key=lambda k: -k[0] * k[1].itemsize):
-            free = self._free[key]
-            while free and self.cached_bytes > limit:
-                self.cached_bytes -= _nbytes(free.pop())
-            if self.cached_bytes <= limit:
-                break
-
     def clear(self) -> None:
-        """Drop every free buffer (back to the allocator) and forget the high-water mark."""
+        """Drop every free buffer (back to the allocator) and forget the working sets."""
         with self._lock:
             self._free.clear()
             self.cached_bytes = 0
             self.high_water_bytes = self.in_use_bytes
+            self._peak = {k: c for k, c in self._in_use.items() if c}
 
 
 def _nbytes(t: torch.Tensor) -> int:
