@@ -15,6 +15,8 @@ from shardwise.parallel.pipeline.schedules import (SCHEDULE_NAMES, ScheduleSpec,
                                                    schedule_spec)
 from shardwise.parallel.pipeline.simulate import (Costs, Simulation, TimedAction, critical_path,
                                                   simulate)
+from shardwise.parallel.pipeline.timeline import (describe_simulation, draw_timeline,
+                                                  format_timeline)
 from shardwise.parallel.pipeline.validate import validate_schedule
 
 __all__ = [
@@ -34,4 +36,7 @@ __all__ = [
     "TimedAction",
     "simulate",
     "critical_path",
+    "format_timeline",
+    "draw_timeline",
+    "describe_simulation",
 ]

@@ -39,7 +39,7 @@ class ScheduleSpec:
         min_virtual / max_virtual: accepted stages per rank (max None = no limit).
         v_shape: stages placed in a V (else looped).
         with_comm: the generator places its own messages (else they are inserted).
-        min_microbatches: the least m for a given pp.
+        microbatches_per_pp: the schedule needs m >= this x pp (0: any m >= 1).
     """
 
     name: str
@@ -50,7 +50,11 @@ class ScheduleSpec:
     max_virtual: int | None
     v_shape: bool = False
     with_comm: bool = False
-    min_microbatches: Callable[[int], int] = lambda pp: 1
+    microbatches_per_pp: int = 0
+
+    def min_microbatches(self, pp: int) -> int:
+        """The fewest micro-batches the schedule runs with at ``pp`` ranks."""
+        return max(1, self.microbatches_per_pp * pp)
 
 
 _SPECS = (
@@ -65,7 +69,7 @@ _SPECS = (
                  gen_zero_bubble.zbv, 2, 2, 2, v_shape=True),
     ScheduleSpec("dualpipev", "DualPipeV (DeepSeek): V of 2 stages per rank, paired F&B",
                  gen_dualpipe.dualpipev, 2, 2, 2, v_shape=True, with_comm=True,
-                 min_microbatches=lambda pp: 2 * pp),
+                 microbatches_per_pp=2),
     ScheduleSpec("looped_bfs", "breadth-first over looped stages: each chunk for all "
                  "micro-batches in turn", gen_classic.looped_bfs, 2, 1, None),
 )
@@ -100,8 +104,9 @@ def resolve_virtual(spec: ScheduleSpec, virtual: int) -> int:
     if spec.min_virtual == spec.max_virtual and virtual != spec.min_virtual:
         other = {1: "; for several stages per rank use interleaved_1f1b, looped_bfs, zbv or "
                     "dualpipev", 2: ""}[spec.min_virtual]
-        raise ValueError(f"schedule {spec.name!r} runs exactly {spec.min_virtual} stage(s) per "
-                         f"rank; got virtual={virtual} (use 0 for the default){other}")
+        stages = "1 stage" if spec.min_virtual == 1 else f"{spec.min_virtual} stages"
+        raise ValueError(f"schedule {spec.name!r} runs exactly {stages} per rank; got "
+                         f"virtual={virtual} (use 0 for the default){other}")
     if virtual < spec.min_virtual:
         raise ValueError(f"schedule {spec.name!r} needs virtual >= {spec.min_virtual} stages "
                          f"per rank; got virtual={virtual} (for one stage per rank use 1f1b)")

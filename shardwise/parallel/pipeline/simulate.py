@@ -139,7 +139,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Simulation:
     step = end - start
     busy = tuple(sum((t.end - t.start for t in row), 0) for row in computes)
     idle = tuple(step - b for b in busy)
-    span = tuple((row[-1].end - row[0].start - b) if row else 0 for row, b in zip(computes, busy, strict=True))
+    span = tuple((row[-1].end - row[0].start - b) if row else 0
+                 for row, b in zip(computes, busy, strict=True))
     total_idle = sum(idle, 0)
     if step == 0:
         bubble: Any = 0
