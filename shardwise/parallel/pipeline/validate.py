@@ -41,25 +41,25 @@ def validate_schedule(schedule: Schedule) -> None:
 
     Raises:
         ValueError: listing the first problems found, each naming its rank, action and the
-            missing dependency (or the deadlock: which ranks wait for what).
+            missing dependency; :class:`DeadlockError` (a ValueError) when the lists are sound
+            but ranks would wait on each other forever, naming each and what it waits for.
     """
     problems = _shape(schedule)
     if not problems:
         problems = _completeness(schedule)
     if not problems:
         problems = _local_order(schedule) + _messages(schedule)
-    if not problems:
-        try:
-            replay(schedule.ranks, schedule.placement, cost=lambda a: 0)
-        except DeadlockError as exc:
-            problems = [str(exc)]
+    head = (f"schedule {schedule.name!r} (pp={schedule.pp}, microbatches="
+            f"{schedule.microbatches}, virtual={schedule.virtual}) is invalid:\n  ")
     if problems:
         shown = problems[:_MAX_LISTED]
         more = len(problems) - len(shown)
         tail = f"\n  ... and {more} more" if more else ""
-        raise ValueError(
-            f"schedule {schedule.name!r} (pp={schedule.pp}, microbatches={schedule.microbatches},"
-            f" virtual={schedule.virtual}) is invalid:\n  " + "\n  ".join(shown) + tail)
+        raise ValueError(head + "\n  ".join(shown) + tail)
+    try:
+        replay(schedule.ranks, schedule.placement, cost=lambda a: 0)
+    except DeadlockError as exc:
+        raise DeadlockError(head + str(exc)) from None
 
 
 def _shape(s: Schedule) -> list[str]:
