@@ -7,6 +7,8 @@ test_pp_simulate.py.
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 
@@ -361,3 +363,18 @@ def test_cli_list_names_every_schedule(capsys):
     assert rc == 0
     assert [line.split()[0] for line in out.splitlines()] == list(SCHEDULE_NAMES)
     assert "microbatches >= 2 x pp" in out
+
+
+# ---- docs ------------------------------------------------------------------------------------
+def test_docs_pipeline_examples_run(tmp_path, monkeypatch, capsys):
+    """Every python block of docs/parallelism.md's pipeline section runs as written."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
+    section = text.split("## Pipeline schedules", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 3
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        exec(compile(block, "docs/parallelism.md", "exec"), {})
+    out = capsys.readouterr().out
+    shown = re.search(r"```\n(schedule 'csv' .*?)\n```", section, re.S).group(1)
+    assert shown in out  # the error quoted in the docs is the one users get
