@@ -14,7 +14,7 @@ import pytest
 
 from shardwise.parallel import (SCHEDULE_NAMES, Action, DeadlockError, Kind, Schedule,
                                 build_schedule, validate_schedule)
-from shardwise.parallel.pipeline.p2p import add_communication
+from shardwise.parallel.pipeline.p2p import add_communication, steps
 
 
 def grid():
@@ -92,6 +92,12 @@ def test_placements():
     assert build_schedule("interleaved_1f1b", 3, 6, 2).placement == (0, 1, 2, 0, 1, 2)
     assert build_schedule("zbv", 3, 6).placement == (0, 1, 2, 2, 1, 0)
     assert build_schedule("dualpipev", 3, 6).stages_of(1) == (1, 4)
+
+
+def test_steps_group_consecutive_messages():
+    row = build_schedule("1f1b", 2, 2).ranks[0]
+    assert [" ".join(map(str, step)) for step in steps(row)] == [
+        "0F0", "0SEND_F0", "0F1", "0SEND_F1 0RECV_B0", "0B0", "0RECV_B1", "0B1"]
 
 
 def test_v_bottom_hands_over_locally():
@@ -224,6 +230,11 @@ def test_action_on_the_wrong_rank_is_named():
     s = build_schedule("1f1b", 2, 2)
     _raises(_edit(s, 0, s.ranks[0] + (Action(1, Kind.F, 0),)),
             "rank 0, action #", "stage 1 is placed on rank 1, not rank 0")
+
+
+def test_text_instead_of_actions_is_named():
+    s = build_schedule("1f1b", 2, 2)
+    _raises(_edit(s, 0, s.ranks[0] + ("0F9",)), "rank 0, action #", "'0F9' is not an Action")
 
 
 def test_out_of_range_micro_batch_is_named():

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 
 from shardwise.parallel.pipeline.actions import Action, Kind
 
-__all__ = ["add_communication", "message_key", "peer_rank", "needs_message"]
+__all__ = ["add_communication", "message_key", "peer_rank", "needs_message", "batch_end",
+           "steps"]
 
 
 def needs_message(kind: Kind, stage: int, placement: Sequence[int]) -> bool:
@@ -66,6 +67,33 @@ def message_key(action: Action) -> tuple[str, int, int]:
     if action.kind is Kind.RECV_B:
         return ("B", action.stage + 1, action.microbatch)
     raise AssertionError(f"{action} is not a communication action")
+
+
+def batch_end(actions: Sequence[Action], start: int) -> int:
+    """Index just past the batch of communication actions that begins at ``start``."""
+    end = start
+    while end < len(actions) and actions[end].is_comm:
+        end += 1
+    return end
+
+
+def steps(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
+    """A rank's list as the executor runs it: each compute action alone, and each run of
+    consecutive communication actions together (one batch, see [Note: communication
+    semantics]).
+
+    Args:
+        actions: one rank's actions.
+
+    Returns:
+        The steps in order; a step is ``(compute,)`` or a tuple of communication actions.
+    """
+    out, i = [], 0
+    while i < len(actions):
+        end = batch_end(actions, i) if actions[i].is_comm else i + 1
+        out.append(tuple(actions[i:end]))
+        i = end
+    return out
 
 
 def add_communication(ranks: Sequence[Sequence[Action]],

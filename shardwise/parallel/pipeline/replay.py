@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise.parallel.pipeline.actions import Action, Kind
-from shardwise.parallel.pipeline.p2p import message_key, peer_rank
+from shardwise.parallel.pipeline.p2p import batch_end, message_key, peer_rank
 
 __all__ = ["DeadlockError", "replay"]
 
@@ -36,13 +36,6 @@ class _Rank:
 
 def _side(action: Action) -> tuple[tuple[str, int, int], bool]:
     return message_key(action), action.kind in _SENDS
-
-
-def _batch_end(actions: Sequence[Action], start: int) -> int:
-    end = start
-    while end < len(actions) and actions[end].is_comm:
-        end += 1
-    return end
 
 
 def replay(ranks: Sequence[Sequence[Action]], placement: Sequence[int],
@@ -95,7 +88,7 @@ def _advance(rank: int, state: list[_Rank], times, posted, placement, cost, late
             me.now = end
             me.pos += 1
             continue
-        end_index = _batch_end(me.actions, me.pos)
+        end_index = batch_end(me.actions, me.pos)
         batch = me.actions[me.pos:end_index]
         for op in batch:
             key, is_send = _side(op)
@@ -118,7 +111,7 @@ def _deadlock_message(blocked: list[int], state: list[_Rank], posted, placement)
     lines = []
     for rank in blocked:
         me = state[rank]
-        end = _batch_end(me.actions, me.pos)
+        end = batch_end(me.actions, me.pos)
         for i in range(me.pos, end):
             op = me.actions[i]
             key, is_send = _side(op)

@@ -177,6 +177,9 @@ def critical_path(schedule: Schedule, costs: Costs | None = None) -> Any:
     Args:
         schedule: the schedule (its compute actions are used).
         costs: per-action durations (default ``Costs()``).
+
+    Returns:
+        The length of the longest chain, in the unit of the costs.
     """
     costs = costs or Costs()
     kinds: dict[tuple[int, int], Action] = {}

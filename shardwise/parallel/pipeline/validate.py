@@ -66,7 +66,10 @@ def _shape(s: Schedule) -> list[str]:
     problems = []
     for rank, actions in enumerate(s.ranks):
         for i, a in enumerate(actions):
-            if not 0 <= a.stage < s.num_stages:
+            if not isinstance(a, Action):
+                problems.append(f"rank {rank}, action #{i}: {a!r} is not an Action (use "
+                                f"Action.parse for text such as '0F3')")
+            elif not 0 <= a.stage < s.num_stages:
                 problems.append(f"rank {rank}, action #{i} {a}: stage {a.stage} is out of range "
                                 f"(the schedule has stages 0..{s.num_stages - 1})")
             elif not 0 <= a.microbatch < s.microbatches:
