@@ -9,6 +9,7 @@ The same :class:`Schedule` drives the executor on real ranks and the planner's s
 """
 
 from shardwise.parallel.pipeline.actions import Action, Kind
+from shardwise.parallel.pipeline.p2p import steps
 from shardwise.parallel.pipeline.replay import DeadlockError
 from shardwise.parallel.pipeline.schedule import Schedule, looped_placement, v_placement
 from shardwise.parallel.pipeline.schedules import (SCHEDULE_NAMES, ScheduleSpec, build_schedule,
@@ -30,6 +31,7 @@ __all__ = [
     "looped_placement",
     "v_placement",
     "validate_schedule",
+    "steps",
     "DeadlockError",
     "Costs",
     "Simulation",
