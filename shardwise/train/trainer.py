@@ -278,7 +278,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
 
     Args:
         cfg: the resolved config (:func:`preflight`).
-        data: the :class:`TokenData` (identical on every rank).
+        data: the :class:`~shardwise.train.preflight.TokenData` (identical on every rank).
         env: this process's place in the job (:func:`build_env`).
 
     Returns:
