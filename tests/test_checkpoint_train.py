@@ -21,7 +21,8 @@ from shardwise.train.trainer import build_env, build_optimizer, train
 TINY = {"model.dim": "32", "model.n_layers": "2", "model.n_heads": "4", "model.n_kv_heads": "2",
         "data.seq_len": "32", "train.batch_size": "4", "train.eval_batches": "2",
         "data.max_bytes": "200000", "log.progress": "false", "log.plot": "false",
-        "train.steps": "6", "train.eval_interval": "0", "checkpoint.keep_last": "0"}
+        "train.steps": "6", "train.eval_interval": "0", "checkpoint.keep_last": "0",
+        "optim.warmup_steps": "2"}
 
 
 def _run(log_dir: Path, world: int, **over: str):
@@ -60,18 +61,46 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(uninterrupted, tmp_pat
     log_a, cfg, data = uninterrupted
     step3 = log_a / "checkpoints" / "step_00000003"
     (tmp_path / "metrics.jsonl").write_text((log_a / "metrics.jsonl").read_text())  # an old log
-    _run(tmp_path, 2, **{"checkpoint.interval": "3", "checkpoint.resume": str(step3)})
+    _run(tmp_path, 2, **{"checkpoint.interval": "3", "checkpoint.resume": str(step3),
+                         "log.plot": "true"})
     resumed, full = _records(tmp_path), _records(log_a)
-    assert [r["step"] for r in resumed] == [4, 5, 6]
+    # one continuous history: the kept steps 1-3, then the resumed run's 4-6 (the old log's
+    # 4-6 and its validation at step 6 are dropped: they ran again)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "grad_norm", "lr"):  # JSON floats round-trip exactly
-        assert [r[key] for r in resumed] == [r[key] for r in full[3:]], key
-    assert [r["step"] for r in _records(tmp_path, "metrics.until-step-3.jsonl")] == [1, 2, 3]
+        assert [r[key] for r in resumed] == [r[key] for r in full], key
+    kept = (tmp_path / "metrics.jsonl").read_text().splitlines()[:3]
+    assert kept == (log_a / "metrics.jsonl").read_text().splitlines()[:3]  # verbatim
+    assert not list(tmp_path.glob("metrics.until-step-*"))
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     (wa, oa), (wb, ob) = (_read(d / "checkpoints" / "step_00000006", cfg, data)
                           for d in (log_a, tmp_path))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["checkpoint"]["resumed_from_step"] == 3
+
+
+@pytest.mark.parametrize("horizon", ["keep", "extend"])
+def test_resuming_with_more_steps_keeps_or_extends_the_schedule(uninterrupted, tmp_path,
+                                                                 horizon):
+    """The checkpoint was saved at step 3 of a 6-step run; this run asks for 8 steps."""
+    from shardwise.train.schedule import lr_factor
+
+    log_a, cfg, _ = uninterrupted
+    step3 = log_a / "checkpoints" / "step_00000003"
+    _run(tmp_path, 2, **{"checkpoint.resume": str(step3), "train.steps": "8",
+                         "optim.schedule_horizon": horizon})
+    lrs = [r["lr"] for r in _records(tmp_path)]
+    full = [r["lr"] for r in _records(log_a)]
+    o = cfg.optim
+    if horizon == "keep":  # the original 6-step schedule, then its floor: bitwise the same
+        assert lrs == full[3:] + [o.lr * o.min_lr_ratio] * 2
+    else:  # re-planned over 8 steps from step 4 on
+        assert lrs == pytest.approx([o.lr * lr_factor(s - 1, o.warmup_steps, 8, o.min_lr_ratio)
+                                     for s in range(4, 9)], rel=1e-12)
+        assert lrs[0] > full[3]  # a longer cosine: higher than the original at step 4
+    # (the line that says so at start: tests/test_train_schedule.py)
 
 
 def test_resume_auto_picks_the_latest_complete_checkpoint_at_another_world_size(
@@ -92,7 +121,8 @@ def test_resume_auto_picks_the_latest_complete_checkpoint_at_another_world_size(
 def test_commands_inspect_export_import_and_the_trainer_import_option(
         uninterrupted, tmp_path, capsys):
     log_a, cfg, data = uninterrupted
-    assert main(["checkpoint", "inspect", str(log_a / "checkpoints"), "--verify"]) == 0
+    assert main(["checkpoint", "inspect", str(log_a / "checkpoints"), "--verify",
+                 "--tensors"]) == 0
     text = capsys.readouterr().out
     for part in ("2 checkpoint(s) under", "step:      6", "2 rank(s), ZeRO stage 3",
                  "optimizer: AdamW, 2 param group(s)", "extra:     loader, scaler, schedule",

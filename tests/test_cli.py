@@ -146,3 +146,75 @@ def test_nccl_without_cuda_is_refused_before_launch(capsys, tmp_path):
     message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--parallel.backend",
                        "nccl")
     assert "parallel.backend = 'nccl'" in message and "CUDA" in message
+
+
+@pytest.mark.parametrize("args", [["--nproc", "3", "--parallel.nproc", "2"],
+                                  ["--parallel.nproc=2", "--nproc=3"],
+                                  ["--checkpoint.async", "--checkpoint.async_save", "false"]])
+def test_an_alias_and_its_key_that_disagree_are_refused(capsys, tmp_path, args):
+    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), *args)
+    first, second = (a for a in args if a.startswith("--") and not a[2:].isdigit())
+    assert first.split("=")[0] in message and second.split("=")[0] in message
+    assert "disagree" in message
+
+
+def test_an_alias_and_its_key_that_agree_are_fine():
+    from shardwise.train.cli import _attach_values, _check_aliases
+
+    args = build_parser().parse_args(_attach_values(
+        ["train", "--nproc", "2", "--parallel.nproc", "2", "--checkpoint.async",
+         "--checkpoint.async_save", "yes"]))
+    _check_aliases(args)  # no error: the same values, spelled differently
+    assert vars(args)["parallel.nproc"] == "2"
+
+
+def test_engine_errors_name_the_config_key(capsys, tmp_path):
+    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--offload.device",
+                       "disk", "--offload.path", str(tmp_path / "nope"))
+    assert message == (f"shardwise: error: offload.path = '{tmp_path / 'nope'}' does not "
+                       "exist; create the directory first")
+
+
+def _small_checkpoint(path) -> None:
+    from shardwise import checkpoint
+
+    checkpoint.save(path, torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(40)]),
+                    step=3)
+
+
+def test_inspect_is_a_summary_with_tensors_and_json_on_request(tmp_path, capsys):
+    import json
+
+    _small_checkpoint(tmp_path / "step_00000003")
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "tensors:   80 model, 0 optimizer (--tensors lists them)" in text
+    assert "model.0.weight" not in text and len(text.splitlines()) < 15
+    assert main(["checkpoint", "inspect", str(tmp_path), "--tensors"]) == 0
+    assert "model.39.bias" in capsys.readouterr().out
+    assert main(["checkpoint", "inspect", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["step"] == 3 and data["path"].endswith("step_00000003")
+    assert data["tensors"][0] == {"name": "model.0.weight", "shape": [4, 4],
+                                  "dtype": "float32", "bytes": 64, "chunks": 1}
+
+
+@pytest.mark.parametrize("args, code", [
+    (["train", "--help"], 0),  # argparse itself ignores a closed stdout
+    (["checkpoint", "inspect", "CKPT", "--tensors"], 141),  # 128 + SIGPIPE, as a shell says
+])
+def test_a_closed_stdout_ends_the_command_quietly(tmp_path, args, code):
+    """``shardwise ... | head -1`` whose reader is gone before the output is written."""
+    import os
+    import subprocess
+    import sys
+
+    _small_checkpoint(tmp_path / "step_00000003")
+    args = [str(tmp_path) if a == "CKPT" else a for a in args]
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the command writes anything
+    proc = subprocess.run([sys.executable, "-m", "shardwise.train.cli", *args], stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write)
+    assert proc.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored"
+    assert proc.returncode == code

@@ -209,7 +209,7 @@ def test_orphans_of_dead_processes_are_removed_live_ones_kept(tmp_path):
     (dict(device="gpu"), "'gpu'"),
     (dict(device="disk"), "needs path"),
     (dict(device="cpu", path="/tmp"), "only used with device='disk'"),
-    (dict(buffer_mb=0), "buffer_mb must be a number > 0.*0"),
+    (dict(buffer_mb=0), r"Offload\(buffer_mb=0\): expected a number > 0"),
     (dict(buffer_mb=-1.5), "-1.5"),
     (dict(buffer_mb=True), "True"),
     (dict(budget_bytes=-1), "budget_bytes.*-1"),

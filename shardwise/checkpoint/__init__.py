@@ -3,8 +3,9 @@
 export / import. User guide: docs/checkpoints.md.
 
     from shardwise import checkpoint
-    checkpoint.save("ckpt/step_100", model, optimizer, extra={"step": 100, "schedule": sched})
+    checkpoint.save("ckpt/step_100", model, optimizer, step=100, extra={"schedule": sched})
     info = checkpoint.load("ckpt/step_100", model, optimizer, extra={"schedule": sched})
+    info.step                                    # 100
 """
 
 from shardwise.checkpoint.atomic import latest_checkpoint, list_checkpoints

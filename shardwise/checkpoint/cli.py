@@ -1,6 +1,7 @@
 """``shardwise checkpoint export | import | inspect`` (plugged into shardwise.train.cli).
 
     shardwise checkpoint inspect runs/debug/checkpoints            # the latest; --verify
+    shardwise checkpoint inspect runs/debug/checkpoints --tensors  # every tensor; --json
     shardwise checkpoint export runs/debug/checkpoints/step_00000150 out/hf
     shardwise checkpoint import out/hf runs/imported/step_00000000
 """
@@ -34,9 +35,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           description="Inspect, export or import checkpoints "
                                       "(docs/checkpoints.md).")
     actions = ckpt.add_subparsers(dest="checkpoint_action", metavar="ACTION", required=True)
-    ins = actions.add_parser("inspect", help="step, layout, tensors and sizes of a checkpoint")
+    ins = actions.add_parser("inspect", help="step, layout, model, optimizer and files of a "
+                             "checkpoint (--tensors: every tensor; --json: for scripts)")
     ins.add_argument("checkpoint", help="a checkpoint folder, or a folder of step_N checkpoints")
     ins.add_argument("--verify", action="store_true", help="also check every file's checksums")
+    ins.add_argument("--tensors", action="store_true",
+                     help="list every tensor (name, shape, dtype, size, chunks)")
+    ins.add_argument("--json", action="store_true",
+                     help="print one JSON object (every tensor included) for scripts")
     exp = actions.add_parser("export", help="write Hugging Face Llama safetensors + index")
     exp.add_argument("checkpoint", help="a checkpoint folder (step_N)")
     exp.add_argument("out", help="output folder")
@@ -76,9 +82,14 @@ def run(args: argparse.Namespace) -> int:
         0 on success (errors are raised: ``CheckpointError`` / ``ValueError`` -> exit 2).
     """
     if args.checkpoint_action == "inspect":
-        from shardwise.checkpoint.info import describe
+        from shardwise.checkpoint.info import describe, summarize
 
-        print(describe(args.checkpoint, verify_files=args.verify))
+        if args.json:
+            import json
+
+            print(json.dumps(summarize(args.checkpoint, verify_files=args.verify), indent=1))
+        else:
+            print(describe(args.checkpoint, verify_files=args.verify, tensors=args.tensors))
     elif args.checkpoint_action == "export":
         from shardwise.checkpoint.export import export_safetensors
 

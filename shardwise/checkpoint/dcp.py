@@ -1,10 +1,10 @@
 """Sharded save and load with resharding, on ``torch.distributed.checkpoint`` (DCP).
 
-    shardwise.checkpoint.save("ckpt/step_100", model, optimizer,
-                              extra={"step": 100, "schedule": schedule, "loader": loader})
+    shardwise.checkpoint.save("ckpt/step_100", model, optimizer, step=100,
+                              extra={"schedule": schedule, "loader": loader})
     info = shardwise.checkpoint.load("ckpt/step_100", model, optimizer,
                                      extra={"schedule": schedule, "loader": loader})
-    info.extra["step"]                                   # 100
+    info.step                                            # 100
 
 Each rank writes only its shards of the model and the optimizer state (DTensors, see
 [Note: optimizer state by name] in state.py) and reads only the chunks that overlap its rows

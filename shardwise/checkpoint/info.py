@@ -1,4 +1,8 @@
-"""``shardwise checkpoint inspect``: what a checkpoint holds, read without loading tensors."""
+"""``shardwise checkpoint inspect``: what a checkpoint holds, read without loading tensors.
+
+:func:`describe` gives the text (a summary; every tensor with ``tensors=True``),
+:func:`summarize` the same facts as JSON-able data for scripts (``inspect --json``).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 
 from shardwise.checkpoint import atomic
 
-__all__ = ["describe", "format_bytes"]
+__all__ = ["describe", "summarize", "format_bytes"]
 
 
 def format_bytes(n: float) -> str:
@@ -59,30 +63,81 @@ def _header(path: Path, manifest: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _tensor_lines(md) -> list[str]:
-    rows = []
+def _tensors(md) -> list[dict[str, Any]]:
+    """One entry per saved tensor: name, shape, dtype, bytes, chunks (None for byte items)."""
+    out = []
     for key, tmd in md.state_dict_metadata.items():
         if not hasattr(tmd, "size"):
-            rows.append((key, "(bytes)", "", "", ""))
+            out.append({"name": key, "shape": None, "dtype": None, "bytes": None,
+                        "chunks": None})
             continue
         n = 1
         for s in tmd.size:
             n *= s
-        dtype = str(tmd.properties.dtype).removeprefix("torch.")
-        nbytes = n * tmd.properties.dtype.itemsize
-        rows.append((key, str(tuple(tmd.size)), dtype, format_bytes(nbytes),
-                     f"{len(tmd.chunks)} chunk(s)"))
+        out.append({"name": key, "shape": list(tmd.size),
+                    "dtype": str(tmd.properties.dtype).removeprefix("torch."),
+                    "bytes": n * tmd.properties.dtype.itemsize, "chunks": len(tmd.chunks)})
+    return out
+
+
+def _tensor_lines(tensors: list[dict[str, Any]]) -> list[str]:
+    rows = [(t["name"], "(bytes)", "", "", "") if t["shape"] is None else
+            (t["name"], str(tuple(t["shape"])), t["dtype"], format_bytes(t["bytes"]),
+             f"{t['chunks']} chunk(s)") for t in tensors]
     width = max((len(r[0]) for r in rows), default=0)
     return [f"    {r[0]:<{width}}  {r[1]:<14} {r[2]:<9} {r[3]:>10}  {r[4]}" for r in rows]
 
 
-def describe(path: str | os.PathLike, verify_files: bool = False) -> str:
+def summarize(path: str | os.PathLike, verify_files: bool = False) -> dict[str, Any]:
+    """What :func:`describe` shows, as JSON-able data (``shardwise checkpoint inspect --json``).
+
+    Args:
+        path: a checkpoint folder, or a folder of ``step_N`` checkpoints (the latest is used).
+        verify_files: also check every file's checksums.
+
+    Returns:
+        ``{"path", "checkpoints" (the step_N folders beside it, when a folder of them was
+        given), "step", "created", "torch", "layout", "model", "optimizer" (class, param
+        groups, hyper-parameters; None), "extra" (names), "files" (count, bytes, verified),
+        "tensors" ([{name, shape, dtype, bytes, chunks}])}``.
+
+    Raises:
+        CheckpointError: not a checkpoint, or (``verify_files``) a damaged one.
+    """
+    from shardwise.checkpoint.dcp import _read_index, verify
+
+    given = Path(path)
+    path, _ = _resolve(given)
+    manifest = verify(path) if verify_files else atomic.read_manifest(path)
+    files = manifest.get("files", {})
+    opt = manifest.get("optimizer")
+    return {
+        "path": str(path),
+        "checkpoints": ([str(p) for _, p in atomic.list_checkpoints(given)]
+                        if path != given else []),
+        "step": manifest.get("step"), "created": manifest.get("created"),
+        "torch": manifest.get("torch"), "layout": manifest.get("layout", {}),
+        "model": manifest.get("model") or {},
+        "optimizer": None if not opt else {
+            "class": opt["class"], "param_groups": [g.get("hyper", {})
+                                                    for g in opt["param_groups"]]},
+        "extra": sorted(manifest.get("extra") or {}),
+        "files": {"count": len(files), "bytes": sum(f["size"] for f in files.values()),
+                  "verified": verify_files},
+        "tensors": _tensors(_read_index(path, manifest).read_metadata()),
+    }
+
+
+def describe(path: str | os.PathLike, verify_files: bool = False,
+             tensors: bool = False) -> str:
     """A human-readable account of a checkpoint: step, layout, model, optimizer, extras,
-    files, and every tensor with its shape, dtype, size and number of saved chunks.
+    files, how many tensors, and with ``tensors`` every tensor with its shape, dtype, size
+    and number of saved chunks.
 
     Args:
         path: a checkpoint folder, or a folder of ``step_N`` checkpoints (the latest is shown).
-        verify_files: also check every file's checksums.
+        verify_files: also check every file's checksums (default False).
+        tensors: list every tensor (default False: a summary of a few lines).
 
     Returns:
         The text.
@@ -99,12 +154,10 @@ def describe(path: str | os.PathLike, verify_files: bool = False) -> str:
     total = sum(f["size"] for f in files.values())
     status = "checksums verified" if verify_files else "not verified (--verify to check)"
     lines.append(f"  files:     {len(files)} data file(s), {format_bytes(total)}; {status}")
-    md = _read_index(path, manifest).read_metadata()
-    model = [k for k in md.state_dict_metadata if k.startswith("model.")]
-    lines.append(f"  tensors:   {len(model)} model, {len(md.state_dict_metadata) - len(model)} "
-                 f"optimizer")
-    lines += _tensor_lines(md)
+    found = _tensors(_read_index(path, manifest).read_metadata())
+    model = [t for t in found if t["name"].startswith("model.")]
+    lines.append(f"  tensors:   {len(model)} model, {len(found) - len(model)} optimizer"
+                 + ("" if tensors else " (--tensors lists them)"))
+    if tensors:
+        lines += _tensor_lines(found)
     return "\n".join(lines)
-
-
-

@@ -50,22 +50,22 @@ class Offload:
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "disk"):
-            raise ValueError(f"Offload.device must be 'cpu' or 'disk', got {self.device!r}")
+            raise ValueError(f"Offload(device={self.device!r}): expected 'cpu' or 'disk'")
         if self.device == "disk" and not (isinstance(self.path, str) and self.path):
             raise ValueError(f"Offload(device='disk') needs path=<directory>, got "
                              f"path={self.path!r}")
         if self.device == "cpu" and self.path:
-            raise ValueError(f"Offload.path is only used with device='disk', got "
-                             f"path={self.path!r} with device='cpu'")
+            raise ValueError(f"Offload(path={self.path!r}) is only used with device='disk', "
+                             f"got device='cpu'")
         if isinstance(self.buffer_mb, bool) or not isinstance(self.buffer_mb, (int, float)) \
                 or not self.buffer_mb > 0:
-            raise ValueError(f"Offload.buffer_mb must be a number > 0 (MiB), got "
-                             f"{self.buffer_mb!r}")
+            raise ValueError(f"Offload(buffer_mb={self.buffer_mb!r}): expected a number > 0 "
+                             "(MiB)")
         if self.budget_bytes is not None and (isinstance(self.budget_bytes, bool) or not
                                               isinstance(self.budget_bytes, int)
                                               or self.budget_bytes < 0):
-            raise ValueError(f"Offload.budget_bytes must be None or an int >= 0, got "
-                             f"{self.budget_bytes!r}")
+            raise ValueError(f"Offload(budget_bytes={self.budget_bytes!r}): expected None or "
+                             "an int >= 0")
 
     @property
     def buffer_bytes(self) -> int:
@@ -109,22 +109,22 @@ def check_offload_dir(path: str, need_bytes: int = 0, *,
             free space (with the bytes needed and free).
     """
     if not os.path.exists(path):
-        raise ValueError(f"Offload.path {path!r} does not exist; create the directory first")
+        raise ValueError(f"Offload(path={path!r}) does not exist; create the directory first")
     if not os.path.isdir(path):
-        raise ValueError(f"Offload.path {path!r} is not a directory")
+        raise ValueError(f"Offload(path={path!r}) is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"Offload.path {path!r} is read-only for this process "
+        raise ValueError(f"Offload(path={path!r}) is read-only for this process "
                          f"(uid {os.getuid()}); choose a writable directory")
     try:
         fd, probe = tempfile.mkstemp(prefix=".shardwise-probe-", dir=path)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ValueError(f"Offload.path {path!r} cannot be written: {e.strerror}") from e
+        raise ValueError(f"Offload(path={path!r}) cannot be written: {e.strerror}") from e
     need = need_bytes * local_ranks()
     free = disk_usage(path).free
     if need > free:
-        raise ValueError(f"Offload.path {path!r} has {free / _MiB:.1f} MiB free but the "
+        raise ValueError(f"Offload(path={path!r}) has {free / _MiB:.1f} MiB free but the "
                          f"optimizer state of {local_ranks()} rank(s) on this host needs "
                          f"{need / _MiB:.1f} MiB ({need} bytes); free space or choose "
                          f"another directory")

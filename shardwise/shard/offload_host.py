@@ -1,7 +1,7 @@
 """Helpers of :mod:`shardwise.shard.offload`: sizing optimizer state before it exists, and
 host (CPU) fp32 masters for parameters that live on an accelerator.
 
-See [Note: sizing optimizer state] and [Note: host masters] in ``offload.py``.
+See [Note: sizing optimizer state] and [Note: CPU offload] in ``offload.py``.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                                  / 2 ** 20 * 100) / 100  # MiB, rounded up
                 raise ValueError(f"parameter {e.name} has {e.state_bytes} bytes of optimizer "
                                  f"state, more than a chunk ({self._chunk_bytes} bytes) of "
-                                 f"Offload.buffer_mb={self.offload.buffer_mb!r}; use "
+                                 f"Offload(buffer_mb={self.offload.buffer_mb!r}); use "
                                  f"buffer_mb >= {need:.2f}")
 
     def _install_masters(self) -> None:
@@ -168,7 +168,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if n > self._chunk_bytes:
                     raise ValueError(f"parameter {e.name} now has {n} bytes of optimizer state, "
                                      f"more than a chunk ({self._chunk_bytes} bytes); raise "
-                                     f"Offload.buffer_mb={self.offload.buffer_mb!r}")
+                                     f"Offload(buffer_mb={self.offload.buffer_mb!r})")
             if cur and size + n > self._chunk_bytes:
                 chunks.append(cur)
                 cur, size = [], 0

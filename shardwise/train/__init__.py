@@ -3,10 +3,13 @@
     config.py     dataclasses, TOML + --section.key overrides, value checks
     config_io.py  nested dataclasses <-> TOML / command line (generic)
     preflight.py  every check on user input, before any rank trains; data preparation
+    rundir.py     which folder a run writes to (never over an earlier run), log.overwrite
+    schedule.py   warmup + cosine learning rate, its horizon on resume (keep / extend)
     trainer.py    build_* functions and the training loop (the three parallelism call sites)
-    metrics.py    progress bar, metrics.jsonl, loss plot, TensorBoard, summary
+    metrics.py    progress bar or lines, metrics.jsonl (one history across resumes), loss
+                  plot, TensorBoard, summary
     launch.py     local ranks via torch's elastic launcher, or in-process under torchrun / SLURM
-    cli.py        ``shardwise train``
+    cli.py        ``shardwise train | doctor | checkpoint``
 """
 
 from shardwise.train.config import Config, load_config

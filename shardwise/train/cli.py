@@ -7,7 +7,8 @@
     shardwise train --help                              # every field, its meaning and default
 
 Exit codes: 0 success, 2 bad input (one line naming the value, before any rank trains),
-1 a rank failed (named), 130 interrupted. Further subcommands (``checkpoint ...``,
+1 a rank failed (named), 130 interrupted, 141 stdout closed early (``... | head``: the output
+stops quietly, as for any Unix tool killed by SIGPIPE). Further subcommands (``checkpoint ...``,
 ``doctor``) plug in as more ``add_parser`` calls in :func:`build_parser`.
 """
 
@@ -63,15 +64,44 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     _add_config_options(doctor)
 
 
+class _StoreSpelling(argparse.Action):
+    """Store the value and remember which spelling gave it, so that an alias and its key
+    given with different values are refused (:func:`_check_aliases`) instead of the later
+    one silently winning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        setattr(namespace, self.dest, values)
+        spellings = namespace.__dict__.setdefault("_spellings", {})
+        spellings.setdefault(self.dest, {})[option_string] = values
+
+
+def _check_aliases(args: argparse.Namespace) -> None:
+    """Refuse ``--nproc 3 --parallel.nproc 2``: an alias and its key that disagree.
+
+    Raises:
+        ValueError: naming both spellings and their values.
+    """
+    hints = {f"{s}.{k}": hint for s, k, hint, *_ in config_io.iter_fields(Config())}
+    for dest, given in getattr(args, "_spellings", {}).items():
+        if len(given) < 2:
+            continue
+        parsed = {flag: config_io.parse_value(dest, value, hints[dest], from_cli=True)
+                  for flag, value in given.items()}
+        if len(set(parsed.values())) > 1:
+            both = " and ".join(f"{flag} {value}" for flag, value in given.items())
+            raise ValueError(f"{both} disagree: they set the same key {dest}; expected one of "
+                             "them, or the same value")
+
+
 def _add_config_options(train: argparse.ArgumentParser) -> None:
     """--config, --nproc and one --section.key option per config field."""
     train.add_argument("--config", metavar="FILE", default=None,
                        help="TOML file with [section] tables (e.g. configs/debug.toml)")
     train.add_argument("--nproc", dest="parallel.nproc", metavar="N", default=argparse.SUPPRESS,
-                       help="alias of --parallel.nproc")
+                       action=_StoreSpelling, help="alias of --parallel.nproc")
     train.add_argument("--checkpoint.async", dest="checkpoint.async_save", metavar="BOOL",
                        nargs="?", const="true", default=argparse.SUPPRESS,
-                       help="alias of --checkpoint.async_save")
+                       action=_StoreSpelling, help="alias of --checkpoint.async_save")
     section_docs = config_io.field_docs(Config)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for section, key, hint, default, doc in config_io.iter_fields(Config()):
@@ -82,6 +112,7 @@ def _add_config_options(train: argparse.ArgumentParser) -> None:
         extra = {"nargs": "?", "const": "true"} if hint is bool else {}
         groups[section].add_argument(
             f"--{section}.{key}", dest=f"{section}.{key}", default=argparse.SUPPRESS,
+            action=_StoreSpelling,
             metavar=config_io.type_name(hint).removesuffix(" or none").upper().replace(" ", "_"),
             help=f"{doc} (default: {shown})".replace("%", "%%"), **extra)
 
@@ -167,29 +198,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``shardwise`` console script.
+def _closed_stdout() -> int:
+    """stdout's reader went away (``shardwise ... | head -1``): stop quietly, like a Unix
+    tool killed by SIGPIPE, without a traceback or Python's "Exception ignored" at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush goes nowhere
+    return 141  # 128 + SIGPIPE, what a shell reports for a command ended by a closed pipe
 
-    Args:
-        argv: arguments without the program name (default ``sys.argv[1:]``).
 
-    Returns:
-        The process exit code (0 ok, 1 a rank failed, 2 bad input, 130 interrupted).
-    """
+def _run(argv: list[str]) -> int:
+    """Parse and carry out one command; map errors to exit codes (see :func:`main`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from shardwise.distributed.watchdog import CollectiveError
     from shardwise.train.launch import RankFailure
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args, extra = build_parser().parse_known_args(_attach_values(argv))
     try:
+        args, extra = build_parser().parse_known_args(_attach_values(argv))
         if extra:
             raise _unknown_argument(extra)
         if args.command == "checkpoint":
             return run_checkpoint(args)
         if args.command == "schedule":
             return run_schedule(args)
+        _check_aliases(args)
         if args.command == "doctor":
             return _cmd_doctor(args)
         return _cmd_train(args)
@@ -198,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"shardwise: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except RankFailure as exc:
+        if "BrokenPipeError" in str(exc):  # rank 0 printed into a closed stdout
+            return _closed_stdout()
         print(f"shardwise: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except CollectiveError as exc:  # this process is one rank of a torchrun / SLURM job
@@ -206,6 +240,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, SignalException):
         print("shardwise: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardwise`` console script.
+
+    Args:
+        argv: arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        The process exit code (0 ok, 1 a rank failed, 2 bad input, 130 interrupted, 141 the
+        reader of stdout went away).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            code = _run(argv)
+        except SystemExit:  # --help and usage errors: flush here, where a closed pipe is caught
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _closed_stdout()
 
 
 if __name__ == "__main__":

@@ -120,6 +120,10 @@ class OptimConfig:
     """Floor of the cosine decay, as a fraction of lr (0 <= x <= 1), reached at the last step."""
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this value (0: no clipping)."""
+    schedule_horizon: str = "keep"
+    """Resuming with another train.steps than the checkpoint's run: "keep" (the learning rate
+    continues the schedule the checkpoint was trained with: resuming stays bitwise) or
+    "extend" (re-plan warmup + cosine over the new train.steps)."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +220,13 @@ class LogConfig:
     """Where results go and how progress is shown."""
 
     dir: str = "runs/debug"
-    """Output folder: config.toml, metrics.jsonl, loss.png, summary.json (created if missing)."""
+    """Output folder: config.toml, metrics.jsonl, loss.png, summary.json (created if missing).
+    Left at this default, a run never reuses a folder that holds an earlier run: it writes to
+    runs/debug-2, runs/debug-3, ... instead; a folder you name must not hold a run (see
+    overwrite and checkpoint.resume)."""
+    overwrite: bool = False
+    """Let this run replace the run already in log.dir (its config.toml, metrics, plot,
+    summary, tb/ and <log.dir>/checkpoints are removed first); false: refuse such a folder."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     tensorboard: bool = False

@@ -15,8 +15,6 @@ from typing import Any
 __all__ = ["validate", "resolve_world", "check_output_dir"]
 
 
-
-
 def _positive(v: Any) -> bool:
     return v > 0
 
@@ -54,6 +52,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("optim.warmup_steps", _non_negative, "an int >= 0"),
     ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
     ("optim.grad_clip", _non_negative, "a number >= 0 (0 disables clipping)"),
+    ("optim.schedule_horizon", lambda v: v in ("keep", "extend"), "'keep' or 'extend'"),
     ("parallel.nproc", _positive, "a positive int (local ranks)"),
     ("parallel.stage", lambda v: v in (0, 1, 2, 3), "a ZeRO stage in 0..3"),
     ("parallel.dp_replicate", _positive, "a positive int"),
@@ -97,6 +96,10 @@ def _combinations(config) -> None:
     if off.device == "disk" and not off.path.strip():
         raise ValueError("offload.device='disk' needs offload.path, the directory for the "
                          "optimizer-state files, got ''")
+    resume = config.checkpoint.resume
+    if config.log.overwrite and resume != "none":
+        raise ValueError(f"log.overwrite=true removes the run that checkpoint.resume={resume!r} "
+                         "would continue; expected one of the two")
     if off.device != "none" and par.stage == 0:
         raise ValueError(f"offload.device={off.device!r} needs parallel.stage 1, 2 or 3 "
                          f"(sharded masters), got 0")

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["field_docs", "iter_fields", "parse_value", "apply_overrides", "flatten_toml",
-           "to_toml", "to_toml_value", "type_name", "unknown_key_message"]
+           "to_toml", "to_toml_value", "type_name", "unknown_key_message", "differences"]
 
 
 @functools.cache
@@ -257,3 +257,10 @@ def to_toml(root: Any, comments: bool = True) -> str:
             lines.extend(f"# {line}" for line in textwrap.wrap(doc, 94))
         lines.append(f"# {key} = (unset)" if value is None else f"{key} = {to_toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def differences(root: Any, base: Any) -> list[tuple[str, Any]]:
+    """``[("train.steps", 30), ...]``: the dotted keys whose value in ``root`` is not the one
+    in ``base`` (same root dataclass type), in declaration order."""
+    base_values = {(s, k): v for s, k, _h, v, _d in iter_fields(base)}
+    return [(f"{s}.{k}", v) for s, k, _h, v, _d in iter_fields(root) if base_values[s, k] != v]

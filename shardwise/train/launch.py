@@ -14,6 +14,7 @@ rank runs the checks itself and the ranks agree on the outcome before training s
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -107,15 +108,23 @@ def _rank_main(cfg: Config, data: TokenData) -> dict[str, Any] | None:
         dist_env.destroy()
 
 
-def _agree_on_preflight(error: str | None, env: dist_env.DistEnv) -> None:
-    """Share each rank's preflight outcome; raise the same ValueError everywhere if any failed."""
-    errors: list[str | None] = [None] * env.world_size
-    dist.all_gather_object(errors, error)
+def _agree_on_preflight(error: str | None, env: dist_env.DistEnv,
+                        log_dir: str | None = None) -> str | None:
+    """Share each rank's preflight outcome; raise the same ValueError everywhere if any failed.
+
+    Returns:
+        Rank 0's ``log_dir``: the folder every rank writes to (rank 0 alone writes it, and
+        only its view of which folders hold earlier runs counts).
+    """
+    outcomes: list[tuple[str | None, str | None]] = [(None, None)] * env.world_size
+    dist.all_gather_object(outcomes, (error, log_dir))
+    errors = [e for e, _ in outcomes]
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
         same_everywhere = len(failed) == env.world_size and len(set(errors)) == 1
         raise ValueError(message if same_everywhere else f"on rank {rank}: {message}")
+    return outcomes[0][1]
 
 
 def _train_here(cfg: Config) -> dict[str, Any] | None:
@@ -123,14 +132,15 @@ def _train_here(cfg: Config) -> dict[str, Any] | None:
     env = build_env(cfg)
     try:
         check_ranks(cfg, env)  # another version or config on some rank: named, before all else
-        error, data = None, None
+        requested, error, data = cfg, None, None
         try:
             cfg, data = preflight(cfg, env.world_size)
         except ValueError as exc:
             error = str(exc)
-        _agree_on_preflight(error, env)
+        log_dir = _agree_on_preflight(error, env, cfg.log.dir)
+        cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, dir=log_dir))
         if env.is_main:
-            announce(cfg)
+            announce(cfg, requested)
         return train(cfg, data, env)
     finally:
         dist_env.destroy()
@@ -183,7 +193,8 @@ def run_training(cfg: Config) -> dict[str, Any] | None:
         RankFailure: a locally launched rank failed, named with its error.
     """
     if dist_env.detect_launcher() == "single" and cfg.parallel.nproc > 1:
+        requested = cfg
         cfg, data = preflight(cfg, cfg.parallel.nproc)
-        announce(cfg)
+        announce(cfg, requested)
         return launch_local(_rank_main, cfg.parallel.nproc, (cfg, data))[0]
     return _train_here(cfg)

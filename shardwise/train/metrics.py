@@ -63,37 +63,77 @@ def format_memory(per_rank_mib: list[float]) -> str:
 class MetricsLogger:
     """Rank 0's sink for step and validation records; a no-op on other ranks.
 
+    Progress: on a terminal, one tqdm bar, drawn from the first step on (so lines printed
+    while the run starts are not interleaved with empty bars); otherwise (a file, a pipe, a
+    CI log) a plain line every ``refresh_every`` steps and at the first and last step.
+
     Args:
         log_dir: output folder (already created and checked writable).
         total_steps: steps in the run (the progress bar's total).
         enabled: True on rank 0 only.
-        progress: show a tqdm progress bar.
+        progress: show progress (bar or plain lines).
         tensorboard: also write TensorBoard scalars under ``log_dir/tb``.
-        refresh_every: refresh the bar's loss / tokens/s / memory text every this many steps.
+        refresh_every: refresh the bar's text, or print a plain line, every this many steps.
+        resume_step: the step a resumed run starts after (0: a fresh run). The records of
+            ``metrics.jsonl`` up to it are kept (later ones are dropped: they run again) and
+            new records are appended, so the file holds one continuous history.
+        val_label: what the validation split is, shown beside each validation loss.
+
+    Attributes:
+        history: the kept records of the run this one resumes (empty for a fresh run).
+        records: this run's records.
     """
 
     def __init__(self, log_dir: str | os.PathLike, total_steps: int, enabled: bool,
-                 progress: bool = True, tensorboard: bool = False, refresh_every: int = 1) -> None:
+                 progress: bool = True, tensorboard: bool = False, refresh_every: int = 1,
+                 resume_step: int = 0, val_label: str = "held out") -> None:
         self.log_dir = Path(log_dir)
+        self.val_label = val_label
         self.enabled = enabled
         self.refresh_every = refresh_every
+        self.total_steps = total_steps
+        self.resume_step = resume_step
+        self.history: list[dict[str, Any]] = []
         self.records: list[dict[str, Any]] = []
         self._file: TextIO | None = None
         self._bar = None
+        self._progress = progress
         self._tb = None
         if not enabled:
             return
-        self._file = open(self.log_dir / "metrics.jsonl", "w", encoding="ascii")
-        if progress:
-            from tqdm import tqdm
-
-            # Off a terminal (CI logs, pipes) a bar redrawn 10x a second is noise: slow it down.
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
-                             mininterval=0.1 if sys.stderr.isatty() else 5.0)
+        path = self.log_dir / "metrics.jsonl"
+        if resume_step > 0:
+            self.history = _keep_history(path, resume_step)
+        self._file = open(path, "a" if resume_step > 0 else "w", encoding="ascii")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
             self._tb = SummaryWriter(log_dir=str(self.log_dir / "tb"))
+
+    @property
+    def all_records(self) -> list[dict[str, Any]]:
+        """The whole history: the resumed run's kept records, then this run's."""
+        return self.history + self.records
+
+    def _show_progress(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        text = (f"loss {record['loss']:.4f} | lr {record['lr']:.3g} | "
+                f"{record['tokens_per_s']:,.0f} tok/s | mem "
+                f"{format_memory(record.get('rss_mib', []))}")
+        due = step % self.refresh_every == 0 or step == self.resume_step + 1 \
+            or step == self.total_steps
+        if not sys.stderr.isatty():
+            if due:
+                print(f"step {step}/{self.total_steps}: {text}", file=sys.stderr, flush=True)
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total_steps, initial=self.resume_step, desc="train",
+                             unit="step", dynamic_ncols=True, mininterval=0.1)
+        self._bar.update(1)
+        if due:
+            self._bar.set_postfix_str(text, refresh=False)
 
     def _write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -111,12 +151,8 @@ class MetricsLogger:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
                 if isinstance(record.get(key), (int, float)):
                     self._tb.add_scalar(f"train/{key}", record[key], step)
-        if self._bar is not None:
-            self._bar.update(1)
-            if step % self.refresh_every == 0 or step == 1 or step == self._bar.total:
-                self._bar.set_postfix_str(
-                    f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | mem "
-                    f"{format_memory(record.get('rss_mib', []))}", refresh=False)
+        if self._progress:
+            self._show_progress(record)
 
     def log_eval(self, record: dict[str, Any]) -> None:
         """Record one validation pass (``record`` has step and val_loss)."""
@@ -125,7 +161,8 @@ class MetricsLogger:
         self._write(record)
         if self._tb is not None:
             self._tb.add_scalar("val/loss", record["val_loss"], record["step"])
-        self.echo(f"step {record['step']}: val_loss {record['val_loss']:.4f}")
+        self.echo(f"step {record['step']}: val_loss {record['val_loss']:.4f} "
+                  f"({self.val_label})")
 
     def echo(self, text: str) -> None:
         """Print a line on rank 0 without breaking the progress bar."""
@@ -147,6 +184,18 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _keep_history(path: Path, step: int) -> list[dict[str, Any]]:
+    """Cut ``path`` (metrics.jsonl) back to its records up to ``step``; return them."""
+    if not path.exists():
+        return []
+    kept = [line for line in path.read_text(encoding="ascii").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="ascii")
+    tmp.replace(path)  # atomic: a kill here leaves the old file or the cut one, never half
+    return [json.loads(line) for line in kept]
 
 
 def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
@@ -192,7 +241,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         "summary:",
         f"  final train loss {num(summary['final_train_loss'])}, "
-        f"final val loss {num(summary['final_val_loss'])}",
+        f"final val loss {num(summary['final_val_loss'])}"
+        + (f" ({summary['val_split']})" if summary.get("val_split") else ""),
         f"  {summary['steps']} steps, {summary['tokens']:,} tokens, "
         f"{num(summary['tokens_per_s'], ',.0f')} tokens/s on {summary['world_size']} ranks",
         f"  peak memory per rank (RSS): {format_memory(summary['peak_rss_mib'])}",

@@ -10,6 +10,8 @@ nothing else of the engine.
 from __future__ import annotations
 
 import contextlib
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,8 +24,30 @@ from shardwise.distributed.mesh import ParallelDims
 from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
 
-__all__ = ["build_mixed_precision", "build_comm_quant", "build_offload", "build_loss_scaler",
-           "build_parallel_model", "wrap_optimizer", "no_sync", "clip_grad_norm_"]
+__all__ = ["build_mixed_precision", "build_comm_quant", "build_offload", "validate_offload",
+           "build_loss_scaler", "build_parallel_model", "wrap_optimizer", "no_sync",
+           "clip_grad_norm_", "as_config_keys"]
+
+# The engine names its arguments (Offload(path='/x')); a trainer user wrote config keys.
+_OFFLOAD_KEYS = {"device": "offload.device", "path": "offload.path",
+                 "buffer_mb": "offload.buffer_mb", "prefetch": "offload.prefetch"}
+_OFFLOAD_ARG = re.compile(r"Offload\((\w+)=(.+?)\)(?=[\s:;,]|$)")
+
+
+def as_config_keys(message: str) -> str:
+    """An engine error restated with the config keys the user wrote:
+    ``Offload(path='/x') does not exist`` -> ``offload.path = '/x' does not exist``."""
+    return _OFFLOAD_ARG.sub(lambda m: f"{_OFFLOAD_KEYS[m[1]]} = {m[2]}"
+                            if m[1] in _OFFLOAD_KEYS else m[0], message)
+
+
+@contextlib.contextmanager
+def _in_config_keys() -> Iterator[None]:
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(as_config_keys(str(exc))) from None
+
 
 def build_mixed_precision(cfg: Config) -> MixedPrecision | None:
     """The ``[precision]`` section as an engine policy (None for plain fp32)."""
@@ -91,17 +115,40 @@ def build_comm_quant(cfg: Config) -> CommQuant | None:
 
 
 def build_offload(cfg: Config) -> Offload | None:
-    """The ``[offload]`` section as an engine policy (None: no offload)."""
+    """The ``[offload]`` section as an engine policy (None: no offload).
+
+    Raises:
+        ValueError: a policy the engine refuses, naming the ``offload.*`` key.
+    """
     o = cfg.offload
     if o.device == "none":
         return None
-    return Offload(device=o.device, path=o.path or None, buffer_mb=o.buffer_mb,
-                   budget_bytes=int(o.budget_mb * 2**20) if o.budget_mb else None,
-                   prefetch=o.prefetch)
+    with _in_config_keys():
+        return Offload(device=o.device, path=o.path or None, buffer_mb=o.buffer_mb,
+                       budget_bytes=int(o.budget_mb * 2**20) if o.budget_mb else None,
+                       prefetch=o.prefetch)
+
+
+def validate_offload(cfg: Config) -> None:
+    """The engine's own check of the offload directory, before any rank starts.
+
+    Raises:
+        ValueError: a missing, read-only or unwritable ``offload.path`` (named as the key).
+    """
+    offload = build_offload(cfg)
+    if offload is not None:
+        with _in_config_keys():
+            offload.validate()
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module):
-    """The optimizer itself, or its offloading wrapper when ``[offload]`` asks for one."""
+    """The optimizer itself, or its offloading wrapper when ``[offload]`` asks for one.
+
+    Raises:
+        ValueError: the wrapper's checks (room in ``offload.path``, ``offload.buffer_mb``
+            large enough for the largest parameter's state), naming the key.
+    """
     if policy_of(model) is None:
         return optimizer
-    return shardwise.offload_optimizer(optimizer, model=model)
+    with _in_config_keys():
+        return shardwise.offload_optimizer(optimizer, model=model)

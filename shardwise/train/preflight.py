@@ -14,11 +14,14 @@ from pathlib import Path
 
 import torch
 
+from shardwise.train import config_io
 from shardwise.train.compat import check_fault_spec, check_resume
 from shardwise.train.config import Config, check_output_dir, resolve_world, to_toml
 from shardwise.train.metrics import require_tensorboard
+from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 
-__all__ = ["TokenData", "build_model_config", "build_data", "preflight", "announce"]
+__all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
+           "announce"]
 
 
 @dataclass(frozen=True)
@@ -122,11 +125,14 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
         world_size: ranks in the job.
 
     Returns:
-        The config with world-dependent values resolved, and the prepared data.
+        The config with world-dependent values resolved (``parallel.dp_shard``, and
+        ``log.dir`` when the default folder holds an earlier run: see
+        :mod:`shardwise.train.rundir`), and the prepared data.
 
     Raises:
-        ValueError: degrees that do not fit the world size, NCCL without CUDA, an unwritable
-            ``log.dir``, an offload directory that is missing or read-only,
+        ValueError: degrees that do not fit the world size, NCCL without CUDA, a named
+            ``log.dir`` that holds an earlier run, an unwritable ``log.dir``, an offload
+            directory that is missing or read-only,
             TensorBoard asked for but missing, a bad model name / shape / seq_len, a corpus
             with no or too little text, a bad ``$SHARDWISE_FAULT``, a ``checkpoint.resume``
             that is missing or was saved from another model shape or vocabulary.
@@ -139,24 +145,49 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     check_fault_spec()
     if cfg.log.tensorboard:
         require_tensorboard()
+    cfg = choose_log_dir(cfg)
     check_output_dir(cfg.log.dir)
-    from shardwise.train.parallelize import build_offload  # the engine's own directory check
-    offload = build_offload(cfg)
-    if offload is not None:
-        offload.validate()
+    from shardwise.train.parallelize import validate_offload  # the engine's directory check
+    validate_offload(cfg)
     data = build_data(cfg, world_size)
     check_resume(cfg, build_model_config(cfg, data.vocab_size))
     return cfg, data
 
 
-def announce(cfg: Config) -> Path:
-    """Print the resolved config and save it as ``<log.dir>/config.toml`` (rank 0's job).
+def config_lines(cfg: Config) -> list[str]:
+    """What the start of a run prints about its config: the keys that differ from the
+    defaults (the defaults resolved for the same world size), and where the full file is."""
+    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    base = resolve_world(Config(), world) if world > 0 else Config()
+    changed = config_io.differences(cfg, base)
+    path = Path(cfg.log.dir) / "config.toml"
+    if not changed:
+        return [f"config: the defaults; every key in {path}"]
+    return [f"config: every key in {path}; not the default:",
+            *(f"  {key} = {config_io.to_toml_value(value)}" for key, value in changed)]
+
+
+def announce(cfg: Config, requested: Config | None = None) -> Path:
+    """Rank 0's start of a run: say where it writes, clear the earlier run when
+    ``log.overwrite`` asks for it, print the non-default config keys and save the whole
+    config as ``<log.dir>/config.toml``.
+
+    Args:
+        cfg: the config :func:`preflight` returned.
+        requested: the config before :func:`preflight` (to say when ``log.dir`` moved to a
+            numbered folder); None: nothing to compare.
 
     Returns:
         The saved file, loadable again with ``--config``.
     """
-    text = to_toml(cfg, comments=False)
-    print("resolved config:\n" + "\n".join("  " + line for line in text.splitlines()), flush=True)
+    note = renamed_note(requested, cfg) if requested is not None else None
+    if note:
+        print(note, flush=True)
+    removed = clear_run(cfg)
+    if removed:
+        print(f"log.overwrite: removed the earlier run's {', '.join(removed)} from "
+              f"{cfg.log.dir}", flush=True)
+    print("\n".join(config_lines(cfg)), flush=True)
     path = Path(cfg.log.dir) / "config.toml"
     path.write_text(to_toml(cfg), encoding="ascii")
     return path

@@ -34,11 +34,12 @@ from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
 from shardwise.train.preflight import build_model_config
+from shardwise.train.schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
 from shardwise.train.stepguard import StepGuard
 
 __all__ = [
     "build_env", "build_optimizer", "lr_factor", "build_lr_schedule", "train_step", "evaluate",
-    "train", "build_checkpointer", "resume_or_import",
+    "train", "build_checkpointer", "resume_or_import", "validation_note",
 ]
 
 
@@ -85,26 +86,6 @@ def build_optimizer(model: nn.Module, optim: Any) -> torch.optim.Optimizer:
                              betas=optim.betas, eps=optim.eps)
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """Learning-rate multiplier for 0-based ``step``: linear warmup, then cosine to a floor.
-
-    Step 0 already gets ``1 / warmup_steps`` (a zero first step would waste a step); the last
-    step (``total_steps - 1``) gets ``min_ratio``.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(1, total_steps - 1 - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_lr_schedule(optimizer: torch.optim.Optimizer, optim: Any,
-                      total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup + cosine schedule (:func:`lr_factor`), stepped once per optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-        s, optim.warmup_steps, total_steps, optim.min_lr_ratio))
-
-
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -132,7 +113,7 @@ def resume_or_import(cfg: Config, model: nn.Module, optimizer: torch.optim.Optim
 
     c, ckpt = cfg.checkpoint, build_checkpointer(cfg)
     done, note = load(ckpt, model, optimizer, stateful, resume=c.resume,
-                      import_path=c.import_safetensors, log_dir=cfg.log.dir, is_main=env.is_main)
+                      import_path=c.import_safetensors)
     return ckpt, done, note
 
 
@@ -247,9 +228,48 @@ def evaluate(model: nn.Module, val_ids: torch.Tensor, cfg: Config, env: dist_env
     return {"step": step, "val_loss": mean, "val_tokens": tokens}
 
 
+def validation_note(cfg: Config) -> tuple[str, str]:
+    """What the validation split is: a short label for each validation line, and the line
+    printed at start (the split is the corpus's tail, not a random sample)."""
+    from shardwise.data.corpus import STDLIB_SOURCE
+
+    share = f"{cfg.data.val_fraction * 100:g}%"
+    label = f"the last {share} of the corpus, held out"
+    line = f"validation: the last {share} of the corpus (data.val_fraction), never trained on"
+    if cfg.data.source == STDLIB_SOURCE:
+        line += ("; for stdlib these are other modules than the training text, so expect "
+                 "validation loss above train loss")
+    return label, line
+
+
 def _eval_due(step: int, cfg: Config) -> bool:
     interval = cfg.train.eval_interval
     return step == cfg.train.steps or (interval > 0 and step % interval == 0)
+
+
+def _start_logger(cfg: Config, env: dist_env.DistEnv, model_cfg: Any, data: Any, done: int,
+                  notes: list[str | None]) -> MetricsLogger:
+    """Rank 0's metrics sink, and the lines that open the run: model, layout, data, the
+    validation split, what was resumed or imported (``notes``)."""
+    val_label, val_line = validation_note(cfg)
+    logger = MetricsLogger(cfg.log.dir, cfg.train.steps, enabled=env.is_main,
+                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
+                           refresh_every=cfg.train.log_interval, resume_step=done,
+                           val_label=val_label)
+    logger.echo(f"model {cfg.model.name!r} (dim {model_cfg.dim}, {model_cfg.n_layers} layers, "
+                f"vocab {model_cfg.vocab_size}): {model_cfg.num_params():,} parameters; "
+                f"{env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.launcher}, "
+                f"{env.backend}); data "
+                f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
+    logger.echo(val_line)
+    logger.echo(f"ZeRO stage {cfg.parallel.stage} over {cfg.parallel.dp_shard} rank(s)"
+                + (f" x {cfg.parallel.dp_replicate} replicas" if cfg.parallel.dp_replicate > 1
+                   else "") + f"; compute {cfg.precision.param_dtype}, reduce "
+                f"{cfg.precision.reduce_dtype}, masters fp32")
+    for note in notes:
+        if note:
+            logger.echo(note)
+    return logger
 
 
 @watchdog.guarded  # an exception here stops the other ranks at once, naming this one
@@ -258,7 +278,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
 
     Args:
         cfg: the resolved config (:func:`preflight`).
-        data: the :class:`TokenData` (identical on every rank).
+        data: the :class:`~shardwise.train.preflight.TokenData` (identical on every rank).
         env: this process's place in the job (:func:`build_env`).
 
     Returns:
@@ -280,20 +300,8 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
                          world_size=env.world_size, seed=cfg.data.seed)
     stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
     ckpt, done, note = resume_or_import(cfg, model, optimizer, stateful, env)
-    logger = MetricsLogger(cfg.log.dir, cfg.train.steps, enabled=env.is_main,
-                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
-                           refresh_every=cfg.train.log_interval)
-    logger.echo(f"model {cfg.model.name!r} (dim {model_cfg.dim}, {model_cfg.n_layers} layers, "
-                f"vocab {model_cfg.vocab_size}): {model_cfg.num_params():,} parameters; "
-                f"{env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.launcher}, "
-                f"{env.backend}); data "
-                f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
-    logger.echo(f"ZeRO stage {cfg.parallel.stage} over {cfg.parallel.dp_shard} rank(s)"
-                + (f" x {cfg.parallel.dp_replicate} replicas" if cfg.parallel.dp_replicate > 1
-                   else "") + f"; compute {cfg.precision.param_dtype}, reduce "
-                f"{cfg.precision.reduce_dtype}, masters fp32")
-    if note:
-        logger.echo(note)
+    horizon = apply_schedule_horizon(schedule, cfg.optim.schedule_horizon, cfg.train.steps, done)
+    logger = _start_logger(cfg, env, model_cfg, data, done, [note, horizon])
     train_time = 0.0
     guard = StepGuard(cfg, env, model)
     try:
@@ -317,25 +325,26 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     peak = _gather_stats([peak_rss_mib(), mem.model_state_bytes / 2**20], env)
     if not env.is_main:
         return None
-    return _finish(cfg, env, logger.records, peak[:, 0].tolist(), train_time,
+    return _finish(cfg, env, logger, peak[:, 0].tolist(), train_time,
                    time.perf_counter() - start, model_state_mib=peak[:, 1].tolist(),
                    skipped_steps=scaler.skipped_steps + len(guard.skipped),
                    checkpoint=_checkpoint_summary(ckpt, done))
 
 
-def _finish(cfg: Config, env: dist_env.DistEnv, records: list[dict[str, Any]],
+def _finish(cfg: Config, env: dist_env.DistEnv, logger: MetricsLogger,
             peak_mib: list[float], train_time: float, elapsed: float,
             model_state_mib: list[float], skipped_steps: int,
             checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rank 0: loss plot, summary.json, and the summary printed."""
+    """Rank 0: loss plot (the whole history, a resumed run's earlier steps included),
+    summary.json (this run's steps), and the summary printed."""
     import json
 
     log_dir = Path(cfg.log.dir)
-    steps = [r for r in records if "loss" in r]
-    vals = [r for r in records if "val_loss" in r]
+    steps = [r for r in logger.records if "loss" in r]
+    vals = [r for r in logger.all_records if "val_loss" in r]
     outputs = ["config.toml", "metrics.jsonl"]
     if cfg.log.plot:
-        plot_losses(records, log_dir / "loss.png")
+        plot_losses(logger.all_records, log_dir / "loss.png")
         outputs.append("loss.png")
     if cfg.log.tensorboard:
         outputs.append("tb/")
@@ -345,6 +354,7 @@ def _finish(cfg: Config, env: dist_env.DistEnv, records: list[dict[str, Any]],
         "final_train_loss": steps[-1]["loss"] if steps else None,
         "first_train_loss": steps[0]["loss"] if steps else None,
         "final_val_loss": vals[-1]["val_loss"] if vals else None,
+        "val_split": logger.val_label,
         "steps": len(steps), "tokens": tokens,
         "tokens_per_s": tokens / train_time if train_time > 0 else None,
         "world_size": env.world_size, "zero_stage": cfg.parallel.stage,
