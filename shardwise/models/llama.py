@@ -1,5 +1,8 @@
 """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention), unaware of parallelism.
 
+Its variants come from the same config: mixture-of-experts feed-forwards (moe.py) and
+multi-head latent attention (mla.py).
+
 Build and run::
 
     from shardwise.models import build_model, get_model_config
@@ -45,6 +48,10 @@ from shardwise.models.config import LlamaConfig
 from shardwise.models.layers import (FeedForward, RMSNorm, RotaryEmbedding, apply_rotary,
                                      repeat_kv, rope_tables)
 from shardwise.models.layers import linear as _linear
+from shardwise.models.experts import GroupedExperts
+from shardwise.models.mla import LatentAttention
+from shardwise.models.moe import MoE
+from shardwise.models.router import Router
 
 __all__ = [
     "Attention",
@@ -94,16 +101,23 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
 
-    The natural unit for sharding, activation checkpointing and pipeline stages.
+    The natural unit for sharding, activation checkpointing and pipeline stages. The
+    feed-forward is a :class:`~shardwise.models.moe.MoE` when ``config.is_moe_layer(layer_id)``,
+    the attention a :class:`~shardwise.models.mla.LatentAttention` when ``config.attention ==
+    "mla"``.
+
+    Args:
+        config: the model shape.
+        layer_id: the block's index (0-based), which decides dense or MoE (default 0).
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int = 0) -> None:
         super().__init__()
         # Registration order = data-flow order, so parameters() lists them as they are used.
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = LatentAttention(config) if config.attention == "mla" else Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoE(config) if config.is_moe_layer(layer_id) else FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
@@ -152,8 +166,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim,
                                            _weight=torch.empty(config.vocab_size, config.dim))
         self.tok_embeddings.init_std = config.init_std
-        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.rope = RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         if config.tie_embeddings:
             self.output = TiedOutput(self.tok_embeddings)
@@ -210,9 +224,10 @@ def init_module_weights(module: nn.Module) -> None:
 
     Embeddings and linear weights get ``normal(0, init_std)`` (the block output
     projections ``attention.wo`` and ``feed_forward.w2`` use ``init_std / sqrt(2 *
-    n_layers)``), RMSNorm gains get ones, RoPE tables are recomputed. Modules without
-    direct tensors (containers, blocks, a tied head) are left alone. Random draws come from
-    the global torch RNG of the tensors' device, in registration order.
+    n_layers)``), RMSNorm gains get ones, RoPE tables are recomputed; MoE experts draw
+    ``w1, w2, w3`` (``w2`` with the output std) and a router's balancing bias is zeroed.
+    Modules without direct tensors (containers, blocks, a tied head) are left alone. Random
+    draws come from the global torch RNG of the tensors' device, in registration order.
 
     Args:
         module: a module of a :class:`Transformer` whose direct tensors are materialised.
@@ -220,7 +235,7 @@ def init_module_weights(module: nn.Module) -> None:
     Raises:
         ValueError: if ``module`` has direct parameters but is not a shardwise model module.
     """
-    if isinstance(module, (RMSNorm, RotaryEmbedding)):
+    if isinstance(module, (RMSNorm, RotaryEmbedding, Router, GroupedExperts)):
         module.reset_parameters()
         return
     params = [p for p in module._parameters.values() if p is not None]
