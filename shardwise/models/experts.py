@@ -113,11 +113,10 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torc
         raise ValueError(f"expert compute='grouped_mm' cannot run dtype {x.dtype} with dim="
                          f"{w1.shape[1]}, hidden={w1.shape[2]} (needs fp32/bf16/fp16 and "
                          f"16-byte aligned rows); use 'auto'")
-    fn = {"grouped_mm": _grouped, "padded": _padded, "loop": _loop}[compute]
-    y = fn(x, counts, w1, w2, w3)
     if x.shape[0] == 0:  # keep the weights in the graph: zero, not missing, gradients
-        y = y + 0.0 * (w1.sum() + w2.sum() + w3.sum())
-    return y
+        return x.new_zeros(0, w2.shape[2]) + 0.0 * (w1.sum() + w2.sum() + w3.sum())
+    fn = {"grouped_mm": _grouped, "padded": _padded, "loop": _loop}[compute]
+    return fn(x, counts, w1, w2, w3)
 
 
 class GroupedExperts(nn.Module):
