@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import shardwise
 from shardwise.models import (MoE, MoESettings, TransformerBlock, build_model, configure_moe,
                               finish_moe_step, get_model_config, init_module_weights,
-                              moe_aux_loss)
+                              moe_aux_loss, moe_layers)
 from shardwise.parallel import apply_global_balance
 from shardwise.testing import run_ranks
 from shardwise.testing.parity import (ParityConfig, make_batches, max_rel_err, reference_run,
@@ -138,15 +138,42 @@ def _meta_init_matches_eager() -> bool:
     return full.keys() == eager.keys() and all(torch.equal(full[k], eager[k]) for k in eager)
 
 
-def _parity_worker() -> dict:
+def _sharded(stage: int, seed: int):
+    model = build_model(get_model_config("debug-moe", **SMALL), seed=seed)
+    return shardwise.shard(model, stage=stage, wrap={TransformerBlock})
+
+
+def _checkpoint_roundtrip(root: str) -> bool:
+    """Save at stage 3 with non-zero biases, load into fresh stage-1 and stage-3 models."""
+    from shardwise.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(root, keep_last=0)
+    model = _sharded(3, seed=0)
+    for i, (_, layer) in enumerate(moe_layers(model)):
+        layer.router.expert_bias.copy_(torch.linspace(-0.01, 0.02, 8) * (i + 1))
+    want = shardwise.full_state_dict(model)
+    ckpt.save(1, model)
+    ok = True
+    for stage in (1, 3):
+        other = _sharded(stage, seed=1)
+        ckpt.load("auto", other)
+        got = shardwise.full_state_dict(other)
+        ok &= all(torch.equal(got[k], want[k]) for k in want)
+        ok &= sum(k.endswith("router.expert_bias") for k in got) == 4
+    return ok
+
+
+def _parity_worker(root: str) -> dict:
     out = {name: _run(sharded_run, name, wrap={TransformerBlock}) for name in CASES}
     out["meta_init"] = _meta_init_matches_eager()
+    out["checkpoint"] = _checkpoint_roundtrip(root)
     return out
 
 
 @pytest.fixture(scope="module")
-def parity_results():
-    return run_ranks(_parity_worker, WORLD, timeout_s=300)
+def parity_results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("moe-ckpt"))
+    return run_ranks(_parity_worker, WORLD, args=(root,), timeout_s=300)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -170,3 +197,7 @@ def test_zero_trains_debug_moe_like_one_process(parity_results, name):
 
 def test_meta_device_init_through_the_engine_is_bitwise_eager(parity_results):
     assert all(r["meta_init"] for r in parity_results)
+
+
+def test_checkpoint_keeps_the_bias_buffers_across_stages(parity_results):
+    assert all(r["checkpoint"] for r in parity_results)
