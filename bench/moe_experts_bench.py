@@ -1,6 +1,6 @@
 """Grouped expert compute on CPU: torch's grouped_mm vs a padded bmm vs a loop over experts.
 
-    python bench/moe_experts_bench.py                 # ~1-2 minutes on 2 cores
+    python bench/moe_experts_bench.py                 # ~3 minutes on 2 cores
     python bench/moe_experts_bench.py --reps 5 --threads 2
 
 Times forward + backward of ``shardwise.models.experts.expert_ffn`` (three SwiGLU
@@ -33,6 +33,7 @@ CASES = [
     ("debug-moe layer, skewed", 8, 256, 384, 1024, 1.5),
     ("wide: E=16, 512 -> 1024", 16, 512, 1024, 4096, 0.0),
     ("fine-grained: E=64, 256 -> 128", 64, 256, 128, 4096, 0.0),
+    ("fine-grained, skewed", 64, 256, 128, 4096, 1.0),
 ]
 
 

@@ -20,15 +20,17 @@ Three ways to run ``E`` SwiGLUs over contiguous groups of rows, none with per-to
   back; wastes ``E * max_count - M`` rows of compute, so it degrades with imbalance.
 * ``loop``: one ``mm`` per expert with tokens (a Python loop over experts, not tokens).
 
-Measured by ``bench/moe_experts_bench.py`` (forward + backward, fp32, 1 thread, 2-core
-shared CPU; results in ``bench/results/moe_experts.md``), ``grouped_mm`` is the fastest or
-tied at every shape, so ``compute="auto"`` picks it whenever it applies and falls back to
-``loop`` (the faster of the other two once routing is imbalanced) otherwise.
+Measured by ``bench/moe_experts_bench.py`` (forward + backward, fp32, 1 thread, best of 31
+on a shared 2-core CPU; ``bench/results/moe_experts.md``): ``grouped_mm`` and ``loop`` are
+within noise of each other at every shape (24.1 vs 26.6 ms for a debug-moe layer with skewed
+routing, 49.7 vs 47.7 balanced; torch's CPU kernel is one GEMM per group as well), while
+``padded`` loses with imbalance (141 ms skewed; 1014 vs 52 ms for 64 fine-grained experts
+with skewed routing). ``compute="auto"`` therefore takes ``grouped_mm`` whenever it applies:
+one op per projection, no host synchronisation for the split sizes, and on GPUs a true
+grouped GEMM; otherwise ``loop``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +57,16 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """Whether ``torch.nn.functional.grouped_mm`` can run these experts on ``x``'s device:
-    a supported dtype and 16-byte aligned rows for both the model and the hidden width."""
-    if not hasattr(F, "grouped_mm") or x.dtype not in _GROUPED_DTYPES or x.dtype != w1.dtype:
+    16-byte aligned rows for both the model and the hidden width, and on CPU fp32 / bf16 /
+    fp16, on CUDA bf16 with compute capability >= 8.0 (torch's documented requirement; not
+    exercised by our CPU-only tests), on other devices never."""
+    if not hasattr(F, "grouped_mm") or x.dtype != w1.dtype:
+        return False
+    if x.device.type == "cpu":
+        if x.dtype not in _GROUPED_DTYPES:
+            return False
+    elif x.device.type != "cuda" or x.dtype != torch.bfloat16 \
+            or torch.cuda.get_device_capability(x.device) < (8, 0):
         return False
     size = x.element_size()
     return (w1.shape[1] * size) % 16 == 0 and (w1.shape[2] * size) % 16 == 0
@@ -171,8 +181,3 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         e, dim, hidden = self.w1.shape
         return f"num_experts={e}, dim={dim}, hidden_dim={hidden}, compute={self.compute!r}"
-
-
-def out_init_std(init_std: float, n_layers: int) -> float:
-    """The scaled std of a block's output projection: ``init_std / sqrt(2 * n_layers)``."""
-    return init_std / math.sqrt(2 * n_layers)
