@@ -136,6 +136,22 @@ def _read_whole(reader, md, fqn: str) -> torch.Tensor:
     return full
 
 
+def _producer(reader, md, ours: dict, config: dict[str, Any]):
+    """``produce(hf name)``: one tensor read whole from the checkpoint, in HF layout; a
+    stacked expert tensor is read once for its ``E`` consecutive entries."""
+    last: dict[str, torch.Tensor] = {}
+
+    def produce(name: str) -> torch.Tensor:
+        fqn, expert = ours[name]
+        if expert is None:
+            return hf.to_hf(fqn, _read_whole(reader, md, fqn), config)
+        if fqn not in last:
+            last.clear()
+            last[fqn] = _read_whole(reader, md, fqn)
+        return last[fqn][expert].t().contiguous()  # (in, out) -> nn.Linear's (out, in)
+    return produce
+
+
 def _check_biases_zero(src: Path, reader, md, biases: list[str]) -> None:
     for fqn in biases:
         bias = _read_whole(reader, md, fqn)
@@ -184,18 +200,7 @@ def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     md = reader.read_metadata()
     entries, ours, biases = _model_entries(src, md)
     _check_biases_zero(src, reader, md, biases)
-    last: dict[str, torch.Tensor] = {}  # the stacked expert tensor being written out
-
-    def produce(name: str) -> torch.Tensor:
-        """One tensor read whole from the checkpoint, in HF layout."""
-        fqn, expert = ours[name]
-        if expert is None:
-            return hf.to_hf(fqn, _read_whole(reader, md, fqn), config)
-        if fqn not in last:
-            last.clear()
-            last[fqn] = _read_whole(reader, md, fqn)
-        return last[fqn][expert].t().contiguous()  # (in, out) -> nn.Linear's (out, in)
-
+    produce = _producer(reader, md, ours, config)
     out.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(entries, max_shard_bytes)
     weight_map, total = {}, 0
@@ -268,8 +273,6 @@ def import_safetensors(src: str | os.PathLike, model: nn.Module, *,
     """
     import dataclasses
 
-    from safetensors import safe_open
-
     from shardwise.shard import sharded_param_specs
 
     src = Path(src)
@@ -280,52 +283,61 @@ def import_safetensors(src: str | os.PathLike, model: nn.Module, *,
     config = dataclasses.asdict(cfg)
     hf.check_hf_layout(config)
     _check_config(src, config)
-    weight_map, listing = _weight_map(src)
+    files = _Files(src, *_weight_map(src))
     specs, sd = sharded_param_specs(model), model.state_dict()
     wanted = {fqn: [n for n, _ in hf.hf_tensors(fqn, _full_shape(specs.get(fqn), t))]
               for fqn, t in sd.items()}
     known = {n for names in wanted.values() for n in names}
-    unknown = [n for n in weight_map if n not in known]
+    unknown = [n for n in files.weight_map if n not in known]
     if strict and unknown:
-        raise CheckpointError(f"{listing} has tensor {unknown[0]}, which the model lacks "
+        raise CheckpointError(f"{files.listing} has tensor {unknown[0]}, which the model lacks "
                               f"({len(unknown)} such tensors)", path=src, tensor=unknown[0])
-    handles: dict[Path, Any] = {}
-
-    def open_file(name: str, fqn: str):
-        if name not in weight_map:
-            raise CheckpointError(f"{listing} has no tensor {name} (the model's {fqn})",
-                                  path=src, tensor=name)
-        file = weight_map[name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        return handles[file], file
-
     new_sd = {}
     for fqn, names in wanted.items():
         if hf.is_routing_bias(fqn):
             new_sd[fqn] = torch.zeros_like(sd[fqn])
         elif len(names) > 1 or (names and hf.expert_source(names[0])):
-            new_sd[fqn] = _read_experts(fqn, names, open_file, specs.get(fqn), sd[fqn])
+            new_sd[fqn] = _read_experts(fqn, names, files, specs.get(fqn), sd[fqn])
         else:
-            handle, file = open_file(names[0] if names else f"<{fqn}>", fqn)
+            handle, file = files.open(names[0] if names else f"<{fqn}>", fqn)
             new_sd[fqn] = _read_local(handle, fqn, names[0], file, specs.get(fqn), sd[fqn],
                                       config)
     model.load_state_dict(new_sd)
     return list(new_sd)
 
 
+class _Files:
+    """The safetensors files of an import, each opened once, found by tensor name."""
+
+    def __init__(self, src: Path, weight_map: dict[str, Path], listing: Path) -> None:
+        self.src, self.weight_map, self.listing = src, weight_map, listing
+        self.handles: dict[Path, Any] = {}
+
+    def open(self, name: str, fqn: str) -> tuple[Any, Path]:
+        """``(safe_open handle, file)`` holding tensor ``name`` (the model's ``fqn``)."""
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.listing} has no tensor {name} (the model's {fqn})",
+                                  path=self.src, tensor=name)
+        file = self.weight_map[name]
+        if file not in self.handles:
+            self.handles[file] = safe_open(str(file), framework="pt")
+        return self.handles[file], file
+
+
 def _full_shape(spec, current) -> tuple[int, ...]:
     return tuple(spec.shape) if spec is not None else tuple(current.shape)
 
 
-def _read_experts(fqn: str, names: list[str], open_file, spec, current) -> torch.Tensor:
+def _read_experts(fqn: str, names: list[str], files: _Files, spec, current) -> torch.Tensor:
     """This rank's experts of a stacked expert tensor, each read from its HF tensor."""
     full = _full_shape(spec, current)
     start, stop = (0, full[0]) if spec is None else (spec.row_offset,
                                                       spec.row_offset + spec.local_rows)
     rows = []
     for j in range(start, stop):
-        handle, file = open_file(names[j], fqn)
+        handle, file = files.open(names[j], fqn)
         shape = tuple(handle.get_slice(names[j]).get_shape())
         if shape != (full[2], full[1]):
             raise CheckpointError(f"{file.name}: tensor {names[j]} has shape {shape}, expert "
