@@ -1,5 +1,6 @@
 """MoE under data parallelism on 2 Gloo ranks: balance statistics over the global batch, and
-ZeRO stages 1 and 3 training debug-moe like one process (SGD + momentum, weights 1e-5).
+ZeRO stages 1 and 3 training debug-moe like one process (SGD + momentum: weights within
+1e-5 relative, losses and gradient norms within 1e-6).
 
 One launch of 2 ranks runs every case; the references run in the test process on the whole
 global batch, with the identity ``stats_reducer``.
@@ -32,6 +33,16 @@ CASES = {  # name: (ParityConfig, MoESettings, model overrides)
                            MoESettings(balance="bias", bias_update_rate=0.01),
                            {"num_shared_experts": 1}),
 }
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models: a second intra-op thread only adds barrier waits, which become stalls of
+    # seconds when other processes share the cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # --- the balance statistics of one layer -------------------------------------------------------
@@ -182,11 +193,11 @@ def test_zero_trains_debug_moe_like_one_process(parity_results, name):
     for rank_result in parity_results:
         res, counts = rank_result[name]
         rel = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref.losses, strict=True))
-        assert rel < 1e-5, (name, res.losses, ref.losses)
+        assert rel < 1e-6, (name, res.losses, ref.losses)  # measured <= 8.5e-8
         norms = max(abs(a - b) / b for a, b in zip(res.grad_norms, ref.grad_norms, strict=True))
-        assert norms < 1e-5, (name, res.grad_norms, ref.grad_norms)
+        assert norms < 1e-6, (name, res.grad_norms, ref.grad_norms)  # measured <= 9.7e-8
         err, key = max_rel_err(res.state, ref.state)
-        assert err < 1e-5, (name, key, err)
+        assert err < 1e-5, (name, key, err)  # measured <= 1.7e-7
         # Routing is the same decision everywhere: the step's global token counts agree.
         for step_counts, ref_step in zip(counts, ref_counts, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(step_counts, ref_step, strict=True))
