@@ -177,7 +177,7 @@ def test_read_only_output_dir(tmp_path):
 def test_all_keys_cover_every_section():
     sections = {k.split(".")[0] for k in all_keys()}
     assert sections == {"model", "data", "train", "optim", "parallel", "precision", "comm",
-                        "offload", "log", "checkpoint"}
+                        "offload", "moe", "log", "checkpoint"}
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -314,7 +314,7 @@ def test_bad_input_names_the_value(bad, needle):
 
 
 def test_registry_lookup_and_errors():
-    assert list_model_configs()[:2] == ["debug", "small"]
+    assert list_model_configs()[:3] == ["debug", "debug-moe", "small"]
     assert {"llama3-8b", "llama3-70b", "llama3-405b"} <= set(list_model_configs())
     cfg = get_model_config("debug", vocab_size=512)
     assert cfg.vocab_size == 512 and get_model_config("debug").vocab_size == 256

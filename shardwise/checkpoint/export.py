@@ -1,5 +1,5 @@
-"""Consolidated safetensors in Hugging Face Llama layout: export from a sharded checkpoint,
-import into a sharded model at any world size.
+"""Consolidated safetensors in Hugging Face Llama (or, for MoE models, Mixtral) layout:
+export from a sharded checkpoint, import into a sharded model at any world size.
 
     shardwise checkpoint export runs/x/checkpoints/step_00000150 out/hf
     export_safetensors("runs/x/checkpoints/step_00000150", "out/hf")   # the same, from Python
@@ -13,7 +13,10 @@ chunks from every rank's file), permuted to HF's layout ([Note: RoPE layouts] in
 written and dropped. Peak memory is about two copies of the largest tensor. Tied embeddings
 are one tensor in our checkpoints and stay one in the export (``tie_word_embeddings``).
 Import reads, per rank and per tensor, only the rows the rank owns (for ``wq``/``wk`` the
-whole heads containing them), through ``safetensors.safe_open(...).get_slice``.
+whole heads containing them), through ``safetensors.safe_open(...).get_slice``. A stacked
+expert tensor ([Note: Mixtral layout] in hf.py) is read once and written as its ``E``
+per-expert tensors, consecutively, so export still holds one of our tensors at a time;
+import reads only the experts whose rows the rank owns.
 """
 
 from __future__ import annotations
@@ -101,19 +104,63 @@ def _plan_shards(entries: list[tuple[str, torch.dtype, tuple]], max_bytes: int) 
     return shards
 
 
-def _model_entries(src: Path, md) -> tuple[list[tuple[str, torch.dtype, tuple]], dict]:
-    """``[(hf name, dtype, shape)]`` of the model tensors in DCP's index, and hf -> our name."""
-    entries, ours = [], {}
+def _model_entries(src: Path, md) -> tuple[list[tuple[str, torch.dtype, tuple]], dict,
+                                            list[str]]:
+    """``[(hf name, dtype, shape)]`` of the model tensors in DCP's index, hf name -> (our
+    name, expert index or None), and our routing biases (which have no HF name)."""
+    entries, ours, biases = [], {}, []
     for key, tmd in md.state_dict_metadata.items():
         if not key.startswith("model."):
             continue
-        name = hf.hf_name(key[len("model."):])
-        if name is None:
+        fqn = key[len("model."):]
+        if hf.is_routing_bias(fqn):
+            biases.append(fqn)
+            continue
+        tensors = hf.hf_tensors(fqn, tuple(tmd.size))
+        if not tensors:
             raise CheckpointError(f"checkpoint {src}: tensor {key} has no Hugging Face Llama "
                                   f"name", path=src, tensor=key)
-        entries.append((name, tmd.properties.dtype, tuple(tmd.size)))
-        ours[name] = key[len("model."):]
-    return entries, ours
+        expert = len(tensors) > 1 or hf.expert_source(tensors[0][0]) is not None
+        for j, (name, shape) in enumerate(tensors):
+            entries.append((name, tmd.properties.dtype, shape))
+            ours[name] = (fqn, j if expert else None)
+    return entries, ours, biases
+
+
+def _read_whole(reader, md, fqn: str) -> torch.Tensor:
+    tmd = md.state_dict_metadata["model." + fqn]
+    full = torch.empty(tmd.size, dtype=tmd.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": {fqn: full}}, storage_reader=reader, no_dist=True)
+    return full
+
+
+def _producer(reader, md, ours: dict, config: dict[str, Any]):
+    """``produce(hf name)``: one tensor read whole from the checkpoint, in HF layout; a
+    stacked expert tensor is read once for its ``E`` consecutive entries."""
+    last: dict[str, torch.Tensor] = {}
+
+    def produce(name: str) -> torch.Tensor:
+        fqn, expert = ours[name]
+        if expert is None:
+            return hf.to_hf(fqn, _read_whole(reader, md, fqn), config)
+        if fqn not in last:
+            last.clear()
+            last[fqn] = _read_whole(reader, md, fqn)
+        return last[fqn][expert].t().contiguous()  # (in, out) -> nn.Linear's (out, in)
+    return produce
+
+
+def _check_biases_zero(src: Path, reader, md, biases: list[str]) -> None:
+    for fqn in biases:
+        bias = _read_whole(reader, md, fqn)
+        if bias.any():
+            raise CheckpointError(f"checkpoint {src}: {fqn} is non-zero (max |bias| "
+                                  f"{bias.abs().max().item():.3g}): Mixtral routing has no "
+                                  f"selection bias, so the exported model would route "
+                                  f"differently; expected a model trained with moe.balance "
+                                  f"'aux' or 'none'", path=src, tensor="model." + fqn)
 
 
 def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
@@ -133,7 +180,10 @@ def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
         The path of ``model.safetensors.index.json``.
 
     Raises:
-        CheckpointError: an unusable checkpoint, or one that is not of a shardwise Llama.
+        CheckpointError: an unusable checkpoint, one that is not of a shardwise Llama, or an
+            MoE model whose routing bias is not zero.
+        ValueError: a model without a Hugging Face layout, naming the field (shared experts,
+            latent attention, non-Mixtral routing; see hf.check_hf_layout).
     """
     from shardwise.checkpoint.atomic import read_manifest
     from shardwise.checkpoint.dcp import _read_index, verify
@@ -145,20 +195,12 @@ def export_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
         raise CheckpointError(f"checkpoint {src} is not of a shardwise Llama model (no model "
                               f"config in its manifest); export needs the Llama shapes",
                               path=src, file="manifest.json")
+    hf.check_hf_layout(config)  # before any file is written
     reader = _read_index(src, manifest)
     md = reader.read_metadata()
-    entries, ours = _model_entries(src, md)
-
-    def produce(name: str) -> torch.Tensor:
-        """One tensor read whole from the checkpoint, in HF layout."""
-        fqn = ours[name]
-        tmd = md.state_dict_metadata["model." + fqn]
-        full = torch.empty(tmd.size, dtype=tmd.properties.dtype)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": {fqn: full}}, storage_reader=reader, no_dist=True)
-        return hf.to_hf(fqn, full, config)
-
+    entries, ours, biases = _model_entries(src, md)
+    _check_biases_zero(src, reader, md, biases)
+    produce = _producer(reader, md, ours, config)
     out.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(entries, max_shard_bytes)
     weight_map, total = {}, 0
@@ -199,7 +241,8 @@ def _check_config(src: Path, model_config: dict[str, Any]) -> None:
     if not file.exists():
         return
     theirs = hf.config_from_hf(json.loads(file.read_text()), str(file))
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings"):
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings",
+                "num_experts", "top_k"):
         if getattr(theirs, key) != model_config[key]:
             raise CheckpointError(f"{file}: {key} is {getattr(theirs, key)!r}, the model has "
                                   f"{model_config[key]!r}: the weights are of another model",
@@ -208,7 +251,8 @@ def _check_config(src: Path, model_config: dict[str, Any]) -> None:
 
 def import_safetensors(src: str | os.PathLike, model: nn.Module, *,
                        strict: bool = True) -> list[str]:
-    """Load Hugging Face Llama safetensors into a (sharded) shardwise Llama, in place.
+    """Load Hugging Face Llama (or Mixtral) safetensors into a (sharded) shardwise Llama, in
+    place. Routing biases of an MoE model are set to zero (Mixtral has none).
 
     Each rank reads only the rows it owns ([Note: streaming export]); works at any world
     size and stage. Call it on every rank.
@@ -225,10 +269,9 @@ def import_safetensors(src: str | os.PathLike, model: nn.Module, *,
     Raises:
         CheckpointError: a missing or misshapen tensor (naming file and tensor), a config.json
             of another model, or tensors the model lacks (strict).
+        ValueError: a model without a Hugging Face layout, naming the field.
     """
     import dataclasses
-
-    from safetensors import safe_open
 
     from shardwise.shard import sharded_param_specs
 
@@ -238,27 +281,72 @@ def import_safetensors(src: str | os.PathLike, model: nn.Module, *,
         raise CheckpointError(f"import_safetensors needs a shardwise Llama model, got "
                               f"{type(model).__name__}", path=src)
     config = dataclasses.asdict(cfg)
+    hf.check_hf_layout(config)
     _check_config(src, config)
-    weight_map, listing = _weight_map(src)
+    files = _Files(src, *_weight_map(src))
     specs, sd = sharded_param_specs(model), model.state_dict()
-    wanted = {hf.hf_name(k): k for k in sd}
-    unknown = [n for n in weight_map if n not in wanted]
+    wanted = {fqn: [n for n, _ in hf.hf_tensors(fqn, _full_shape(specs.get(fqn), t))]
+              for fqn, t in sd.items()}
+    known = {n for names in wanted.values() for n in names}
+    unknown = [n for n in files.weight_map if n not in known]
     if strict and unknown:
-        raise CheckpointError(f"{listing} has tensor {unknown[0]}, which the model lacks "
+        raise CheckpointError(f"{files.listing} has tensor {unknown[0]}, which the model lacks "
                               f"({len(unknown)} such tensors)", path=src, tensor=unknown[0])
-    handles: dict[Path, Any] = {}
     new_sd = {}
-    for name, fqn in wanted.items():
-        if name not in weight_map:
-            raise CheckpointError(f"{listing} has no tensor {name} (the model's {fqn})",
-                                  path=src, tensor=name)
-        file = weight_map[name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        new_sd[fqn] = _read_local(handles[file], fqn, name, file, specs.get(fqn), sd[fqn],
-                                  config)
+    for fqn, names in wanted.items():
+        if hf.is_routing_bias(fqn):
+            new_sd[fqn] = torch.zeros_like(sd[fqn])
+        elif len(names) > 1 or (names and hf.expert_source(names[0])):
+            new_sd[fqn] = _read_experts(fqn, names, files, specs.get(fqn), sd[fqn])
+        else:
+            handle, file = files.open(names[0] if names else f"<{fqn}>", fqn)
+            new_sd[fqn] = _read_local(handle, fqn, names[0], file, specs.get(fqn), sd[fqn],
+                                      config)
     model.load_state_dict(new_sd)
     return list(new_sd)
+
+
+class _Files:
+    """The safetensors files of an import, each opened once, found by tensor name."""
+
+    def __init__(self, src: Path, weight_map: dict[str, Path], listing: Path) -> None:
+        self.src, self.weight_map, self.listing = src, weight_map, listing
+        self.handles: dict[Path, Any] = {}
+
+    def open(self, name: str, fqn: str) -> tuple[Any, Path]:
+        """``(safe_open handle, file)`` holding tensor ``name`` (the model's ``fqn``)."""
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.listing} has no tensor {name} (the model's {fqn})",
+                                  path=self.src, tensor=name)
+        file = self.weight_map[name]
+        if file not in self.handles:
+            self.handles[file] = safe_open(str(file), framework="pt")
+        return self.handles[file], file
+
+
+def _full_shape(spec, current) -> tuple[int, ...]:
+    return tuple(spec.shape) if spec is not None else tuple(current.shape)
+
+
+def _read_experts(fqn: str, names: list[str], files: _Files, spec, current) -> torch.Tensor:
+    """This rank's experts of a stacked expert tensor, each read from its HF tensor."""
+    full = _full_shape(spec, current)
+    start, stop = (0, full[0]) if spec is None else (spec.row_offset,
+                                                      spec.row_offset + spec.local_rows)
+    rows = []
+    for j in range(start, stop):
+        handle, file = files.open(names[j], fqn)
+        shape = tuple(handle.get_slice(names[j]).get_shape())
+        if shape != (full[2], full[1]):
+            raise CheckpointError(f"{file.name}: tensor {names[j]} has shape {shape}, expert "
+                                  f"{j} of the model's {fqn} is {(full[2], full[1])}",
+                                  path=file, file=file.name, tensor=names[j])
+        rows.append(handle.get_tensor(names[j]).t())
+    local = (torch.stack(rows) if rows
+             else torch.empty(0, *full[1:], dtype=current.dtype))
+    return local if spec is None else spec.to_dtensor(local)
 
 
 def _read_local(handle, fqn: str, name: str, file: Path, spec, current, config

@@ -12,6 +12,17 @@ own ``convert_llama_weights_to_hf.py``::
 
 and its inverse swaps the two middle axes back. Both are pure index shuffles, so export then
 import is bitwise. ``wk`` uses ``n_kv_heads``; ``wv``/``wo`` and the MLP need no change.
+
+[Note: Mixtral layout]
+An MoE model (``num_experts > 0``) is exported as Hugging Face's ``MixtralForCausalLM``:
+attention and norms as for Llama, ``feed_forward.router.gate.weight`` (E, dim) as
+``block_sparse_moe.gate.weight``, and each of our stacked expert tensors as ``E`` tensors in
+``nn.Linear`` layout: ``experts.w1[j]`` (dim, ffn) is ``block_sparse_moe.experts.<j>.w1.weight``
+(ffn, dim) transposed, likewise ``w3``, and ``w2[j]`` (ffn, dim) is ``experts.<j>.w2.weight``
+(dim, ffn). Mixtral routes with a softmax over all experts, top-k, renormalised, in every
+block, with no shared expert and no selection bias, so only such a model has this layout:
+:func:`check_hf_layout` names the first field that differs (``num_shared_experts`` first), and
+export refuses a non-zero ``expert_bias`` (import sets it to zero).
 """
 
 from __future__ import annotations
@@ -24,7 +35,8 @@ import torch
 from shardwise.checkpoint.errors import CheckpointError
 
 __all__ = ["hf_name", "our_name", "to_hf", "from_hf", "hf_rows", "hf_config",
-           "config_from_hf", "permuted_heads"]
+           "config_from_hf", "permuted_heads", "check_hf_layout", "hf_tensors", "expert_source",
+           "is_routing_bias"]
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight",
@@ -38,8 +50,12 @@ _BLOCK = {"attention_norm.weight": "input_layernorm.weight",
           "feed_forward.w1.weight": "mlp.gate_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight",
           "feed_forward.w3.weight": "mlp.up_proj.weight"}
+_MOE = {"feed_forward.router.gate.weight": "block_sparse_moe.gate.weight"}
 _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERTS = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
+_THEIR_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\."
+                           r"(w[123])\.weight$")
 
 
 def hf_name(fqn: str) -> str | None:
@@ -49,6 +65,8 @@ def hf_name(fqn: str) -> str | None:
     m = _OURS.match(fqn)
     if m and m.group(2) in _BLOCK:
         return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
+    if m and m.group(2) in _MOE:
+        return f"model.layers.{m.group(1)}.{_MOE[m.group(2)]}"
     return None
 
 
@@ -59,10 +77,66 @@ def our_name(name: str) -> str | None:
             return ours
     m = _THEIRS.match(name)
     if m:
-        for ours, theirs in _BLOCK.items():
+        for ours, theirs in {**_BLOCK, **_MOE}.items():
             if m.group(2) == theirs:
                 return f"layers.{m.group(1)}.{ours}"
     return None
+
+
+def is_routing_bias(fqn: str) -> bool:
+    """Whether ``fqn`` is a router's balancing bias (no place in Mixtral's layout)."""
+    return fqn.endswith("feed_forward.router.expert_bias")
+
+
+def hf_tensors(fqn: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The Hugging Face tensors holding our tensor ``fqn`` of ``shape``: one for most, ``E``
+    for a stacked expert tensor ([Note: Mixtral layout]), none for a routing bias.
+
+    Returns:
+        ``[(hf name, hf shape)]``; ``[]`` also when ``fqn`` has no Hugging Face name.
+    """
+    m = _EXPERTS.match(fqn)
+    if m:
+        return [(f"model.layers.{m.group(1)}.block_sparse_moe.experts.{j}.{m.group(2)}.weight",
+                 (shape[2], shape[1])) for j in range(shape[0])]
+    name = hf_name(fqn)
+    return [] if name is None or is_routing_bias(fqn) else [(name, tuple(shape))]
+
+
+def expert_source(name: str) -> tuple[str, int] | None:
+    """``(our stacked fqn, expert index)`` for a Mixtral expert tensor name, else None."""
+    m = _THEIR_EXPERT.match(name)
+    if m is None:
+        return None
+    return f"layers.{m.group(1)}.feed_forward.experts.{m.group(3)}", int(m.group(2))
+
+
+def check_hf_layout(config: dict[str, Any]) -> None:
+    """Refuse a model that Hugging Face's Llama / Mixtral layout cannot express ([Note:
+    Mixtral layout]): multi-head latent attention, or MoE routing other than Mixtral's.
+
+    Args:
+        config: our model config as a dict (a checkpoint manifest's, or ``asdict``).
+
+    Raises:
+        ValueError: naming the first field that differs.
+    """
+    if config.get("attention", "gqa") != "gqa":
+        raise ValueError(f"attention={config['attention']!r}: the model has no Hugging Face "
+                         f"Llama / Mixtral layout (expected attention='gqa')")
+    if not config.get("num_experts"):
+        return
+    mixtral = (("num_shared_experts", 0, "Mixtral has no shared experts"),
+               ("moe_every", 1, "every Mixtral block is MoE"),
+               ("moe_first_dense", 0, "every Mixtral block is MoE"),
+               ("router_score", "softmax", "Mixtral routes with a softmax"),
+               ("router_norm_topk", True, "Mixtral renormalises the top-k weights"),
+               ("router_scale", 1.0, "Mixtral does not scale the routed weights"))
+    for key, want, why in mixtral:
+        if config.get(key, want) != want:
+            raise ValueError(f"{key}={config[key]!r}: the model has no Hugging Face Mixtral "
+                             f"layout ({why}; expected {key}={want!r}); export the shardwise "
+                             f"checkpoint as is instead")
 
 
 def permuted_heads(fqn: str, config: dict[str, Any]) -> int | None:
@@ -103,19 +177,29 @@ def hf_rows(fqn: str, start: int, stop: int, config: dict[str, Any]) -> tuple[in
 
 
 def hf_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """A Hugging Face ``LlamaConfig`` (config.json) for our config (a dict of LlamaConfig)."""
+    """A Hugging Face ``LlamaConfig`` (config.json) for our config (a dict of LlamaConfig), or
+    a ``MixtralConfig`` for an MoE model ([Note: Mixtral layout])."""
     from shardwise.models import LlamaConfig
 
     cfg = LlamaConfig(**config)
+    check_hf_layout(config)
+    if cfg.num_experts:
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                **_hf_common(cfg, dtype), "intermediate_size": cfg.expert_hidden_dim,
+                "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
+                "output_router_logits": False, "sliding_window": None}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim,
-            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            **_hf_common(cfg, dtype), "intermediate_size": cfg.ffn_hidden_dim, "mlp_bias": False}
+
+
+def _hf_common(cfg: Any, dtype: str) -> dict[str, Any]:
+    return {"hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
             "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-            "initializer_range": cfg.init_std, "attention_bias": False, "mlp_bias": False,
-            "torch_dtype": dtype}
+            "initializer_range": cfg.init_std, "attention_bias": False, "torch_dtype": dtype}
 
 
 _FROM_HF = {"dim": "hidden_size", "ffn_dim": "intermediate_size", "n_layers": "num_hidden_layers",
@@ -126,15 +210,16 @@ _FROM_HF = {"dim": "hidden_size", "ffn_dim": "intermediate_size", "n_layers": "n
 
 
 def config_from_hf(hf: dict[str, Any], where: str = "config.json"):  # -> LlamaConfig
-    """Our ``LlamaConfig`` from a Hugging Face Llama config.json.
+    """Our ``LlamaConfig`` from a Hugging Face Llama or Mixtral config.json.
 
     Raises:
-        CheckpointError: not a Llama config, or a required field is missing.
+        CheckpointError: not a Llama or Mixtral config, or a required field is missing.
     """
     from shardwise.models import LlamaConfig
 
-    if hf.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"{where}: model_type {hf.get('model_type')!r}, expected 'llama'",
+    kind = hf.get("model_type", "llama")
+    if kind not in ("llama", "mixtral"):
+        raise CheckpointError(f"{where}: model_type {kind!r}, expected 'llama' or 'mixtral'",
                               file=where)
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in required if k not in hf]
@@ -144,4 +229,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json"):  # -> LlamaC
     values.setdefault("n_kv_heads", values["n_heads"])
     if "max_seq_len" not in values:
         values["max_seq_len"] = 2048
+    if kind == "mixtral":
+        values.update(num_experts=hf.get("num_local_experts", 8),
+                      top_k=hf.get("num_experts_per_tok", 2), moe_ffn_dim=values.get("ffn_dim"))
     return LlamaConfig(**values)

@@ -14,7 +14,18 @@ Parameter names (torchtitan's): ``tok_embeddings.weight``,
 ``layers.{i}.ffn_norm.weight``, ``layers.{i}.feed_forward.{w1,w2,w3}.weight``,
 ``norm.weight``, ``output.weight`` (absent from ``named_parameters()`` when embeddings are
 tied). ``model.layers`` is an ``nn.ModuleList`` of :class:`TransformerBlock`, the natural
-sharding unit. RoPE tables are non-persistent fp32 buffers.
+sharding unit. RoPE tables are non-persistent fp32 buffers. ``cfg.num_active_params()`` counts
+the parameters one token uses (for a mixture of experts: ``top_k`` of the routed experts).
+
+Mixture-of-experts blocks (``cfg.is_moe_layer(i)``, docs/moe.md): ``layers.{i}.feed_forward``
+is a :class:`MoE` with ``router.gate.weight`` (E, dim), the persistent fp32 buffer
+``router.expert_bias`` (E,), ``experts.{w1,w3}`` (E, dim, ffn), ``experts.w2`` (E, ffn, dim)
+and optionally ``shared_experts.{w1,w2,w3}.weight``. ``MoE.experts(x_sorted, counts)`` is
+the seam expert parallelism wraps. Per step: :func:`moe_aux_loss` after each forward (add it
+to the loss), :func:`finish_moe_step` after the optimizer step; ``MoE.stats_reducer`` (set by
+:func:`set_stats_reducer` or ``shardwise.parallel.apply_global_balance``) sums the balance
+statistics over the data-parallel ranks. Multi-head latent attention blocks
+(``cfg.attention == "mla"``): ``layers.{i}.attention`` is a :class:`LatentAttention`.
 
 Meta-device materialisation: for each module in ``model.named_modules()`` order, allocate
 that module's direct tensors and call :func:`init_module_weights` on it; with the same
@@ -35,19 +46,31 @@ from shardwise.models.llama import (
     build_model,
     init_module_weights,
 )
+from shardwise.models.mla import LatentAttention
+from shardwise.models.moe import (MoE, MoESettings, MoEStepStats, configure_moe,
+                                  finish_moe_step, moe_aux_loss, moe_layers, set_stats_reducer)
 from shardwise.models.registry import get_model_config, list_model_configs
 
 __all__ = [
     "Attention",
     "FeedForward",
+    "LatentAttention",
     "LlamaConfig",
+    "MoE",
+    "MoESettings",
+    "MoEStepStats",
     "RMSNorm",
     "RotaryEmbedding",
     "TiedOutput",
     "Transformer",
     "TransformerBlock",
     "build_model",
+    "configure_moe",
+    "finish_moe_step",
     "get_model_config",
     "init_module_weights",
     "list_model_configs",
+    "moe_aux_loss",
+    "moe_layers",
+    "set_stats_reducer",
 ]

@@ -3,6 +3,11 @@
 The config is a frozen dataclass: it is validated once, in ``__post_init__``, and derived
 configs are made with ``dataclasses.replace`` (which validates again), so a model can never
 be built from a shape that was changed after validation.
+
+The same config describes the dense Llama, its mixture-of-experts variant (``num_experts >
+0``: routed SwiGLU experts in every ``moe_every``-th block, see moe.py) and DeepSeek's
+multi-head latent attention (``attention = "mla"``, see mla.py). Parameter and FLOP counts
+are in counting.py.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+
+from shardwise.models import counting
 
 __all__ = ["LlamaConfig"]
 
@@ -75,6 +82,57 @@ class LlamaConfig:
     projections of each block (``attention.wo``, ``feed_forward.w2``) use
     ``init_std / sqrt(2 * n_layers)`` so the residual stream variance does not grow with depth."""
 
+    num_experts: int = 0
+    """Routed experts per MoE feed-forward (0: a dense model, one SwiGLU per block)."""
+
+    top_k: int = 2
+    """Routed experts each token visits (``1 <= top_k <= num_experts``); MoE only."""
+
+    num_shared_experts: int = 0
+    """Always-on experts per MoE layer (DeepSeek style), run on every token beside the routed
+    ones; stored as one SwiGLU of width ``num_shared_experts * moe_ffn_dim``."""
+
+    moe_ffn_dim: int | None = None
+    """Hidden width of each expert, routed or shared, in features (None: ``ffn_hidden_dim``)."""
+
+    moe_every: int = 1
+    """Block ``i`` (0-based) has an MoE feed-forward when ``i >= moe_first_dense`` and
+    ``(i + 1) % moe_every == 0`` (Qwen / Llama 4 interleaving); the others stay dense."""
+
+    moe_first_dense: int = 0
+    """Leading blocks that stay dense whatever ``moe_every`` says (DeepSeek-V3: 3)."""
+
+    router_score: str = "softmax"
+    """Router scores: "softmax" over all experts (Mixtral) or per-expert "sigmoid"
+    (DeepSeek-V3). Experts are chosen by score (plus the balancing bias), top ``top_k``."""
+
+    router_norm_topk: bool = True
+    """Divide each token's top-k scores by their sum (Mixtral, DeepSeek-V3). With softmax and
+    ``top_k = 1`` the weight is then always 1 and only balancing losses train the router."""
+
+    router_scale: float = 1.0
+    """Factor applied to the routed experts' weights (DeepSeek-V3: 2.5)."""
+
+    attention: str = "gqa"
+    """"gqa": grouped-query attention (llama.py); "mla": DeepSeek's multi-head latent
+    attention (mla.py), shaped by the five fields below."""
+
+    q_lora_rank: int | None = None
+    """MLA: rank of the query down-projection (None: queries projected directly)."""
+
+    kv_lora_rank: int | None = None
+    """MLA: rank of the joint key/value compression (required for "mla")."""
+
+    qk_nope_head_dim: int | None = None
+    """MLA: per-head query/key features without RoPE (required for "mla")."""
+
+    qk_rope_head_dim: int | None = None
+    """MLA: per-head query/key features with RoPE, the key part shared by all heads (even;
+    required for "mla")."""
+
+    v_head_dim: int | None = None
+    """MLA: per-head value features (required for "mla")."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -102,10 +160,79 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: n_heads={self.n_heads} is not divisible by "
                              f"n_kv_heads={self.n_kv_heads}; grouped-query attention needs each "
                              f"kv head to serve the same number of query heads")
-        if self.head_dim % 2 != 0:
+        if self.attention == "gqa" and self.head_dim % 2 != 0:
             raise ValueError(f"LlamaConfig: head_dim=dim/n_heads={self.dim}/{self.n_heads}="
                              f"{self.head_dim} is odd; RoPE rotates feature pairs, expected an "
                              f"even head_dim")
+        self._validate_moe()
+        self._validate_attention()
+
+    def _validate_moe(self) -> None:
+        for name in ("num_experts", "num_shared_experts", "moe_first_dense"):
+            _check_int(name, getattr(self, name), minimum=0)
+        _check_positive_int("top_k", self.top_k)
+        _check_positive_int("moe_every", self.moe_every)
+        if self.moe_ffn_dim is not None:
+            _check_positive_int("moe_ffn_dim", self.moe_ffn_dim)
+        _check_positive_float("router_scale", self.router_scale)
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise ValueError(f"LlamaConfig: router_score={self.router_score!r}, expected "
+                             f"'softmax' or 'sigmoid'")
+        if not isinstance(self.router_norm_topk, bool):
+            raise ValueError(f"LlamaConfig: router_norm_topk={self.router_norm_topk!r}, "
+                             f"expected a bool")
+        if self.num_experts and self.top_k > self.num_experts:
+            raise ValueError(f"LlamaConfig: top_k={self.top_k} exceeds num_experts="
+                             f"{self.num_experts}; expected 1 <= top_k <= num_experts")
+        if self.num_experts == 0 and self.num_shared_experts:
+            raise ValueError(f"LlamaConfig: num_shared_experts={self.num_shared_experts} "
+                             f"needs routed experts (num_experts > 0), got num_experts=0")
+
+    def _validate_attention(self) -> None:
+        mla = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim")
+        if self.attention == "gqa":
+            given = [n for n in mla if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"LlamaConfig: {given[0]}={getattr(self, given[0])!r} is an "
+                                 f"MLA field but attention='gqa'; expected attention='mla' or "
+                                 f"{given[0]}=None")
+            return
+        if self.attention != "mla":
+            raise ValueError(f"LlamaConfig: attention={self.attention!r}, expected 'gqa' or "
+                             f"'mla'")
+        if self.q_lora_rank is not None:
+            _check_positive_int("q_lora_rank", self.q_lora_rank)
+        for name in mla[1:]:
+            _check_positive_int(name, getattr(self, name))
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"LlamaConfig: qk_rope_head_dim={self.qk_rope_head_dim} is odd; "
+                             f"RoPE rotates feature pairs, expected an even number")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some block has a mixture-of-experts feed-forward."""
+        return bool(self.moe_layer_ids)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` (0-based) has an MoE feed-forward (see ``moe_every``)."""
+        return (self.num_experts > 0 and layer_id >= self.moe_first_dense
+                and (layer_id + 1) % self.moe_every == 0)
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """The blocks with an MoE feed-forward, in order."""
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """Hidden width of one expert: ``moe_ffn_dim`` if set, else ``ffn_hidden_dim``."""
+        return self.ffn_hidden_dim if self.moe_ffn_dim is None else self.moe_ffn_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Features per head that RoPE rotates: ``head_dim`` (GQA) or ``qk_rope_head_dim``."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def head_dim(self) -> int:
@@ -128,24 +255,32 @@ class LlamaConfig:
 
         Returns:
             The parameter count, with the tied embedding/output matrix counted once. Equal to
-            ``sum(p.numel() for p in model.parameters())``.
+            ``sum(p.numel() for p in model.parameters())`` (buffers such as the routers'
+            balancing bias are not parameters).
         """
-        embedding = self.vocab_size * self.dim
-        output = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return embedding + self.n_layers * self._params_per_layer() + self.dim + output
+        return counting.num_params(self)
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: :meth:`num_params` less the routed experts it does not
+        visit (``num_experts - top_k`` per MoE layer). Equal to :meth:`num_params` when dense.
+        """
+        return counting.num_active_params(self)
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward), PaLM / Chinchilla accounting.
 
-        ``6 * N + 12 * n_layers * dim * seq_len`` where ``N`` counts the weights that take
-        part in a matrix multiply: every linear weight of the blocks plus the output head
-        (when tied, the shared matrix counts once, for its output-head use). The input
-        embedding lookup and the RMSNorm gains are not matmuls and are left out. Each matmul
-        weight costs 2 FLOPs per token forward and 4 backward; the attention term is
-        ``QK^T`` and ``AV`` (2 * 2 * seq_len * dim forward per layer, times 3), counted over
-        the full ``seq_len x seq_len`` score matrix as PaLM does, although a causal kernel
-        skips about half of it. This equals what ``torch.utils.flop_counter`` counts for one
-        forward and backward, divided by the number of tokens.
+        ``6 * N + 6 * n_layers * seq_len * (qk + v)`` where ``N`` counts the weights a token
+        multiplies by: every linear weight of the blocks it visits (for an MoE layer: the
+        router, its ``top_k`` routed experts and the shared ones) plus the output head
+        (when tied, the shared matrix counts once, for its output-head use), and ``qk`` /
+        ``v`` are the widths of all heads' queries and values (``dim`` each for GQA, so the
+        term is the familiar ``12 * n_layers * dim * seq_len``). The input embedding lookup
+        and the RMSNorm gains are not matmuls and are left out. Each matmul weight costs 2
+        FLOPs per token forward and 4 backward; the attention term is ``QK^T`` and ``AV``,
+        counted over the full ``seq_len x seq_len`` score matrix as PaLM does, although a
+        causal kernel skips about half of it. This equals what ``torch.utils.flop_counter``
+        counts for one forward and backward, divided by the number of tokens (for MoE, in
+        dropless routing, where every token visits exactly ``top_k`` experts).
 
         Args:
             seq_len: context length in tokens; defaults to ``max_seq_len``.
@@ -158,20 +293,17 @@ class LlamaConfig:
         """
         seq_len = self.max_seq_len if seq_len is None else seq_len
         _check_positive_int("seq_len", seq_len)
-        matmul_params = self.n_layers * (self._params_per_layer() - 2 * self.dim)
-        matmul_params += self.vocab_size * self.dim
-        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
-
-    def _params_per_layer(self) -> int:
-        kv_dim = self.n_kv_heads * self.head_dim
-        attention = 2 * self.dim * self.dim + 2 * self.dim * kv_dim  # wq, wo + wk, wv
-        feed_forward = 3 * self.dim * self.ffn_hidden_dim  # w1, w2, w3
-        return attention + feed_forward + 2 * self.dim  # + attention_norm, ffn_norm
+        return counting.flops_per_token(self, seq_len)
 
     @classmethod
     def field_names(cls) -> list[str]:
         """Names of the config fields, in declaration order (for override validation)."""
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"LlamaConfig: {name}={value!r}, expected an int >= {minimum}")
 
 
 def _check_positive_int(name: str, value: object) -> None:

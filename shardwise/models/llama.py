@@ -1,5 +1,8 @@
 """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention), unaware of parallelism.
 
+Its variants come from the same config: mixture-of-experts feed-forwards (moe.py) and
+multi-head latent attention (mla.py).
+
 Build and run::
 
     from shardwise.models import build_model, get_model_config
@@ -30,25 +33,25 @@ same Parameter on two modules (the usual ``output.weight = tok_embeddings.weight
 break the tie silently whenever a per-module step (``to_empty(recurse=False)``, or an engine
 swapping in a sharded Parameter) replaces it on one module but not the other.
 
-[Note: RoPE tables stay fp32]
-The cos/sin tables are non-persistent buffers (recomputed, never checkpointed). Cast to bf16
-they would keep 8 significant bits (errors up to ~4e-3 in every rotation), and computed in
-bf16 they would be useless (the angle of position 4096 is only known to +-16 radians). They
-are computed in fp64, stored in fp32, and ``RotaryEmbedding._apply`` keeps them fp32 through
-``model.to(torch.bfloat16)`` / ``.half()`` while still following device moves, and the
-rotation itself is computed in fp32 and cast back to the activation dtype.
+RMSNorm, RoPE and the SwiGLU feed-forward live in layers.py (re-exported here).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models.config import LlamaConfig
+from shardwise.models.layers import (FeedForward, RMSNorm, RotaryEmbedding, apply_rotary,
+                                     repeat_kv, rope_tables)
+from shardwise.models.layers import linear as _linear
+from shardwise.models.experts import GroupedExperts
+from shardwise.models.mla import LatentAttention
+from shardwise.models.moe import MoE
+from shardwise.models.router import Router
 
 __all__ = [
     "Attention",
@@ -64,120 +67,6 @@ __all__ = [
     "repeat_kv",
     "rope_tables",
 ]
-
-
-def _linear(in_features: int, out_features: int, init_std: float) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=False)
-    # Read by init_module_weights: a bare nn.Linear does not know which init it needs.
-    layer.init_std = init_std
-    return layer
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned gain (no bias, no mean subtraction)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Set the gain to ones."""
-        with torch.no_grad():
-            self.weight.fill_(1.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: the mean of squares of bf16 activations loses too much.
-        xf = x.float()  # (..., C)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float,
-                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Cos and sin of the RoPE angles ``position * theta ** (-2i / head_dim)``.
-
-    Args:
-        head_dim: features per head (even).
-        max_seq_len: number of positions.
-        theta: RoPE base.
-        device: where the fp32 tables go; they are always computed in fp64 on CPU, so
-            every device gets bitwise the same values.
-
-    Returns:
-        ``(cos, sin)``, each fp32 of shape ``(max_seq_len, head_dim // 2)``.
-    """
-    device = torch.device(device)
-    shape = (max_seq_len, head_dim // 2)
-    if device.type == "meta":
-        return (torch.empty(shape, dtype=torch.float32, device=device),
-                torch.empty(shape, dtype=torch.float32, device=device))
-    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device="cpu"), freqs)
-    return (angles.cos().to(device=device, dtype=torch.float32),
-            angles.sin().to(device=device, dtype=torch.float32))
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive feature pairs ``(x[2i], x[2i+1])`` of each head (Meta's layout).
-
-    Args:
-        x: ``(B, T, H, head_dim)`` queries or keys.
-        cos: ``(T, head_dim // 2)`` fp32.
-        sin: ``(T, head_dim // 2)`` fp32.
-
-    Returns:
-        The rotated tensor, same shape and dtype as ``x`` (the rotation runs in fp32).
-    """
-    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, hd/2) each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2): broadcast over B and H
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, H, hd/2, 2)
-    return out.flatten(-2).type_as(x)
-
-
-class RotaryEmbedding(nn.Module):
-    """Holds the RoPE cos/sin tables as non-persistent fp32 buffers (see [Note: RoPE tables
-    stay fp32])."""
-
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
-        super().__init__()
-        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
-        cos, sin = rope_tables(head_dim, max_seq_len, theta, device=torch.empty(0).device)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def reset_parameters(self) -> None:
-        """Recompute the tables on the buffers' current device."""
-        self.cos, self.sin = rope_tables(self.head_dim, self.max_seq_len, self.theta,
-                                         device=self.cos.device)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
-        before = {name: buf for name, buf in self._buffers.items() if buf is not None}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new.dtype != torch.float32:  # a dtype cast: undo it, keep the device move
-                if old.is_meta or new.is_meta:
-                    self._buffers[name] = torch.empty_like(new, dtype=torch.float32)
-                else:
-                    self._buffers[name] = old.to(device=new.device, dtype=torch.float32)
-        return self
-
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[:seq_len], self.sin[:seq_len]  # (T, hd/2) each
-
-    def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """``(B, KV, T, hd) -> (B, KV * n_rep, T, hd)``; query head ``h`` reads kv head ``h // n_rep``.
-    """
-    if n_rep == 1:
-        return x
-    b, kv, t, hd = x.shape
-    return x[:, :, None].expand(b, kv, n_rep, t, hd).reshape(b, kv * n_rep, t, hd)
 
 
 class Attention(nn.Module):
@@ -209,33 +98,26 @@ class Attention(nn.Module):
         return self.wo(y)  # (B, T, C)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU feed-forward: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        hidden, std = config.ffn_hidden_dim, config.init_std
-        self.w1 = _linear(config.dim, hidden, std)
-        self.w2 = _linear(hidden, config.dim, std / math.sqrt(2 * config.n_layers))
-        self.w3 = _linear(config.dim, hidden, std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, F) -> (B, T, C)
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
 
-    The natural unit for sharding, activation checkpointing and pipeline stages.
+    The natural unit for sharding, activation checkpointing and pipeline stages. The
+    feed-forward is a :class:`~shardwise.models.moe.MoE` when ``config.is_moe_layer(layer_id)``,
+    the attention a :class:`~shardwise.models.mla.LatentAttention` when ``config.attention ==
+    "mla"``.
+
+    Args:
+        config: the model shape.
+        layer_id: the block's index (0-based), which decides dense or MoE (default 0).
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int = 0) -> None:
         super().__init__()
         # Registration order = data-flow order, so parameters() lists them as they are used.
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = LatentAttention(config) if config.attention == "mla" else Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoE(config) if config.is_moe_layer(layer_id) else FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
@@ -284,8 +166,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim,
                                            _weight=torch.empty(config.vocab_size, config.dim))
         self.tok_embeddings.init_std = config.init_std
-        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.rope = RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         if config.tie_embeddings:
             self.output = TiedOutput(self.tok_embeddings)
@@ -342,9 +224,10 @@ def init_module_weights(module: nn.Module) -> None:
 
     Embeddings and linear weights get ``normal(0, init_std)`` (the block output
     projections ``attention.wo`` and ``feed_forward.w2`` use ``init_std / sqrt(2 *
-    n_layers)``), RMSNorm gains get ones, RoPE tables are recomputed. Modules without
-    direct tensors (containers, blocks, a tied head) are left alone. Random draws come from
-    the global torch RNG of the tensors' device, in registration order.
+    n_layers)``), RMSNorm gains get ones, RoPE tables are recomputed; MoE experts draw
+    ``w1, w2, w3`` (``w2`` with the output std) and a router's balancing bias is zeroed.
+    Modules without direct tensors (containers, blocks, a tied head) are left alone. Random
+    draws come from the global torch RNG of the tensors' device, in registration order.
 
     Args:
         module: a module of a :class:`Transformer` whose direct tensors are materialised.
@@ -352,7 +235,7 @@ def init_module_weights(module: nn.Module) -> None:
     Raises:
         ValueError: if ``module`` has direct parameters but is not a shardwise model module.
     """
-    if isinstance(module, (RMSNorm, RotaryEmbedding)):
+    if isinstance(module, (RMSNorm, RotaryEmbedding, Router, GroupedExperts)):
         module.reset_parameters()
         return
     params = [p for p in module._parameters.values() if p is not None]

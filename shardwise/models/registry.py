@@ -1,18 +1,30 @@
-"""Named model configs, from a CPU-sized ``debug`` model to the published Llama 3 shapes.
+"""Named model configs, from CPU-sized ``debug`` models to published Llama 3 and MoE shapes.
 
-=============  ==========  ======================================================
-name           params      use
-=============  ==========  ======================================================
-debug          3.28M       tests and the default config; ~100 steps in minutes on 2 CPU cores
-small          33.6M       benchmarks (vocab 8192: a BPE tokenizer, or override vocab_size)
-llama3-8b      8.03B       Llama 3 8B shape (vocab 128256, GQA 32/8, ffn 14336)
-llama3-70b     70.55B      Llama 3 70B shape (GQA 64/8, ffn 28672)
-llama3-405b    405.85B     Llama 3 405B shape (GQA 128/8, ffn 53248)
-=============  ==========  ======================================================
+=============  ==========  ==========  ==============================================
+name           params      active      use
+=============  ==========  ==========  ==============================================
+debug          3.28M                   tests and the default config; ~100 steps in minutes
+                                       on 2 CPU cores
+debug-moe      10.37M      3.29M       MoE twin of debug: 8 experts of width 384, top-2
+                                       (the active FFN width of debug), every block
+small          33.6M                   benchmarks (vocab 8192: a BPE tokenizer, or override
+                                       vocab_size)
+llama3-8b      8.03B                   Llama 3 8B shape (vocab 128256, GQA 32/8, ffn 14336)
+mixtral-8x7b   46.70B      12.88B      Mixtral 8x7B: 8 experts of 14336, top-2 softmax
+llama3-70b     70.55B                  Llama 3 70B shape (GQA 64/8, ffn 28672)
+llama3-405b    405.85B                 Llama 3 405B shape (GQA 128/8, ffn 53248)
+deepseek-v3    671.03B     37.55B      DeepSeek-V3: MLA, 3 dense + 58 MoE blocks of 256
+                                       experts of 2048 + 1 shared, top-8 sigmoid, x2.5
+=============  ==========  ==========  ==============================================
 
 The Llama 3 feed-forward widths come from the Llama rule (``multiple_of`` and
 ``ffn_dim_multiplier``), not from a hard-coded ``ffn_dim``; the parameter counts above are
-checked by the tests.
+checked by the tests, the MoE shapes against their published totals (Mixtral 8x7B: 46.7B,
+12.9B active; DeepSeek-V3: 671B, 37B active, without its 14B multi-token-prediction module,
+which is not modelled). ``deepseek-v3`` builds and runs its MLA attention (mla.py) without
+the YaRN extension (``max_seq_len`` 4096, the pre-training context) and routes with plain
+top-8 over all 256 experts: DeepSeek's node-limited routing (top-4 of 8 expert groups) is
+not implemented.
 """
 
 from __future__ import annotations
@@ -31,14 +43,27 @@ _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_le
 _CONFIGS = MappingProxyType({
     "debug": LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256,
                          multiple_of=256, max_seq_len=256),
+    "debug-moe": LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256,
+                             multiple_of=256, max_seq_len=256, num_experts=8, top_k=2,
+                             moe_ffn_dim=384),
     "small": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=8192,
                          multiple_of=256, max_seq_len=512),
     "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                              multiple_of=1024, ffn_dim_multiplier=1.3, **_LLAMA3),
+    "mixtral-8x7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                vocab_size=32000, ffn_dim=14336, max_seq_len=32768,
+                                rope_theta=1e6, num_experts=8, top_k=2, moe_ffn_dim=14336),
     "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                               multiple_of=4096, ffn_dim_multiplier=1.3, **_LLAMA3),
     "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                                multiple_of=4096, ffn_dim_multiplier=1.2, **_LLAMA3),
+    "deepseek-v3": LlamaConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+                               vocab_size=129280, ffn_dim=18432, max_seq_len=4096,
+                               norm_eps=1e-6, num_experts=256, top_k=8, num_shared_experts=1,
+                               moe_ffn_dim=2048, moe_first_dense=3, router_score="sigmoid",
+                               router_scale=2.5, attention="mla", q_lora_rank=1536,
+                               kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                               v_head_dim=128),
 })
 
 

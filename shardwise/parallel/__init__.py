@@ -1,5 +1,7 @@
 """shardwise.parallel: tensor, sequence, expert and pipeline parallelism.
 
+Mixture-of-experts balance statistics over the data ranks: :func:`apply_global_balance`.
+
 Pipeline schedules are data (DESIGN.md, principle 4)::
 
     from shardwise.parallel import build_schedule, simulate
@@ -7,12 +9,15 @@ Pipeline schedules are data (DESIGN.md, principle 4)::
     print(schedule.to_text(), simulate(schedule).bubble)
 """
 
+from shardwise.parallel.moe_stats import AllReduceStats, apply_global_balance
 from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind,
                                          Schedule, Simulation, build_schedule, critical_path,
                                          describe_simulation, draw_timeline, format_timeline,
                                          simulate, validate_schedule)
 
 __all__ = [
+    "AllReduceStats",
+    "apply_global_balance",
     "SCHEDULE_NAMES",
     "Action",
     "Kind",

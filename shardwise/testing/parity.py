@@ -6,6 +6,10 @@ sequences; data-parallel rank r of n takes sequences ``[r * g / n, (r + 1) * g /
 micro-batch, so the reference (one process, all g sequences) computes the same mean loss.
 Parameters that receive no gradient anywhere in a step get a zero gradient in the reference
 too (the engine's documented semantics).
+
+``loss_fn(model, tokens)`` replaces the default next-token cross-entropy (e.g. to add an MoE
+model's balance losses; the recorded loss is still what it returns), and ``after_step(model)``
+runs on every rank after each optimizer step (e.g. the MoE bias update).
 """
 
 from __future__ import annotations
@@ -82,15 +86,17 @@ def _zero_missing_grads(model: nn.Module) -> None:
 
 
 def reference_run(build_model: Callable[[], nn.Module], batches: torch.Tensor,
-                  cfg: ParityConfig) -> RunResult:
+                  cfg: ParityConfig, *, loss_fn: Callable | None = None,
+                  after_step: Callable | None = None) -> RunResult:
     """Train one process on the full global batches."""
+    loss_fn = loss_fn or _loss
     model = build_model()
     opt = _optimizer(cfg.optimizer, model.parameters())
     res = RunResult()
     for step in range(cfg.steps):
         total = 0.0
         for micro in range(cfg.accum):
-            loss = _loss(model, batches[step, micro]) / cfg.accum
+            loss = loss_fn(model, batches[step, micro]) / cfg.accum
             loss.backward()
             total += loss.item()
         _zero_missing_grads(model)
@@ -99,6 +105,8 @@ def reference_run(build_model: Callable[[], nn.Module], batches: torch.Tensor,
         res.grad_norms.append(norm.item())
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(model)
     res.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return res
 
@@ -109,7 +117,8 @@ def _hybrid_mesh(world: int):
 
 
 def sharded_run(build_model: Callable[[], nn.Module], batches: torch.Tensor, cfg: ParityConfig,
-                wrap=None) -> RunResult:
+                wrap=None, *, loss_fn: Callable | None = None,
+                after_step: Callable | None = None) -> RunResult:
     """Train with ``shardwise.shard`` on the current process group (call on every rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
@@ -120,7 +129,8 @@ def sharded_run(build_model: Callable[[], nn.Module], batches: torch.Tensor, cfg
     return _train_dp(model, opt, batches, cfg, rank, world,
                      sync=lambda last: shardwise.no_sync(model) if not last else _null(),
                      clip=lambda: shardwise.clip_grad_norm_(model, cfg.clip or float("inf")),
-                     full_state=lambda: shardwise.full_state_dict(model))
+                     full_state=lambda: shardwise.full_state_dict(model),
+                     loss_fn=loss_fn, after_step=after_step)
 
 
 def ddp_run(build_model: Callable[[], nn.Module], batches: torch.Tensor,
@@ -148,7 +158,8 @@ class _null:
 
 
 def _train_dp(model, opt, batches, cfg, rank, world, sync, clip, full_state,
-              zero_missing=False) -> RunResult:
+              zero_missing=False, loss_fn=None, after_step=None) -> RunResult:
+    loss_fn = loss_fn or _loss
     per_rank = batches.shape[2] // world
     res = RunResult()
     for step in range(cfg.steps):
@@ -156,7 +167,7 @@ def _train_dp(model, opt, batches, cfg, rank, world, sync, clip, full_state,
         for micro in range(cfg.accum):
             mine = batches[step, micro, rank * per_rank:(rank + 1) * per_rank]
             with sync(micro == cfg.accum - 1):
-                loss = _loss(model, mine) / cfg.accum
+                loss = loss_fn(model, mine) / cfg.accum
                 loss.backward()
             total += loss.detach().double()
         dist.all_reduce(total)
@@ -167,6 +178,8 @@ def _train_dp(model, opt, batches, cfg, rank, world, sync, clip, full_state,
         res.grad_norms.append(float(norm))
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(model)
     res.state = full_state()
     return res
 

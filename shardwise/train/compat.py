@@ -17,7 +17,10 @@ __all__ = ["check_resume", "check_fault_spec", "SHAPE_FIELDS"]
 
 # Model fields that decide tensor shapes: a checkpoint only loads into the same ones.
 SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                "multiple_of", "ffn_dim_multiplier", "tie_embeddings")
+                "multiple_of", "ffn_dim_multiplier", "tie_embeddings", "num_experts",
+                "num_shared_experts", "moe_ffn_dim", "moe_every", "moe_first_dense",
+                "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim")
 
 
 def _vocab_message(cfg: Any, path: Path, saved: int, now: int) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 from shardwise.train import config_io
 
 __all__ = [
-    "CommConfig", "OffloadConfig", "PrecisionConfig",
+    "CommConfig", "OffloadConfig", "PrecisionConfig", "MoEConfig",
     "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig", "ParallelConfig", "LogConfig",
     "CheckpointConfig", "Config", "load_config", "validate", "resolve_world", "check_output_dir",
     "to_toml",
@@ -54,6 +54,18 @@ class ModelConfig:
     """Override: longest sequence the model accepts, in tokens (unset: named config's)."""
     tie_embeddings: bool | None = None
     """Override: share the embedding and output matrices (unset: the named config's value)."""
+    num_experts: int | None = None
+    """Override: routed experts per MoE feed-forward, 0 for dense (unset: named config's)."""
+    top_k: int | None = None
+    """Override: routed experts each token visits (unset: the named config's value)."""
+    num_shared_experts: int | None = None
+    """Override: always-on experts per MoE layer, DeepSeek style (unset: named config's)."""
+    moe_ffn_dim: int | None = None
+    """Override: hidden width of each expert in features (unset: the named config's value)."""
+    moe_every: int | None = None
+    """Override: MoE feed-forward in every n-th block, others dense (unset: named config's)."""
+    router_score: str | None = None
+    """Override: router scores, "softmax" or "sigmoid" (unset: the named config's value)."""
 
 
 @dataclass(frozen=True)
@@ -216,6 +228,26 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Routing and load balancing of mixture-of-experts models (docs/moe.md); only for a
+    model with MoE layers (e.g. --model.name debug-moe)."""
+
+    capacity_factor: float | None = None
+    """Unset: dropless routing. A number > 0: each expert keeps at most ceil(capacity_factor
+    x tokens x top_k / num_experts) assignments per rank's micro-batch; the rest are dropped."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch/GShard balance loss added to the objective (balance "aux")."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z loss mean(logsumexp(router logits)^2) (ST-MoE), any balance."""
+    balance: str = "aux"
+    """"aux" (auxiliary loss), "bias" (DeepSeek-V3: a routing bias nudged every step, no
+    auxiliary loss) or "none"."""
+    bias_update_rate: float = 0.001
+    """With balance "bias": the bias change per optimizer step of an overloaded (minus) or
+    underloaded (plus) expert."""
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """Where results go and how progress is shown."""
 
@@ -255,6 +287,8 @@ class Config:
     """Quantised communication and hierarchical partitions."""
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     """CPU / disk offload of optimizer state."""
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    """Mixture-of-experts routing and load balancing."""
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     """Outputs and progress display."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)

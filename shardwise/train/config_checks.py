@@ -33,6 +33,13 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("model.n_kv_heads", lambda v: v is None or v > 0, "a positive int"),
     ("model.ffn_dim", lambda v: v is None or v > 0, "a positive int"),
     ("model.max_seq_len", lambda v: v is None or v > 0, "a positive int"),
+    ("model.num_experts", lambda v: v is None or v >= 0, "an int >= 0 (0: dense)"),
+    ("model.top_k", lambda v: v is None or v > 0, "a positive int"),
+    ("model.num_shared_experts", lambda v: v is None or v >= 0, "an int >= 0"),
+    ("model.moe_ffn_dim", lambda v: v is None or v > 0, "a positive int"),
+    ("model.moe_every", lambda v: v is None or v > 0, "a positive int"),
+    ("model.router_score", lambda v: v in (None, "softmax", "sigmoid"),
+     "'softmax' or 'sigmoid'"),
     ("data.max_bytes", lambda v: v is None or v > 0, "a positive int (bytes)"),
     ("data.tokenizer", lambda v: v in ("byte", "bpe"), "'byte' or 'bpe'"),
     ("data.bpe_vocab_size", lambda v: v >= 256, "an int >= 256 (the byte alphabet)"),
@@ -76,6 +83,12 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("checkpoint.interval", _non_negative, "an int >= 0 (steps; 0 disables saving)"),
     ("checkpoint.keep_last", _non_negative, "an int >= 0 (0 keeps all)"),
     ("checkpoint.resume", lambda v: v.strip() != "", "'auto', 'none' or a checkpoint path"),
+    ("moe.capacity_factor", lambda v: v is None or 0 < v < math.inf,
+     "unset (dropless) or a finite number > 0"),
+    ("moe.aux_loss_coef", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    ("moe.z_loss_coef", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    ("moe.balance", lambda v: v in ("aux", "bias", "none"), "'aux', 'bias' or 'none'"),
+    ("moe.bias_update_rate", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
 ]
 
 

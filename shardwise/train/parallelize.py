@@ -23,6 +23,7 @@ from shardwise.distributed import env as dist_env
 from shardwise.distributed.mesh import ParallelDims
 from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
+from shardwise.train.moe import apply_moe
 
 __all__ = ["build_mixed_precision", "build_comm_quant", "build_offload", "validate_offload",
            "build_loss_scaler", "build_parallel_model", "wrap_optimizer", "no_sync",
@@ -77,7 +78,8 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
         env: this process's place in the job.
 
     Returns:
-        The sharded model (parameter names unchanged).
+        The sharded model (parameter names unchanged); its MoE layers, if any, have the
+        ``[moe]`` settings and reduce their balance statistics over all ranks.
     """
     from shardwise.models import TransformerBlock, init_module_weights
     from shardwise.models import build_model as build
@@ -87,12 +89,14 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 else None
     model = build(model_cfg, device="meta")
     torch.manual_seed(cfg.train.seed)
-    return shardwise.shard(model, stage=par.stage, wrap={TransformerBlock}, mesh=mesh,
-                           reshard_after_forward=par.reshard_after_forward,
-                           prefetch=par.prefetch, init_weights=init_module_weights,
-                           mixed_precision=build_mixed_precision(cfg),
-                           comm=build_comm_quant(cfg), offload=build_offload(cfg),
-                           device=env.device)
+    model = shardwise.shard(model, stage=par.stage, wrap={TransformerBlock}, mesh=mesh,
+                            reshard_after_forward=par.reshard_after_forward,
+                            prefetch=par.prefetch, init_weights=init_module_weights,
+                            mixed_precision=build_mixed_precision(cfg),
+                            comm=build_comm_quant(cfg), offload=build_offload(cfg),
+                            device=env.device)
+    # Every rank is a data-parallel replica: balance over the global batch.
+    return apply_moe(model, cfg)
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:

@@ -19,6 +19,7 @@ from shardwise.train.compat import check_fault_spec, check_resume
 from shardwise.train.config import Config, check_output_dir, resolve_world, to_toml
 from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
+from shardwise.train.moe import check_moe
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
            "announce"]
@@ -135,13 +136,14 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
             directory that is missing or read-only,
             TensorBoard asked for but missing, a bad model name / shape / seq_len, a corpus
             with no or too little text, a bad ``$SHARDWISE_FAULT``, a ``checkpoint.resume``
-            that is missing or was saved from another model shape or vocabulary.
+            that is missing or was saved from another model shape or vocabulary, ``[moe]``
+            settings for a model without MoE layers.
     """
     cfg = resolve_world(cfg, world_size)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
                          "expected 'gloo' or 'auto'")
-    build_model_config(cfg)  # cheap shape / seq_len checks before touching disk
+    check_moe(cfg, build_model_config(cfg))  # cheap shape / seq_len / [moe] checks first
     check_fault_spec()
     if cfg.log.tensorboard:
         require_tensorboard()

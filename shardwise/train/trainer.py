@@ -33,6 +33,7 @@ from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model
                                          clip_grad_norm_, no_sync, wrap_optimizer)
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
+from shardwise.train.moe import describe_moe, finish_moe_record, with_moe_loss
 from shardwise.train.preflight import build_model_config
 from shardwise.train.schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
 from shardwise.train.stepguard import StepGuard
@@ -170,7 +171,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
             loss = _loss(model, inputs, targets) / accum
             if guard is not None:
                 loss = guard.on_loss(loss)
-            scaler.scale(loss).backward()
+            scaler.scale(with_moe_loss(model, loss, accum)).backward()  # + MoE balance losses
         loss_sum += loss.item()
     scaler.unscale_(model)
     skip = guard.before_update(model, loss_sum, step, scaler.enabled) if guard else None
@@ -180,6 +181,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
         stepped = scaler.step(model, optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    moe = finish_moe_record(model, update_bias=skip is None and stepped)
     cuda_mib = (torch.cuda.max_memory_allocated(env.device) / 2**20
                 if env.device.type == "cuda" else 0.0)
     # One small all-gather per step: the global loss, per-rank memory, and a barrier that
@@ -201,6 +203,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
         record.update(skipped=True, nonfinite=skip)
     if env.device.type == "cuda":
         record["cuda_peak_mib"] = [round(m, 1) for m in stats[:, 2].tolist()]
+    record.update(moe)
     return record
 
 
@@ -301,7 +304,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
     ckpt, done, note = resume_or_import(cfg, model, optimizer, stateful, env)
     horizon = apply_schedule_horizon(schedule, cfg.optim.schedule_horizon, cfg.train.steps, done)
-    logger = _start_logger(cfg, env, model_cfg, data, done, [note, horizon])
+    logger = _start_logger(cfg, env, model_cfg, data, done, [describe_moe(model_cfg, cfg), note, horizon])
     train_time = 0.0
     guard = StepGuard(cfg, env, model)
     try:
