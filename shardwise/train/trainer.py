@@ -304,7 +304,8 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
     ckpt, done, note = resume_or_import(cfg, model, optimizer, stateful, env)
     horizon = apply_schedule_horizon(schedule, cfg.optim.schedule_horizon, cfg.train.steps, done)
-    logger = _start_logger(cfg, env, model_cfg, data, done, [describe_moe(model_cfg, cfg), note, horizon])
+    notes = [describe_moe(model_cfg, cfg), note, horizon]
+    logger = _start_logger(cfg, env, model_cfg, data, done, notes)
     train_time = 0.0
     guard = StepGuard(cfg, env, model)
     try:
