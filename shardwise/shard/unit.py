@@ -121,7 +121,7 @@ class Unit(GradientReducer):
         self.state = Gather.SHARDED
         self.gathered_version = -1
         self.stale = True  # stages 1/2: shards changed (or will) since the last gather
-        self.regathers = 0  # gathers discarded because the shards changed ([Note: unit ...])
+        self.regathers = 0  # gathers discarded: the shards changed ([Note: unit gather state])
         self.gather_work = None
         self.gather_tmp: torch.Tensor | None = None
         self.gather_in: torch.Tensor | None = None
