@@ -9,11 +9,11 @@
 
 from shardwise import distributed
 from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
-from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision, Offload,
-                             OffloadedOptimizer, clip_grad_norm_, empty_cache,
-                             full_state_dict, memory_report, no_sync, offload_optimizer,
-                             shard)
-from shardwise.train.nonfinite import NonFiniteReport, find_nonfinite_grads
+from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
+                             NonFiniteReport, Offload, OffloadedOptimizer, clip_grad_norm_,
+                             clip_grads_with_norm_, empty_cache, find_nonfinite_grads,
+                             full_state_dict, get_total_norm, memory_report, no_sync,
+                             offload_optimizer, shard)
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,8 @@ __all__ = [
     "shard",
     "no_sync",
     "clip_grad_norm_",
+    "get_total_norm",
+    "clip_grads_with_norm_",
     "full_state_dict",
     "memory_report",
     "MemoryReport",

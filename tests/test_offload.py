@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from shardwise.models import build_model, get_model_config
 from shardwise.shard.offload import Offload, offload_optimizer
-from shardwise.shard.offload_disk import RUN_PREFIX, _host_tag, remove_orphans
-from shardwise.shard.offload_host import estimate_state_bytes
+from shardwise.shard.offload.disk import RUN_PREFIX, _host_tag, remove_orphans
+from shardwise.shard.offload.host import estimate_state_bytes
 from shardwise.testing.dist import _context as _mp_context
 
 CFG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardwise.checkpoint import atomic, runstate, state
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.metadata import SafeReader
+from shardwise.distributed import comm_objects
 
 __all__ = ["Snapshot", "SaveResult", "CheckpointInfo", "snapshot", "copy_tensors", "write", "save",
            "load", "verify"]
@@ -162,8 +163,7 @@ def _agree(error: str | None, pg) -> None:
         if error:
             raise RuntimeError(error)
         return
-    errors: list[str | None] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(errors, error, group=pg)
+    errors = comm_objects.all_gather_object(error, pg, label="checkpoint.errors")
     first = next(((r, e) for r, e in enumerate(errors) if e), None)
     if first:
         raise RuntimeError(f"rank {first[0]}: {first[1]}")
@@ -233,8 +233,8 @@ def write(path: str | os.PathLike, snap: Snapshot, process_group=None,
         own = ({}, snap.rng, f"hashing the files of checkpoint {path} failed: {exc}")
     gathered = [own]
     if dist.is_initialized():
-        gathered = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(gathered, own, group=process_group)
+        gathered = comm_objects.all_gather_object(own, process_group,
+                                                  label="checkpoint.hashes")
     failed = next(((r, g[2]) for r, g in enumerate(gathered) if g[2]), None)
     if failed:
         raise RuntimeError(f"rank {failed[0]}: {failed[1]}")
@@ -293,8 +293,8 @@ def verify(path: str | os.PathLike, process_group=None) -> dict[str, Any]:
     rank, world = _rank_world(process_group)
     errors = atomic.verify_files(path, manifest, rank, world)
     if dist.is_initialized():
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, errors, group=process_group)
+        everyone = comm_objects.all_gather_object(errors, process_group,
+                                                  label="checkpoint.verify")
         errors = sorted(e for errs in everyone for e in errs)
     if errors:
         file, message = errors[0]

@@ -43,6 +43,7 @@ from shardwise.checkpoint.dcp import (
     snapshot,
     write,
 )
+from shardwise.distributed import comm, comm_objects
 
 __all__ = ["Checkpointer", "resolve_resume"]
 
@@ -112,8 +113,8 @@ class Checkpointer:
         """The largest snapshot of any rank (every rank decides async vs sync alike)."""
         if self._pg is None:
             return nbytes
-        t = torch.tensor([nbytes], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
+        t = torch.tensor([nbytes], dtype=torch.int64)  # the manager's own Gloo group: CPU
+        comm.all_reduce(t, self._pg, label="checkpoint.snapshot_bytes", op=dist.ReduceOp.MAX)
         return int(t.item())
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -192,10 +193,10 @@ class Checkpointer:
         """
         path = resolve_resume(str(resume), self.root)
         if self._pg is not None:
-            box = [str(path) if path is not None else None]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0),
-                                       group=self._pg)
-            path = Path(box[0]) if box[0] is not None else None
+            agreed = comm_objects.broadcast_object(
+                str(path) if path is not None else None, dist.get_global_rank(self._pg, 0),
+                self._pg, label="checkpoint.resume_path")
+            path = Path(agreed) if agreed is not None else None
         if path is None:
             return None
         return load(path, model, optimizer, extra=extra, process_group=self._pg, **kwargs)

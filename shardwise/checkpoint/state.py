@@ -24,6 +24,7 @@ from torch import nn
 
 from shardwise.checkpoint import jsonable
 from shardwise.checkpoint.errors import CheckpointError
+from shardwise.shard.registry import engine_states
 
 __all__ = ["param_names", "model_state", "optimizer_state", "layout_of", "model_info",
            "model_targets", "optimizer_targets", "load_optimizer", "tensor_nbytes"]
@@ -137,7 +138,6 @@ def layout_of(model: nn.Module) -> dict[str, Any]:
     """World size, ZeRO stage and data-parallel degrees of a sharded model."""
     import torch.distributed as dist
 
-    from shardwise.shard import engine_states
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     states = engine_states(model)

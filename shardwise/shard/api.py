@@ -25,13 +25,15 @@ from shardwise.distributed import comm
 from shardwise.distributed.env import flight_recorder_active
 from shardwise.distributed.mesh import (ShardGroups, node_group, replicated_groups,
                                         resolve_groups)
-from shardwise.shard.discover import STATE_ATTR, UnitPlan, plan_units
+from shardwise.shard.discover import UnitPlan, plan_units
 from shardwise.shard.identity import UnitTag, next_state_id
 from shardwise.shard.materialize import has_meta, materialize
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
 from shardwise.shard.precision import MixedPrecision, cast_floating
-from shardwise.shard.offload_config import Offload
+from shardwise.shard.offload.config import Offload
 from shardwise.shard.comm_quant import CommQuant
+from shardwise.shard.offload import guard_unwrapped_steps
+from shardwise.shard.registry import attach_state, engine_states, is_sharded
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
 from shardwise.shard.state_dict import register_state_dict_hooks
@@ -43,7 +45,7 @@ __all__ = ["shard", "no_sync", "memory_report", "engine_states"]
 def _validate(module, stage, prefetch, bucket_mb, materialize) -> None:
     if not isinstance(module, nn.Module):
         raise ValueError(f"shard expects an nn.Module, got {type(module).__name__}")
-    if hasattr(module, STATE_ATTR):
+    if is_sharded(module):
         raise ValueError(f"module {type(module).__name__} is already sharded; shard it once")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -278,15 +280,9 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
             _register_casts(module, mixed_precision)
     state.offload = offload
     if offload is not None:
-        from shardwise.shard.offload import guard_unwrapped_steps
         guard_unwrapped_steps([p for m in [module] for p in m.parameters()], offload)
-    setattr(module, STATE_ATTR, state)
+    attach_state(module, state)
     return module
-
-
-def engine_states(model: nn.Module) -> list:
-    """Every engine state inside ``model`` (its own and those of sharded submodules)."""
-    return [getattr(m, STATE_ATTR) for m in model.modules() if hasattr(m, STATE_ATTR)]
 
 
 @contextlib.contextmanager

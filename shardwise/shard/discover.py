@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from shardwise.shard.registry import STATE_ATTR
 from shardwise.shard.unit import ParamEntry
 
 __all__ = ["UnitPlan", "plan_units", "wrap_predicate"]
 
-STATE_ATTR = "_shardwise_state"
 
 
 @dataclass

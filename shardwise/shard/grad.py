@@ -1,9 +1,17 @@
-"""Gradient clipping over sharded gradients.
+"""Gradient norms and clipping over sharded gradients, with no host sync per tensor.
 
 Every gradient element is held by exactly one rank of its shard group (and replicated across
 the replicate axis of a hybrid mesh), so the global norm is the sum of local sums of squares
 over the shard group. Stage-0 and unmanaged gradients are whole on every rank and count
 locally.
+
+[Note: fused norms] Per shard group, the local gradients' norms come from one fused
+``torch._foreach_norm`` (accumulated in fp32 whatever the gradients' dtype) and are summed
+on the device they live on; one all-reduce per group (on that group's device, see
+[Note: device check] in comm.py) combines the ranks. Nothing is copied to the host: the
+returned norm is a device tensor, and clipping multiplies every gradient by a device-side
+coefficient. The trainer reads the norm once per step (:func:`get_total_norm`, shared by
+its non-finite check and :func:`clip_grads_with_norm_`).
 """
 
 from __future__ import annotations
@@ -15,18 +23,94 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed import comm
+from shardwise.shard.registry import engine_states
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
 
 
-def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    grads = [g for g in grads if g.numel()]
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads],
-                                norm_type)
-    stacked = torch.stack([n.cpu() for n in norms])
-    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
+def _local_norm(grads: list[torch.Tensor], norm_type: float,
+                device: torch.device) -> torch.Tensor:
+    """The local sum of ``|g|^p`` (or max of ``|g|`` for p = inf), a 0-d fp32 tensor on
+    ``device`` ([Note: fused norms])."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            by_device.setdefault(g.device, []).append(g)
+    inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for dev, gs in by_device.items():
+        norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=torch.float32))
+        part = norms.max() if inf else norms.pow(norm_type).sum()
+        part = part.to(device, non_blocking=True) if dev != device else part
+        total = torch.maximum(total, part) if inf else total + part
+    return total
+
+
+def _grouped_grads(model: nn.Module) -> tuple[list[torch.Tensor], dict[int, tuple]]:
+    """(whole gradients of unsharded parameters, {group id: (group, sharded gradients)})."""
+    sharded_ids, by_group = set(), {}
+    for st in engine_states(model):
+        for u in getattr(st, "units", []):
+            sharded_ids.update(id(e.param) for e in u.trainable)
+            group, acc = by_group.setdefault(id(st.groups.shard), (st.groups.shard, []))
+            acc.extend(e.param.grad for e in u.trainable if e.param.grad is not None)
+    local = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in sharded_ids]
+    return local, by_group
+
+
+def get_total_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """The global p-norm of every gradient of a (sharded) model (collective).
+
+    The same number ``torch.nn.utils.get_total_norm`` gives on the unsharded model, whatever
+    rank holds each gradient; no host sync ([Note: fused norms]).
+
+    Args:
+        model: the model (sharded, partly sharded or plain).
+        norm_type: p of the p-norm (default 2.0; ``inf`` for the max norm).
+
+    Returns:
+        A 0-d float32 tensor on the device of the model's shard group (the CPU on Gloo),
+        identical on every rank.
+
+    Raises:
+        ValueError: for norm_type <= 0.
+    """
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be > 0, got {norm_type!r}")
+    inf = math.isinf(norm_type)
+    local, by_group = _grouped_grads(model)
+    device = comm.group_device(next(iter(by_group.values()))[0] if by_group else None)
+    total = _local_norm(local, norm_type, device)
+    for group, grads in by_group.values():
+        part = _local_norm(grads, norm_type, comm.group_device(group))
+        if group is not None and comm.group_size(group) > 1:
+            comm.all_reduce(part, group, label="clip_grad_norm",
+                            op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        part = part.to(device, non_blocking=True)
+        total = torch.maximum(total, part) if inf else total + part
+    return total if inf else total.pow(1.0 / norm_type)
+
+
+def clip_grads_with_norm_(model: nn.Module, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by ``min(1, max_norm / (total_norm + 1e-6))``, in place.
+
+    Args:
+        model: the model whose gradients ``total_norm`` measured (:func:`get_total_norm`).
+        max_norm: the largest allowed global norm (> 0).
+        total_norm: the global norm, a tensor (read on the device, never on the host).
+
+    Raises:
+        ValueError: for max_norm <= 0.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_device.setdefault(p.grad.device, []).append(p.grad)
+    for dev, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(dev, non_blocking=True))
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -34,13 +118,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     """Clip the gradients of a (sharded) model by their global norm, in place.
 
     The same contract as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: the norm
-    is over every gradient of the model, whatever rank holds it.
+    is over every gradient of the model, whatever rank holds it. One fused norm and one
+    all-reduce per shard group, no host sync unless ``error_if_nonfinite``.
 
     Args:
         model: the model (sharded, partly sharded or plain).
         max_norm: the largest allowed global norm (> 0).
         norm_type: p of the p-norm (default 2.0; ``inf`` for the max norm).
-        error_if_nonfinite: raise if the global norm is nan or inf (default False).
+        error_if_nonfinite: raise if the global norm is nan or inf (default False; reading
+            the norm on the host to decide is one sync).
 
     Returns:
         The global norm before clipping (a 0-d float32 tensor, identical on every rank).
@@ -49,38 +135,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         ValueError: for max_norm <= 0 or norm_type <= 0.
         RuntimeError: for a non-finite norm when ``error_if_nonfinite``.
     """
-    from shardwise.shard.api import engine_states  # local: api imports grad users
-
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
-    if not norm_type > 0:
-        raise ValueError(f"norm_type must be > 0, got {norm_type!r}")
-    inf = math.isinf(norm_type)
-    sharded_ids, all_grads = set(), []
-    by_group: dict[int, tuple] = {}
-    for st in engine_states(model):
-        for u in getattr(st, "units", []):
-            grads = [e.param.grad for e in u.trainable if e.param.grad is not None]
-            sharded_ids.update(id(e.param) for e in u.trainable)
-            key = id(st.groups.shard)
-            group, acc = by_group.get(key, (st.groups.shard, []))
-            acc.extend(grads)
-            by_group[key] = (group, acc)
-    local = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in sharded_ids]
-    all_grads.extend(local)
-    total = _local_norm(local, norm_type)
-    for group, grads in by_group.values():
-        all_grads.extend(grads)
-        part = _local_norm(grads, norm_type)
-        if group is not None and dist.get_world_size(group) > 1:
-            comm.all_reduce(part, group, label="clip_grad_norm",
-                            op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-        total = torch.maximum(total, part) if inf else total + part
-    norm = total if inf else total.pow(1.0 / norm_type)
+    norm = get_total_norm(model, norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"the global gradient norm is {norm.item()}; set "
                            f"error_if_nonfinite=False to clip anyway")
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if all_grads:
-        torch._foreach_mul_(all_grads, coef.to(all_grads[0].device))
+    clip_grads_with_norm_(model, max_norm, norm)
     return norm

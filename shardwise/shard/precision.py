@@ -121,14 +121,19 @@ class LossScaler:
         """Divide every gradient by the scale; return whether any rank saw inf / nan."""
         if not self.enabled:
             return False
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale_value)
-        bad = torch.zeros(1)
-        for g in grads:
-            if g.numel() and not torch.isfinite(g).all():
-                bad.fill_(1.0)
-                break
+        # One fused unscale-and-check per device (torch's GradScaler kernel), one all-reduce
+        # on the group's device, one host read per step: no sync per gradient.
+        device = comm.group_device()
+        bad = torch.zeros(1, device=device)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in model.parameters():
+            if p.grad is not None and p.grad.numel():
+                by_device.setdefault(p.grad.device, []).append(p.grad)
+        for dev, grads in by_device.items():
+            found = torch.zeros(1, device=dev)
+            inv = torch.full((1,), 1.0 / self.scale_value, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            bad = torch.maximum(bad, found.to(device, non_blocking=True))
         if dist.is_initialized() and dist.get_world_size() > 1:
             comm.all_reduce(bad, label="loss_scaler.found_inf", op=dist.ReduceOp.MAX)
         self._found_inf = bool(bad.item())

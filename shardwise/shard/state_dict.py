@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwise.distributed import comm
+from shardwise.shard.registry import engine_states
 
 __all__ = ["ShardedParamSpec", "sharded_param_specs", "register_state_dict_hooks",
            "full_state_dict"]
@@ -97,7 +98,6 @@ def _specs_of_state(state) -> list[tuple[list[str], ShardedParamSpec]]:
 def sharded_param_specs(model: nn.Module) -> dict[str, ShardedParamSpec]:
     """Every sharded parameter of ``model`` by its name in ``model.named_parameters()`` (tied
     parameters appear under each of their names)."""
-    from shardwise.shard.api import engine_states  # local: api imports this module
 
     paths = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     out: dict[str, ShardedParamSpec] = {}
@@ -162,7 +162,6 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     Returns:
         ``{name: tensor}`` with the keys of ``model.state_dict()``.
     """
-    from shardwise.shard.api import engine_states  # local: api imports this module
 
     paths = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     gathered: dict[str, torch.Tensor] = {}

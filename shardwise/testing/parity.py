@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise
+from shardwise.distributed import comm
 
 __all__ = ["ParityConfig", "RunResult", "make_batches", "reference_run", "sharded_run",
            "ddp_run", "rel_err", "max_rel_err"]
@@ -170,7 +171,7 @@ def _train_dp(model, opt, batches, cfg, rank, world, sync, clip, full_state,
                 loss = loss_fn(model, mine) / cfg.accum
                 loss.backward()
             total += loss.detach().double()
-        dist.all_reduce(total)
+        comm.all_reduce(total, label="parity.loss")
         if zero_missing:
             _zero_missing_grads(model)
         norm = clip()

@@ -19,8 +19,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.distributed as dist
 
+from shardwise.distributed import comm_objects
 from shardwise.distributed import env as dist_env
 from shardwise.train.config import Config, resolve_world
 from shardwise.train.doctor import check_ranks
@@ -116,8 +116,7 @@ def _agree_on_preflight(error: str | None, env: dist_env.DistEnv,
         Rank 0's ``log_dir``: the folder every rank writes to (rank 0 alone writes it, and
         only its view of which folders hold earlier runs counts).
     """
-    outcomes: list[tuple[str | None, str | None]] = [(None, None)] * env.world_size
-    dist.all_gather_object(outcomes, (error, log_dir))
+    outcomes = comm_objects.all_gather_object((error, log_dir), label="preflight.outcomes")
     errors = [e for e, _ in outcomes]
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:

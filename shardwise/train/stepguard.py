@@ -4,15 +4,19 @@
     for step in ...:
         guard.begin(step)                     # watchdog context; injected "start" faults
         loss = guard.on_loss(loss)            # injected nan / inf loss
-        skip = guard.before_update(model, loss_sum, step, scaler.enabled)
-        ...                                   # clip + optimizer step unless skip
+        guard.after_backward(model)           # injected gradient faults
+        if the agreed loss or gradient norm is not finite:
+            skip = guard.before_update(model, loss, step, scaler.enabled)
+        guard.before_optimizer()              # unless skipped; then clip + optimizer step
     guard.close()
 
-``before_update`` runs after backward and before clipping: the non-finite check
-(:func:`shardwise.train.nonfinite.find_nonfinite_grads`, one small all-gather), with the
-``train.nonfinite`` policy: "stop" raises :class:`NonFiniteError` naming the step and the first
-offending parameter on every rank alike; "skip" returns the same message and the trainer drops
-the update. Faults come from ``$SHARDWISE_FAULT`` (shardwise.train.faults).
+The trainer reads every rank's loss and the global gradient norm once per step; only when one
+of them is not finite (every rank sees the same numbers, so every rank enters) does
+``before_update`` run the detailed check (:func:`shardwise.shard.nonfinite.find_nonfinite_grads`,
+one small all-gather) with the ``train.nonfinite`` policy: "stop" raises
+:class:`NonFiniteError` naming the step and the first offending parameter on every rank alike;
+"skip" returns the same message and the trainer drops the update. Faults come from
+``$SHARDWISE_FAULT`` (shardwise.train.faults).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torch import nn
 
 from shardwise.distributed import watchdog
 from shardwise.train.faults import FaultPlan
-from shardwise.train.nonfinite import NonFiniteError, find_nonfinite_grads
+from shardwise.shard.nonfinite import NonFiniteError, find_nonfinite_grads
 
 __all__ = ["StepGuard"]
 
@@ -57,9 +61,15 @@ class StepGuard:
         """The micro-batch loss, corrupted if a fault says so."""
         return self.faults.on_loss(loss) if self.faults is not None else loss
 
+    def after_backward(self, model: nn.Module) -> None:
+        """After backward, before the gradients are measured: injected gradient faults."""
+        if self.faults is not None:
+            self.faults.after_backward(model)
+
     def before_update(self, model: nn.Module, loss: float, step: int,
                       scaled: bool) -> str | None:
-        """After backward, before clipping and the optimizer step (collective).
+        """A loss or the gradient norm is not finite on some rank (collective: every rank
+        calls it, as every rank saw the same numbers).
 
         Args:
             model: the model whose gradients are checked.
@@ -73,20 +83,22 @@ class StepGuard:
         Raises:
             NonFiniteError: a nan / inf loss or gradient under the "stop" policy.
         """
-        if self.faults is not None:
-            self.faults.after_backward(model)
-        if not scaled:
-            report = find_nonfinite_grads(model, loss=loss)
-            if report is not None:
-                message = report.message(step)
-                if self.policy == "stop":
-                    raise NonFiniteError(f"{message}; try a lower optim.lr, or "
-                                         "train.nonfinite = 'skip' to drop such steps")
-                self.skipped.append(step)
-                return message
+        if scaled:
+            return None
+        report = find_nonfinite_grads(model, loss=loss)
+        if report is None:
+            return None
+        message = report.message(step)
+        if self.policy == "stop":
+            raise NonFiniteError(f"{message}; try a lower optim.lr, or "
+                                 "train.nonfinite = 'skip' to drop such steps")
+        self.skipped.append(step)
+        return message
+
+    def before_optimizer(self) -> None:
+        """Just before clipping and the optimizer step: injected "optimizer" faults."""
         if self.faults is not None:
             self.faults.fire("optimizer")
-        return None
 
     def close(self) -> None:
         """Undo the fault hooks (the watchdog stays: it belongs to the process group)."""

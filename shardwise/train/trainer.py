@@ -29,8 +29,9 @@ from shardwise.distributed import comm
 from shardwise.distributed import env as dist_env
 from shardwise.distributed import watchdog
 from shardwise.train.config import Config
-from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model,
-                                         clip_grad_norm_, no_sync, wrap_optimizer)
+from shardwise.shard import clip_grads_with_norm_, get_total_norm
+from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model, no_sync,
+                                         wrap_optimizer)
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
 from shardwise.train.moe import describe_moe, finish_moe_record, with_moe_loss
@@ -136,18 +137,43 @@ def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torc
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _gather_stats(values: list[float], env: dist_env.DistEnv) -> torch.Tensor:
-    """Every rank's ``values``: (world_size, len(values)), in one small all-gather."""
-    local = torch.tensor(values, dtype=torch.float64, device=env.device)
+def _gather_stats(values: list[torch.Tensor | float], env: dist_env.DistEnv) -> torch.Tensor:
+    """Every rank's ``values`` (0-d tensors or floats): (world_size, len(values)) on the host,
+    in one small all-gather and one host read."""
+    local = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(env.device)
+                         for v in values])
     out = torch.empty(env.world_size * len(values), dtype=torch.float64, device=env.device)
     comm.all_gather_into_tensor(out, local, label="train.stats")
     return out.view(env.world_size, len(values)).cpu()
+
+
+def _forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.DistEnv,
+                      scaler: LossScaler, guard: StepGuard | None) -> torch.Tensor:
+    """The step's ``grad_accum`` micro-batches; the summed loss as a device tensor (read on
+    the host once per step, with the other statistics)."""
+    accum = cfg.train.grad_accum
+    loss_sum = torch.zeros((), dtype=torch.float32, device=env.device)
+    for micro in range(accum):
+        inputs, targets = (t.to(env.device) for t in loader.next_batch())
+        # Gradients are communicated once per step, on the last micro-batch.
+        with no_sync(model) if micro < accum - 1 else contextlib.nullcontext():
+            loss = _loss(model, inputs, targets) / accum
+            if guard is not None:
+                loss = guard.on_loss(loss)
+            scaler.scale(with_moe_loss(model, loss, accum)).backward()  # + MoE balance losses
+        loss_sum += loss.detach().float()
+    return loss_sum
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, cfg: Config,
                env: dist_env.DistEnv, step: int, scaler: LossScaler,
                guard: StepGuard | None = None) -> dict[str, Any]:
     """One optimizer step: ``grad_accum`` micro-batches, clip, update.
+
+    Host syncs are a constant number per step, whatever the model's size: the loss, the
+    global gradient norm (computed once, shared by the non-finite check and clipping) and
+    the memory figures are read in one small all-gather before the update; fp16 loss
+    scaling adds its overflow flag.
 
     Args:
         guard: failure handling (non-finite check before the update, injected faults).
@@ -158,51 +184,53 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
 
     Raises:
         RuntimeError: if the loss is not finite on some rank (naming the rank and the step);
-            with a guard, :class:`~shardwise.train.nonfinite.NonFiniteError` before the update.
+            with a guard, :class:`~shardwise.shard.nonfinite.NonFiniteError` before the update.
     """
     start = time.perf_counter()
     accum = cfg.train.grad_accum
     lr = optimizer.param_groups[0]["lr"]
-    loss_sum = 0.0
-    for micro in range(accum):
-        inputs, targets = (t.to(env.device) for t in loader.next_batch())
-        # Gradients are communicated once per step, on the last micro-batch.
-        with no_sync(model) if micro < accum - 1 else contextlib.nullcontext():
-            loss = _loss(model, inputs, targets) / accum
-            if guard is not None:
-                loss = guard.on_loss(loss)
-            scaler.scale(with_moe_loss(model, loss, accum)).backward()  # + MoE balance losses
-        loss_sum += loss.item()
+    loss_sum = _forward_backward(model, loader, cfg, env, scaler, guard)
     scaler.unscale_(model)
-    skip = guard.before_update(model, loss_sum, step, scaler.enabled) if guard else None
-    grad_norm, stepped = math.nan, False
-    if skip is None:
-        grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip or math.inf)
-        stepped = scaler.step(model, optimizer)
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    moe = finish_moe_record(model, update_bias=skip is None and stepped)
+    if guard is not None:
+        guard.after_backward(model)
+    norm = get_total_norm(model)
     cuda_mib = (torch.cuda.max_memory_allocated(env.device) / 2**20
                 if env.device.type == "cuda" else 0.0)
-    # One small all-gather per step: the global loss, per-rank memory, and a barrier that
-    # makes the step time honest.
-    stats = _gather_stats([loss_sum, rss_mib(), cuda_mib], env)
-    bad = [r for r in range(env.world_size) if not math.isfinite(stats[r, 0].item())]
-    if bad and skip is None:
-        raise RuntimeError(f"loss is {stats[bad[0], 0].item()} on rank {bad[0]} at step {step} "
+    # One small all-gather per step: every rank's loss, the (agreed) gradient norm and each
+    # rank's memory, read on the host once; what follows is decided on agreed values.
+    stats = _gather_stats([loss_sum, norm, rss_mib(), cuda_mib], env)
+    grad_norm = float(stats[0, 1])
+    losses = stats[:, 0].tolist()
+    skip = None
+    bad = [r for r, x in enumerate(losses) if not math.isfinite(x)]
+    if guard is None and bad:
+        raise RuntimeError(f"loss is {losses[bad[0]]} on rank {bad[0]} at step {step} "
                            f"(ranks with non-finite loss: {bad}); try a lower optim.lr")
+    if guard is not None and (bad or not math.isfinite(grad_norm)):
+        skip = guard.before_update(model, losses[env.rank], step, scaler.enabled)
+    stepped = False
+    if skip is None:
+        if guard is not None:
+            guard.before_optimizer()
+        clip_grads_with_norm_(model, cfg.optim.grad_clip or math.inf, norm)
+        stepped = scaler.step(model, optimizer)
+        scaler.update()
+    else:
+        grad_norm = math.nan
+    optimizer.zero_grad(set_to_none=True)
+    moe = finish_moe_record(model, update_bias=skip is None and stepped)
     elapsed = time.perf_counter() - start
     tokens = env.world_size * accum * cfg.train.batch_size * cfg.data.seq_len
-    record = {"step": step, "loss": stats[:, 0].mean().item(), "lr": lr,
+    record = {"step": step, "loss": sum(losses) / len(losses), "lr": lr,
               "grad_norm": float(grad_norm), "tokens": tokens, "tokens_per_s": tokens / elapsed,
-              "step_time_s": elapsed, "rss_mib": [round(m, 1) for m in stats[:, 1].tolist()]}
+              "step_time_s": elapsed, "rss_mib": [round(m, 1) for m in stats[:, 2].tolist()]}
     if scaler.enabled:
         record.update(loss_scale=scaler.scale_value, skipped=not stepped,
                       skipped_steps=scaler.skipped_steps)
     if skip is not None:
         record.update(skipped=True, nonfinite=skip)
     if env.device.type == "cuda":
-        record["cuda_peak_mib"] = [round(m, 1) for m in stats[:, 2].tolist()]
+        record["cuda_peak_mib"] = [round(m, 1) for m in stats[:, 3].tolist()]
     record.update(moe)
     return record
 

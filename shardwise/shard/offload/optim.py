@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.shard.offload_config import DiskUsage, Offload, OffloadStats, check_offload_dir
-from shardwise.shard.offload_disk import DiskStore
-from shardwise.shard.offload_host import HostMasters, estimate_state_bytes, tensor_nbytes
+from shardwise.shard.offload.config import DiskUsage, Offload, OffloadStats, check_offload_dir
+from shardwise.shard.offload.disk import DiskStore
+from shardwise.shard.offload.host import HostMasters, estimate_state_bytes, tensor_nbytes
 
 __all__ = ["OffloadedOptimizer"]
 

@@ -86,9 +86,11 @@ def _local_first_bad(params: list[tuple[str, torch.Tensor]]) -> tuple[int, int, 
         by_dtype.setdefault(g.dtype, []).append(j)
     first = None
     for members in by_dtype.values():
-        # inf and nan both make the norm non-finite: one fused kernel per dtype.
-        norms = torch.stack(torch._foreach_norm([grads[j] for j in members])).float().cpu()
-        bad = (~torch.isfinite(norms)).nonzero()
+        # inf and nan both make the norm non-finite: one fused kernel and one host read per
+        # dtype (this path runs only once a step's norm or loss is known to be non-finite).
+        norms = torch.stack(torch._foreach_norm([grads[j] for j in members],
+                                                dtype=torch.float32))
+        bad = (~torch.isfinite(norms)).nonzero().cpu()
         if bad.numel():
             j = members[int(bad[0])]
             first = j if first is None else min(first, j)
@@ -119,19 +121,22 @@ def find_nonfinite_grads(model: nn.Module, loss: float | None = None,
     params = list(model.named_parameters())
     index, kind, count = _local_first_bad(params)
     loss_bad = int(loss is not None and not math.isfinite(loss))
-    mine = torch.tensor([index, kind, count, loss_bad], dtype=torch.int64)
-    loss_t = torch.tensor([math.nan if loss is None else loss], dtype=torch.float64)
+    device = comm.group_device(group)  # [Note: device check]
+    mine = torch.tensor([index, kind, count, loss_bad], dtype=torch.int64, device=device)
+    loss_t = torch.tensor([math.nan if loss is None else loss], dtype=torch.float64,
+                          device=device)
     n = comm.group_size(group)
     if n > 1:
-        table = torch.empty(n * 4, dtype=torch.int64)
+        table = torch.empty(n * 4, dtype=torch.int64, device=device)
         comm.all_gather_into_tensor(table, mine, group, label="nonfinite.check")
-        table = table.view(n, 4)
-        losses = torch.empty(n, dtype=torch.float64)
+        table = table.view(n, 4).cpu()
+        losses = torch.empty(n, dtype=torch.float64, device=device)
         if bool(table[:, 3].any()):  # only then: the losses, for the message
             comm.all_gather_into_tensor(losses, loss_t, group, label="nonfinite.losses")
+        losses = losses.cpu()
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     else:
-        table, losses, ranks = mine.view(1, 4), loss_t, [0]
+        table, losses, ranks = mine.view(1, 4).cpu(), loss_t.cpu(), [0]
     first = int(table[:, 0].min())
     loss_at = [i for i in range(n) if table[i, 3]]
     loss_ranks = tuple(ranks[i] for i in loss_at)

@@ -9,10 +9,10 @@ ZeRO-Infinity style) around ANY ``torch.optim`` optimizer.
         for batch in loader:
             loss_fn(model(batch)).backward(); opt.step(); sched.step(); opt.zero_grad()
 
-Modules: this one (the notes and ``offload_optimizer``), ``offload_config`` (the policy and
-its directory checks), ``offload_optim`` (the wrapper), ``offload_disk`` (the per-rank file
+Modules: this one (the notes and ``offload_optimizer``), ``config`` (the policy and
+its directory checks), ``optim`` (the wrapper), ``disk`` (the per-rank file
 and its I/O thread; files are removed on close, garbage collection and exit, and orphans of
-killed processes by the next run: [Note: cleanup]), ``offload_host`` (state sizing, host
+killed processes by the next run: [Note: cleanup]), ``host`` (state sizing, host
 masters).
 
 [Note: offload design]
@@ -33,7 +33,7 @@ fp32 masters and optimizer state live in host memory and the step runs there wit
 optimizer's foreach kernels (``Offload.foreach`` sets ``foreach=True`` on groups that left
 it unset; bitwise equal to the default on CPU). For a parameter on an accelerator the
 wrapper keeps a host master (pinned) in the optimizer in its place (see HostMasters in
-offload_host.py): per chunk, gradients are copied device-to-host on a side stream, the
+host.py): per chunk, gradients are copied device-to-host on a side stream, the
 host steps the chunk while the next chunk's gradients are in flight, and the updated
 masters are copied host-to-device, overlapping the next chunk's step; the device's next
 forward is ordered after those copies without blocking the host. ``budget_bytes`` caps
@@ -43,7 +43,7 @@ an accelerator the parameters already are host tensors: CPU offload degenerates 
 pass-through that calls the wrapped optimizer's ``step()`` once, with no copy.
 
 [Note: disk offload]
-Optimizer state lives in one file per rank (see [Note: disk layout] in offload_disk.py) and
+Optimizer state lives in one file per rank (see [Note: disk layout] in disk.py) and
 streams through RAM one chunk at a time: the chunk's state is read into one buffer, the
 chunk steps, its state is queued for write-back and dropped from ``optimizer.state``.
 With ``prefetch`` a chunk holds at most half of ``buffer_mb`` so that the next chunk's
@@ -79,9 +79,10 @@ import shutil
 import torch
 from torch import nn
 
-from shardwise.shard.offload_config import (DiskUsage, Offload, OffloadStats, check_offload_dir,
+from shardwise.shard.offload.config import (DiskUsage, Offload, OffloadStats, check_offload_dir,
                                             local_ranks)
-from shardwise.shard.offload_optim import OffloadedOptimizer
+from shardwise.shard.offload.optim import OffloadedOptimizer
+from shardwise.shard.registry import engine_states
 
 __all__ = ["Offload", "OffloadedOptimizer", "OffloadStats", "offload_optimizer", "policy_of",
            "check_offload_dir", "local_ranks"]
@@ -90,8 +91,6 @@ __all__ = ["Offload", "OffloadedOptimizer", "OffloadStats", "offload_optimizer",
 def policy_of(model: nn.Module) -> Offload | None:
     """The :class:`Offload` given to ``shardwise.shard(model, ..., offload=...)``, if any (the
     engine keeps it as its state's ``offload`` attribute)."""
-    from shardwise.shard.api import engine_states  # lazy: the engine imports this module
-
     found = {id(p): p for p in (getattr(s, "offload", None) for s in engine_states(model))
              if p is not None}
     if len(found) > 1:

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from shardwise.shard.offload_host import aligned, tensor_nbytes
+from shardwise.shard.offload.host import aligned, tensor_nbytes
 
 __all__ = ["DiskStore", "IOStats", "RUN_PREFIX", "remove_orphans"]
 

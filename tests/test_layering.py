@@ -1,0 +1,119 @@
+"""The package's dependencies run one way, bottom up (shared/DESIGN.md, issue 10).
+
+quant, models, data  ->  distributed  ->  shard  ->  parallel  ->  checkpoint  ->  planner  ->
+train. Every import a module makes (at module level or inside a function) may only reach its
+own floor or one below; module-level imports form no cycle; and the core import path
+(``import shardwise``) never imports the trainer or ``tomllib`` (which Python 3.10 lacks).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import shardwise
+
+ROOT = Path(shardwise.__file__).parent
+FLOORS = {"quant": 0, "models": 0, "data": 0, "distributed": 1, "shard": 2, "parallel": 3,
+          "checkpoint": 4, "planner": 5, "train": 6}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(p) for p in ROOT.rglob("*.py")}
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported shardwise module, line, at module level) for every import in ``path``;
+    ``from package import submodule`` counts as importing the submodule."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            names = [n for n in subs if n in MODULES]
+            if len(names) < len(subs):
+                names.append(node.module)
+        for name in names:
+            if name.startswith("shardwise."):
+                out.append((name, node.lineno, id(node) in top))
+    return out
+
+
+def _floor(module: str) -> int | None:
+    parts = module.split(".")
+    return FLOORS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_imports_only_reach_down():
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        me = _module(path)
+        mine = _floor(me)
+        if mine is None:  # shardwise/__init__.py and shardwise/testing/: above everything
+            continue
+        for name, line, _ in _imports(path):
+            theirs = _floor(name)
+            if theirs is not None and theirs > mine:
+                wrong.append(f"{me}:{line} imports {name} (floor {theirs} > {mine})")
+    assert not wrong, "imports that reach up a floor:\n" + "\n".join(wrong)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for m, path in modules.items():
+        for name, _, top_level in _imports(path):
+            if top_level and name in modules and name != m:
+                graph[m].add(name)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_module_level_imports_form_no_cycle():
+    cycle = _cycle(_graph())
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_import_shardwise_needs_neither_the_trainer_nor_tomllib():
+    code = ("import sys; import shardwise, shardwise.shard, shardwise.distributed, "
+            "shardwise.checkpoint, shardwise.parallel, shardwise.models; "
+            "bad = [m for m in sys.modules if m == 'tomllib' or m.startswith('shardwise.train')]; "
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", out
