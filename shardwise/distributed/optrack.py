@@ -39,6 +39,8 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from shardwise.distributed.device_watch import DeviceWatch, probe_for
+
 __all__ = ["Op", "GroupInfo", "OpTracker", "op_dict", "fingerprint_text"]
 
 _MASK = (1 << 61) - 1
@@ -128,6 +130,8 @@ class OpTracker:
         self._fp_cache: dict[tuple, int] = {}
         self.check: Callable[[Op, GroupInfo], None] | None = None
         """Debug mode: called before every collective; raises when the ranks disagree."""
+        self.device = DeviceWatch()
+        """Collectives queued on a GPU stream ([Note: watchdog on NCCL])."""
         self.fault: Callable[[str, str], str | None] | None = None
         """Fault injection, ``(kind, label) -> "skip" | None``: "skip" drops the collective
         on this rank as if the code never called it."""
@@ -178,15 +182,22 @@ class OpTracker:
                 work = fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - a broken group fails at issue
                 raise self.on_error(_op(*op), exc) from exc
+            probe = probe_for(work, tensor)
+            if probe is not None:
+                self.device.add(op, probe)
             return _Watched(work, op, self) if work is not None else None
         blocked, tid = self.blocked, get_ident()
         blocked[tid] = (op, monotonic())
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised as the watchdog's diagnosis
             raise self.on_error(_op(*op), exc) from exc
         finally:
             del blocked[tid]
+        probe = probe_for(None, tensor)
+        if probe is not None:
+            self.device.add(op, probe)
+        return result
 
     def wait(self, work, op: tuple) -> bool:
         """Wait for an asynchronous collective, marked as blocked meanwhile."""
@@ -210,6 +221,12 @@ class OpTracker:
             if best is None or now - since > best[2]:
                 best = (tid, _op(*op), now - since)
         return best
+
+    def oldest_on_device(self) -> tuple[Op, float] | None:
+        """(op, seconds since issue) of the oldest GPU collective not yet complete, or None
+        ([Note: watchdog on NCCL])."""
+        oldest = self.device.oldest()
+        return (_op(*oldest[0]), oldest[1]) if oldest is not None else None
 
     def snapshot(self, recent: int = 32) -> dict[str, Any]:
         """This rank's progress, JSON-ready: next seq and kept hashes per group, recent ops."""

@@ -57,6 +57,8 @@ class BufferPool:
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D buffer of ``numel`` elements (contents undefined)."""
         key = (int(numel), dtype, torch.device(device))
+        if key[2].type != "cpu":  # the CUDA caching allocator serves ([Note: CUDA streams])
+            return torch.empty(key[0], dtype=dtype, device=key[2])
         size = key[0] * dtype.itemsize
         with self._lock:
             self.in_use_bytes += size
@@ -73,7 +75,7 @@ class BufferPool:
 
     def give(self, buf: torch.Tensor | None) -> None:
         """Return ``buf`` (taken from :meth:`take`, no longer used anywhere) for reuse."""
-        if buf is None or buf.device.type == "meta":
+        if buf is None or buf.device.type != "cpu":
             return
         key = (buf.numel(), buf.dtype, buf.device)
         size = _nbytes(buf)

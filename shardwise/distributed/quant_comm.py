@@ -48,7 +48,8 @@ class QuantizedWork:
     """
 
     def __init__(self, work, finish: Callable[[], None], *buffers: torch.Tensor) -> None:
-        self.work, self._finish, self._buffers = work, finish, buffers
+        self.work, self._finish = work, finish
+        self._buffers = tuple(b for b in buffers if b is not None)
         self.trailers: torch.Tensor | None = None
         """All-gather with a ``trailer``: every rank's trailer bytes, ``(n, len)``, valid
         after :meth:`wait`."""
@@ -58,7 +59,9 @@ class QuantizedWork:
             if self.work is not None:
                 self.work.wait()
             self._finish()
-            self.work, self._finish, self._buffers = None, None, ()
+            # The buffers stay referenced by the handle: on CUDA the decode just queued on
+            # the compute stream still reads them (see [Note: CUDA streams] in the engine).
+            self.work, self._finish = None, None
         return True
 
     def is_completed(self) -> bool:
@@ -138,7 +141,7 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
                if comm.all_gather_needs_scratch(group) else None)
     pending = comm.all_gather_into_tensor(recv, send, group, label=label, async_op=True,
                                           scratch=scratch)
-    handle = QuantizedWork(pending, lambda: None)
+    handle = QuantizedWork(pending, lambda: None, send, recv, scratch)
 
     def decode() -> None:
         rows = recv.view(n, row)
@@ -203,7 +206,7 @@ def reduce_scatter_quantized(output: torch.Tensor, full: torch.Tensor, group=Non
         POOL.give(send)
         POOL.give(recv)
 
-    return _finish(QuantizedWork(pending, reduce), async_op)
+    return _finish(QuantizedWork(pending, reduce, send, recv), async_op)
 
 
 def _sum_pieces(q: QuantizedTensor, output: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.distributed import comm
+from shardwise.distributed.device_watch import abort_communicators
 from shardwise.distributed.diagnosis import compose, short_group
 from shardwise.distributed.optrack import GroupInfo, Op, OpTracker, fingerprint_text
 from shardwise.distributed.stacks import (
@@ -166,6 +167,13 @@ class Watchdog:
             return "timeout", (f"{fingerprint_text(op.kind, op.label, op.shape, op.dtype)} "
                                f"(seq {op.seq} of group {short_group(op.group)}) waited on for "
                                f"{blocked[2]:.1f} s (timeout {self.config.timeout_s:g} s)")
+        on_device = self.tracker.oldest_on_device()  # [Note: watchdog on NCCL]
+        if on_device is not None and on_device[1] > limit:
+            op = on_device[0]
+            return "timeout", (f"{fingerprint_text(op.kind, op.label, op.shape, op.dtype)} "
+                               f"(seq {op.seq} of group {short_group(op.group)}) has not "
+                               f"completed on the GPU {on_device[1]:.1f} s after it was issued "
+                               f"(timeout {self.config.timeout_s:g} s)")
         return None
 
     def _check_marks(self, store) -> tuple[str, str] | None:
@@ -369,7 +377,8 @@ class Watchdog:
 
 
 def _hard_exit(err: CollectiveError) -> None:
-    """Report through stderr and torchelastic's error file, then end the process."""
+    """Report through stderr and torchelastic's error file, abort the NCCL communicators
+    (work stuck on them fails instead of waiting for NCCL's timeout), end the process."""
     text = err.report if err.reporter else (
         f"rank {err.rank}: stopped by the shardwise watchdog (report printed by another rank)"
         f"\n{err.report.splitlines()[0]}")
@@ -380,5 +389,6 @@ def _hard_exit(err: CollectiveError) -> None:
         ErrorHandler().record_exception(CollectiveError(err.report, err.rank, err.reporter))
     except Exception:  # noqa: BLE001 - best effort; stderr already has it
         pass
+    abort_communicators()
     os._exit(1)
 

@@ -36,6 +36,7 @@ from shardwise.shard.offload import guard_unwrapped_steps
 from shardwise.shard.registry import attach_state, engine_states, is_sharded
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
+from shardwise.shard.streams import CommStreams
 from shardwise.shard.state_dict import register_state_dict_hooks
 from shardwise.shard.unit import Unit
 
@@ -115,8 +116,10 @@ def _build_units(module, plans, groups, stage, tracker, init_weights, sync_state
         device = (target or torch.device("cpu")) if do_materialize else torch.device("meta")
     node = node_group(groups, quant.hierarchy) if quant and quant.hierarchy else None
     state_id, names = next_state_id(), {}
+    real = next((e.param.device for p in plans for e in p.entries), torch.device("cpu"))
+    streams = CommStreams(device if device is not None and device.type != "meta" else real)
     units = [Unit(p.name, p.module, p.entries, groups, stage, tracker, device, mp, node, quant,
-                  UnitTag(state_id, i, p.name or "<root>", names))
+                  UnitTag(state_id, i, p.name or "<root>", names), streams)
              for i, p in enumerate(plans)]
     where = {id(e.param): (u, i) for u in units for i, e in enumerate(u.entries)}
     if is_meta and not do_materialize:

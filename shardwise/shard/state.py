@@ -86,6 +86,7 @@ class ShardState:
         self._pre_order: list[Unit] = []
         self._post_order: list[Unit] = []
         self._seen: set[int] = set()          # units run in the current forward pass
+        self._in_forward = False              # between the root's pre- and post-hooks
         self._backward_started = False
         self._handles = []
         for u in units:
@@ -93,6 +94,9 @@ class ShardState:
             self._handles.append(u.module.register_forward_pre_hook(
                 self._make_pre_forward(u), prepend=True))
             self._handles.append(u.module.register_forward_hook(self._make_post_forward(u)))
+            if u is root:  # runs even when the forward raises: the modules get shards back
+                self._handles.append(u.module.register_forward_hook(
+                    self._finish_forward, always_call=True))
             for full in u.full_params[:len(u.trainable)]:
                 self._handles.append(full.register_post_accumulate_grad_hook(
                     self._make_on_grad(u)))
@@ -107,6 +111,10 @@ class ShardState:
             grad = torch.is_grad_enabled()
             if u is self.root:
                 self._begin_forward(grad)
+                for other in self.units:  # [Note: ungathered placeholders]
+                    if other is not u:
+                        other.swap_out(placeholders=True)
+                self._in_forward = True
             self._seen.add(id(u))
             if grad:
                 if u not in self._pre_order:
@@ -123,7 +131,7 @@ class ShardState:
         def hook(module, args, output):
             if in_backward():
                 return None
-            u.swap_out()
+            u.swap_out(placeholders=self._in_forward and u is not self.root)
             if torch.is_grad_enabled():
                 if u in self._post_order:
                     self._post_order.remove(u)
@@ -134,10 +142,18 @@ class ShardState:
                     u.reshard()
             elif self.stage == 3:
                 u.reshard()
-            if u is self.root:
-                self._end_forward()
             return None
         return hook
+
+    def _finish_forward(self, module, args, output) -> None:
+        """The root's forward ended (returned or raised): shards back in every module, and
+        gathers of prefetched units that did not run are discarded."""
+        if in_backward():
+            return
+        self._in_forward = False
+        for u in self.units:
+            u.swap_out()
+        self._end_forward()
 
     def _begin_forward(self, grad: bool) -> None:
         self._seen = set()

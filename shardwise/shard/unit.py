@@ -44,6 +44,8 @@ from shardwise.distributed.pool import POOL
 from shardwise.shard.identity import TAG_BYTES, UnitTag
 from shardwise.shard.layout import UnitLayout, build_layout
 from shardwise.shard.memory import MemoryTracker
+from shardwise.shard.streams import CommStreams
+from shardwise.shard.ungathered import UngatheredParameter
 from shardwise.shard.precision import MixedPrecision
 from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.unit_grads import GradientReducer, nbytes as _nbytes
@@ -93,6 +95,7 @@ class Unit(GradientReducer):
         quant: quantised communication of weights and / or gradients.
         tag: the unit's identity, sent with every gather ([Note: gather identity]);
             default: a tag of shard call 0, unit 0.
+        streams: where collectives run ([Note: CUDA streams]); default: the device's own.
     """
 
     def __init__(self, name: str, module: nn.Module, entries: list[ParamEntry],
@@ -100,7 +103,7 @@ class Unit(GradientReducer):
                  device: torch.device | None = None,
                  mixed_precision: MixedPrecision | None = None,
                  node: NodeGroup | None = None, quant: CommQuant | None = None,
-                 tag: UnitTag | None = None) -> None:
+                 tag: UnitTag | None = None, streams: CommStreams | None = None) -> None:
         self.name, self.module, self.groups, self.stage = name, module, groups, stage
         self.tracker = tracker
         self.entries = sorted(entries, key=lambda e: not e.trainable)  # stable: trainable first
@@ -118,6 +121,7 @@ class Unit(GradientReducer):
             self.device = torch.device("cpu")
         self.label = name or "<root>"
         self.tag = tag or UnitTag(0, 0, self.label, {})
+        self.streams = streams or CommStreams(self.device)
         self.state = Gather.SHARDED
         self.gathered_version = -1
         self.stale = True  # stages 1/2: shards changed (or will) since the last gather
@@ -163,6 +167,9 @@ class Unit(GradientReducer):
             self.full_blocks.append(block.view(n, p.padded_numel))
             full = nn.Parameter(block[:p.numel].view(p.shape), requires_grad=e.trainable)
             self.full_params.append(full)
+        # [Note: ungathered placeholders]
+        self.placeholders = [UngatheredParameter(full, self.label, e.fqns[0])
+                             for e, full in zip(self.entries, self.full_params)]
         if self.device.type != "meta":
             self.full_buf.untyped_storage().resize_(0)  # allocated on first gather
 
@@ -204,7 +211,7 @@ class Unit(GradientReducer):
                              f"materialize=False: it can be inspected and planned, not run")
         st = self.full_buf.untyped_storage()
         if st.nbytes() == 0:
-            if _CAN_SWAP:  # [Note: freeing gathered parameters]
+            if _CAN_SWAP and self.device.type == "cpu":  # [Note: freeing gathered parameters]
                 self._full_donor = POOL.take(self.layout.full_numel, self.compute_dtype,
                                              self.device)
                 st._swap_data_ptr_(self._full_donor.untyped_storage())
@@ -234,6 +241,10 @@ class Unit(GradientReducer):
             self.state = Gather.GATHERED
             return
         self.state = Gather.GATHERING
+        with self.streams.side("gather"):  # [Note: CUDA streams]
+            self._issue_gather()
+
+    def _issue_gather(self) -> None:
         if self.secondary is not None:
             self._gather(self.secondary, self.node.group, "secondary_all_gather", True)
             return
@@ -285,13 +296,14 @@ class Unit(GradientReducer):
 
     def _release_gather(self) -> None:
         self.tracker.sub("comm", _nbytes(self.gather_tmp) + _nbytes(self.gather_scratch))
-        POOL.give(self.gather_tmp)  # [Note: buffer pool]: the gather has completed
-        POOL.give(self.gather_scratch)
-        self.gather_scratch = None
-        if self.gather_in is not None and self.gather_in is not self.send_buf:
-            self.tracker.sub("comm", _nbytes(self.gather_in))
-            POOL.give(self.gather_in)
+        staged = self.gather_in if self.gather_in is not self.send_buf else None
+        self.tracker.sub("comm", _nbytes(staged))
+        # [Note: buffer pool] / [Note: CUDA streams]: the gather has completed and the copy-out
+        # is queued, so its buffers can serve again.
+        self.streams.release("gather", self.gather_tmp, self.gather_scratch, staged,
+                             self.gather_work)
         self.gather_work, self.gather_tmp, self.gather_in = None, None, None
+        self.gather_scratch = None
 
     def _drain(self) -> None:
         """Complete a gather in flight and discard what it brought (not copied anywhere)."""
@@ -359,7 +371,7 @@ class Unit(GradientReducer):
             self.state = Gather.SHARDED
             return
         self.tracker.sub("unsharded", st.nbytes())
-        if self._full_donor is not None:
+        if self._full_donor is not None:  # CPU: give the pooled bytes back
             st._swap_data_ptr_(self._full_donor.untyped_storage())
             POOL.give(self._full_donor)
             self._full_donor = None
@@ -373,8 +385,15 @@ class Unit(GradientReducer):
             for mod, attr in e.registrations:
                 mod._parameters[attr] = full
 
-    def swap_out(self) -> None:
-        """Register the sharded parameters in their modules again (between steps)."""
+    def swap_out(self, placeholders: bool = False) -> None:
+        """Register the sharded parameters in their modules again (between steps), or, during
+        the model's forward, placeholders that name any use ([Note: ungathered
+        placeholders])."""
+        if placeholders:
+            for e, ph in zip(self.entries, self.placeholders):
+                for mod, attr in e.registrations:
+                    mod._parameters[attr] = ph
+            return
         for e in self.entries:
             for mod, attr in e.registrations:
                 mod._parameters[attr] = e.param

@@ -71,34 +71,40 @@ class GradientReducer:
             self.grad_views = self._views_of(self.grad_buf)
 
     def launch_reduce(self) -> None:
-        """Issue the reduce-scatter of the packed gradients (async)."""
+        """Issue the reduce-scatter of the packed gradients (async; on CUDA on the reduce
+        stream, [Note: CUDA streams])."""
         if self.reduce_in is None:
             return
         # Direct: nobody holds gradients, so the result can become them without an add.
         self._direct = all(e.param.grad is None for e in self.trainable)
         self._ensure_grad_buf()
-        if self._direct and self.reduce_dtype == self.dtype:
-            self.reduce_out = self.grad_buf
-        else:
-            self.reduce_out = POOL.take(self.layout.grad_numel, self.reduce_dtype, self.device)
-            self.tracker.add("comm", nbytes(self.reduce_out))
-        if (self.layout.world > 1 and not self.quant.grads
-                and comm.reduce_scatter_needs_scratch(self.groups.shard)):
-            # [Note: reduce-scatter on Gloo]
-            self.reduce_scratch = POOL.take(self.reduce_in.numel(), self.reduce_in.dtype,
-                                            self.device)
-            self.tracker.add("comm", nbytes(self.reduce_scratch))
         if self.layout.world == 1:  # nothing to scatter (stage 0 as units, one-rank groups)
+            self.reduce_out = self._reduce_output()
             self.reduce_out.copy_(self.reduce_in)
             return
-        if self.quant.grads:  # quantised pieces exchanged, summed in fp32 (no re-quantising)
-            self.reduce_work = reduce_scatter_quantized(
-                self.reduce_out, self.reduce_in, self.groups.shard, self.quant.grads,
-                self.quant.block_size, label=f"{self.label}.reduce_scatter", async_op=True)
-            return
-        self.reduce_work = comm.reduce_scatter_tensor(
-            self.reduce_out, self.reduce_in, self.groups.shard,
-            label=f"{self.label}.reduce_scatter", async_op=True, scratch=self.reduce_scratch)
+        with self.streams.side("reduce"):
+            self.reduce_out = self._reduce_output()
+            if not self.quant.grads and comm.reduce_scatter_needs_scratch(self.groups.shard):
+                # [Note: reduce-scatter on Gloo]
+                self.reduce_scratch = POOL.take(self.reduce_in.numel(), self.reduce_in.dtype,
+                                                self.device)
+                self.tracker.add("comm", nbytes(self.reduce_scratch))
+            label = f"{self.label}.reduce_scatter"
+            if self.quant.grads:  # quantised pieces exchanged, summed in fp32 (no re-quantising)
+                self.reduce_work = reduce_scatter_quantized(
+                    self.reduce_out, self.reduce_in, self.groups.shard, self.quant.grads,
+                    self.quant.block_size, label=label, async_op=True)
+            else:
+                self.reduce_work = comm.reduce_scatter_tensor(
+                    self.reduce_out, self.reduce_in, self.groups.shard, label=label,
+                    async_op=True, scratch=self.reduce_scratch)
+
+    def _reduce_output(self) -> torch.Tensor:
+        if self._direct and self.reduce_dtype == self.dtype:
+            return self.grad_buf
+        out = POOL.take(self.layout.grad_numel, self.reduce_dtype, self.device)
+        self.tracker.add("comm", nbytes(out))
+        return out
 
     def finish_reduce(self) -> None:
         """Wait for the reduction, average, and expose the result as the shards' ``.grad``."""
@@ -106,14 +112,11 @@ class GradientReducer:
             return
         if self.reduce_work is not None:
             self.reduce_work.wait()
-        self.tracker.sub("comm", nbytes(self.reduce_in) + nbytes(self.reduce_scratch))
-        POOL.give(self.reduce_in)  # [Note: buffer pool]: the collective has completed
-        POOL.give(self.reduce_scratch)
-        self.reduce_scratch = None
         out = self.reduce_out
         if self.groups.replicate is not None:
             comm.all_reduce(out, self.groups.replicate, label=f"{self.label}.all_reduce")
         out.div_(self.groups.dp_size)
+        staged_out = None
         if out is not self.grad_buf:
             if self._direct:
                 self.grad_buf.copy_(out)
@@ -123,10 +126,16 @@ class GradientReducer:
                         e.param.grad = v.to(self.dtype, copy=True)
                     else:
                         e.param.grad.add_(v)
-            self.tracker.sub("comm", nbytes(out))
-            POOL.give(out)
+            staged_out = out
         if self._direct:
             for e, v in zip(self.trainable, self.grad_views):
                 e.param.grad = v
+        self.tracker.sub("comm", nbytes(self.reduce_in) + nbytes(self.reduce_scratch)
+                         + nbytes(staged_out))
+        # [Note: buffer pool] / [Note: CUDA streams]: the collective has completed and its
+        # results are consumed (queued on the compute stream).
+        self.streams.release("reduce", self.reduce_in, self.reduce_scratch, staged_out,
+                             self.reduce_work)
+        self.reduce_scratch = None
         self.reduce_work, self.reduce_in, self.reduce_out = None, None, None
         self.stale = True

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the tomli backport (a dependency there)
+    import tomli as tomllib
 
 from shardwise.train import config_io
 

@@ -1,0 +1,84 @@
+"""Where a unit's collectives run, and when their staging buffers may be reused.
+
+[Note: CUDA streams] On a GPU, a unit's all-gathers run on one side stream and its
+reduce-scatters on another, so that communication overlaps the compute stream (FSDP2's
+layout). The side stream first waits for the compute stream (the shards or the packed
+gradients are written there), NCCL's ``wait()`` makes the compute stream wait for the
+collective, and the compute stream then copies the result out. A staging buffer allocated on
+a side stream and read by the compute stream must not be reused by the next allocation on
+that side stream before the compute stream has read it; instead of ``record_stream`` (which
+delays frees non-deterministically), :meth:`CommStreams.release` records an event on the
+compute stream and keeps the buffers referenced until the side stream's next use, which
+first waits for that event: the memory is then free in the side stream's order, exactly
+when it is safe, as FSDP2 does. On CUDA the caching allocator serves every buffer (the
+engine's pool is for the CPU heap, [Note: buffer pool]).
+
+On the CPU every method is a pass-through: collectives are issued from the calling thread
+and buffers go straight back to the pool once their collective has completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from shardwise.distributed.pool import POOL
+
+__all__ = ["CommStreams"]
+
+KINDS = ("gather", "reduce")
+
+
+class CommStreams:
+    """The all-gather and reduce-scatter streams of one device (see [Note: CUDA streams]).
+
+    Args:
+        device: the device the units' buffers live on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._streams: dict[str, Any] = {}
+        self._pending: dict[str, list[tuple[Any, tuple]]] = {k: [] for k in KINDS}
+
+    def _stream(self, kind: str):
+        s = self._streams.get(kind)
+        if s is None:
+            s = self._streams[kind] = torch.cuda.Stream(self.device)
+        return s
+
+    @contextlib.contextmanager
+    def side(self, kind: str) -> Iterator[None]:
+        """Issue a collective of ``kind`` ("gather" or "reduce") inside this context: on
+        CUDA on its side stream, after the compute stream's work so far and after the
+        compute stream has finished with the buffers released earlier."""
+        if not self.cuda:
+            yield
+            return
+        stream = self._stream(kind)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for event, _ in self._pending[kind]:
+            stream.wait_event(event)
+        self._pending[kind].clear()  # freed now, in the side stream's order
+        with torch.cuda.stream(stream):
+            yield
+
+    def release(self, kind: str, *held: Any) -> None:
+        """The collective of ``kind`` has completed and the compute stream has queued its
+        last use of ``held`` (tensors, work handles): return them for reuse.
+
+        CPU: pooled tensors go back to the pool at once. CUDA: they stay referenced until
+        the side stream's next use, which waits for the compute stream first.
+        """
+        if not self.cuda:
+            for t in held:
+                if isinstance(t, torch.Tensor):
+                    POOL.give(t)
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._pending[kind].append((event, held))
