@@ -59,7 +59,8 @@ def _run_cases(cases):
 def test_model_state_bytes_equal_memory_report(world):
     results = run_ranks(_run_cases, world, args=(CASES,), timeout_s=120)
     for rank, reports in results:
-        for (stage, dtype, opt_name, tie), (params, grads, opt, _) in zip(CASES, reports):
+        for case, (params, grads, opt, _) in zip(CASES, reports, strict=True):
+            stage, dtype, opt_name, tie = case
             spec = from_llama_config(get_model_config("debug", **SHAPE, tie_embeddings=tie))
             cb = 2 if dtype else 4
             want = state_bytes([tuple(u) for u in spec.unit_shapes()], world, zero=stage,
@@ -72,7 +73,7 @@ def test_step_collective_bytes_equal_comm_stats():
     """One forward + backward moves the bytes the planner's byte model prices."""
     results = run_ranks(_run_cases, 2, args=(CASES,), timeout_s=120)
     for rank, reports in results:
-        for (stage, dtype, _, tie), (*_, stats) in zip(CASES, reports):
+        for (stage, dtype, _, tie), (*_, stats) in zip(CASES, reports, strict=True):
             spec = from_llama_config(get_model_config("debug", **SHAPE, tie_embeddings=tie))
             want = comm_model.step_bytes(spec, world=2, zero=stage, param_bytes=4,
                                          compute_bytes=2 if dtype else 4, microbatches=1)

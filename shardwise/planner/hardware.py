@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -52,8 +52,12 @@ class Hardware:
     hbm_bytes: float
     hbm_bandwidth: float
     gpus_per_node: int
-    intra: Link
-    inter: Link
+    intra_peak: Link
+    """NVLink / Infinity Fabric per GPU and direction, as the datasheet gives it."""
+    inter_peak: Link
+    """Network per GPU and direction, as the datasheet gives it."""
+    intra_efficiency: float
+    inter_efficiency: float
     pcie_bandwidth: float
     host_bandwidth: float
     host_bytes: float
@@ -63,6 +67,15 @@ class Hardware:
     """FLOPs of a matrix multiply that reaches half of ``matmul_max``."""
     memory_efficiency: float
     fitted_on: str = ""
+    intra: Link = field(init=False, repr=False, compare=False)
+    """Achievable intra-node link: datasheet bandwidth x ``intra_efficiency``."""
+    inter: Link = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "intra", Link(self.intra_peak.bandwidth * self.intra_efficiency,
+                                               self.intra_peak.latency))
+        object.__setattr__(self, "inter", Link(self.inter_peak.bandwidth * self.inter_efficiency,
+                                               self.inter_peak.latency))
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (fp8 falls back to bf16 where unsupported).
@@ -126,14 +139,7 @@ def _merge_tables(tables: list[dict]) -> tuple[dict[str, dict], dict[str, dict]]
     return devices, families
 
 
-def load_catalogue(extra: str | Path | None = None,
-                   calibration: str | Path | None = None) -> dict[str, Hardware]:
-    """Every device: the packaged catalogue, then ``extra`` (a user TOML), then the
-    calibration file's ``local`` entry if it exists.
-
-    Raises:
-        ValueError: a missing or malformed file, an unknown key, a bad ``base`` or family.
-    """
+def _tables(extra, calibration, extra_tables) -> list[dict]:
     text = resources.files("shardwise.planner").joinpath("data/hardware.toml").read_text()
     tables = [tomllib.loads(text)]
     if extra is not None:
@@ -141,7 +147,18 @@ def load_catalogue(extra: str | Path | None = None,
     cal = Path(calibration) if calibration is not None else default_calibration_path()
     if cal.is_file():
         tables.append(_read_toml(cal, "calibration file"))
-    devices, families = _merge_tables(tables)
+    return tables + list(extra_tables or [])
+
+
+def load_catalogue(extra: str | Path | None = None, calibration: str | Path | None = None,
+                   extra_tables: list[dict] | None = None) -> dict[str, Hardware]:
+    """Every device: the packaged catalogue, then ``extra`` (a user TOML), then the
+    calibration file's ``local`` entry if it exists, then ``extra_tables`` (parsed TOML).
+
+    Raises:
+        ValueError: a missing or malformed file, an unknown key, a bad ``base`` or family.
+    """
+    devices, families = _merge_tables(_tables(extra, calibration, extra_tables))
     return {name: _build(name, devices, families) for name in devices}
 
 
@@ -170,14 +187,15 @@ def _build(name: str, devices: dict[str, dict], families: dict[str, dict]) -> Ha
                          f"table and the entry does not give {', '.join(_FAMILY_KEYS)}")
     fam.update({k: e[k] for k in _FAMILY_KEYS if k in e})
     try:
-        intra_eff, inter_eff = fam["intra_efficiency"], fam["inter_efficiency"]
         return Hardware(
             name=name, description=e.get("description", name), family=e.get("family", ""),
             peak_flops={k: float(v) * 1e12 for k, v in e["peak_tflops"].items()},
             hbm_bytes=float(e["hbm_gib"]) * _GIB, hbm_bandwidth=float(e["hbm_gbs"]) * 1e9,
             gpus_per_node=int(e["gpus_per_node"]),
-            intra=Link(float(e["intra_gbs"]) * 1e9 * intra_eff, float(e["intra_latency_us"]) * 1e-6),
-            inter=Link(float(e["inter_gbs"]) * 1e9 * inter_eff, float(e["inter_latency_us"]) * 1e-6),
+            intra_peak=Link(float(e["intra_gbs"]) * 1e9, float(e["intra_latency_us"]) * 1e-6),
+            inter_peak=Link(float(e["inter_gbs"]) * 1e9, float(e["inter_latency_us"]) * 1e-6),
+            intra_efficiency=float(fam["intra_efficiency"]),
+            inter_efficiency=float(fam["inter_efficiency"]),
             pcie_bandwidth=float(e["pcie_gbs"]) * 1e9, host_bandwidth=float(e["host_gbs"]) * 1e9,
             host_bytes=float(e["host_gib"]) * _GIB, reserved_bytes=float(e["reserved_gib"]) * _GIB,
             matmul_max=float(fam["matmul_max"]),
@@ -188,12 +206,8 @@ def _build(name: str, devices: dict[str, dict], families: dict[str, dict]) -> Ha
         raise ValueError(f"hardware {name!r}: missing key {exc.args[0]!r}") from None
 
 
-def _aliases(catalogue: dict[str, Hardware], extra, calibration) -> dict[str, str]:
-    text = resources.files("shardwise.planner").joinpath("data/hardware.toml").read_text()
-    tables = [tomllib.loads(text)]
-    if extra is not None:
-        tables.append(_read_toml(Path(extra), "--hardware-config"))
-    devices, _ = _merge_tables(tables)
+def _aliases(extra, calibration, extra_tables) -> dict[str, str]:
+    devices, _ = _merge_tables(_tables(extra, calibration, extra_tables))
     out = {}
     for name, entry in devices.items():
         for alias in entry.get("aliases", []):
@@ -208,14 +222,21 @@ def list_hardware(extra: str | Path | None = None) -> list[str]:
 
 
 def get_hardware(name: str, catalogue: str | Path | None = None,
-                 calibration: str | Path | None = None) -> Hardware:
+                 calibration: str | Path | None = None,
+                 extra_tables: list[dict] | None = None) -> Hardware:
     """A device by name or alias (``local``: the calibration file's entry).
+
+    Args:
+        name: device name or alias.
+        catalogue: a user TOML extending the packaged catalogue (``--hardware-config``).
+        calibration: the calibration file (default :func:`default_calibration_path`).
+        extra_tables: parsed TOML tables of further devices (validation runs use one).
 
     Raises:
         ValueError: an unknown name (with the closest one), or ``local`` before calibrating.
     """
-    devices = load_catalogue(catalogue, calibration)
-    aliases = _aliases(devices, catalogue, calibration)
+    devices = load_catalogue(catalogue, calibration, extra_tables)
+    aliases = _aliases(catalogue, calibration, extra_tables)
     key = aliases.get(name, name)
     if key in devices:
         return devices[key]

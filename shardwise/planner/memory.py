@@ -82,7 +82,7 @@ class StateBytes:
 def state_bytes(units: list[tuple[tuple[int, ...], ...]], world: int, *, zero: int,
                 rank: int = 0, param_bytes: int = 4, compute_bytes: int = 4,
                 optimizer: str = "adamw", prefetch: int = 1, accumulate: bool = False,
-                root: int | None = 0) -> StateBytes:
+                root: int | None = 0, reshard_after_forward: bool = True) -> StateBytes:
     """Bytes one rank holds for these units sharded over ``world`` ranks.
 
     Args:
@@ -96,6 +96,9 @@ def state_bytes(units: list[tuple[tuple[int, ...], ...]], world: int, *, zero: i
         prefetch: units gathered ahead of the computing one (stage 3).
         accumulate: micro-batches accumulate whole gradients before one reduction.
         root: index of the root unit in ``units`` (stage 3 keeps it gathered), or None.
+        reshard_after_forward: stage 3 frees gathered units after forward (True); False
+            keeps every unit gathered between its forward and backward (all of them at
+            the peak).
 
     Raises:
         ValueError: an unknown optimizer or stage.
@@ -114,7 +117,9 @@ def state_bytes(units: list[tuple[tuple[int, ...], ...]], world: int, *, zero: i
     grads = sum(s.shard_numel for s in states) * param_bytes
     opt = sum(s.local_numel * n_states * param_bytes + s.n_params * step for s in states)
     full = [s.full_numel * compute_bytes for s in states]
-    if zero == 3:
+    if zero == 3 and not reshard_after_forward:
+        unsharded = sum(full)
+    elif zero == 3:
         blocks = sorted((b for i, b in enumerate(full) if i != root), reverse=True)
         unsharded = (full[root] if root is not None and full else 0) + sum(blocks[:1 + prefetch])
     else:
@@ -143,7 +148,9 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name != "stage")
+        return (self.params + self.grads + self.optimizer + self.unsharded + self.full_grads
+                + self.comm + self.activations + self.logits + self.reserved
+                + self.fragmentation)
 
     def as_dict(self) -> dict[str, float]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -159,16 +159,25 @@ class ModelSpec:
         return (self._linear(h * self.hd, d) + self._linear(kv, d) + self._linear(kv, d)
                 + [(d, h * self.hd)] + ([(d,)] if self.bias else []))
 
-    def ffn_shapes(self, index: int, tp: int = 1, ep: int = 1) -> list[tuple[int, ...]]:
-        """Feed-forward weights of block ``index`` on one (tp, ep) rank."""
+    def ffn_shapes(self, index: int, tp: int = 1, ep: int = 1, experts: bool = True
+                   ) -> list[tuple[int, ...]]:
+        """Feed-forward weights of block ``index`` on one (tp, ep) rank (``experts=False``:
+        without the routed experts, which shard over the expert-data-parallel group)."""
         if not self.is_moe_layer(index):
             return self._dense_ffn(self.ffn_dim, tp)
         shapes = [(self.n_experts, self.dim)]  # router, replicated
-        for _ in range(self.n_experts // ep):
-            shapes += self._dense_ffn(self.moe_ffn_dim, tp)
+        if experts:
+            shapes += self.expert_shapes(index, tp, ep)
         if self.n_shared_experts:
             shapes += self._dense_ffn(self.n_shared_experts * self.moe_ffn_dim, tp)
         return shapes
+
+    def expert_shapes(self, index: int, tp: int = 1, ep: int = 1) -> list[tuple[int, ...]]:
+        """The routed experts of block ``index`` held by one (tp, ep) rank."""
+        if not self.is_moe_layer(index):
+            return []
+        one = self._dense_ffn(self.moe_ffn_dim, tp)
+        return [s for _ in range(self.n_experts // ep) for s in one]
 
     def _dense_ffn(self, hidden: int, tp: int) -> list[tuple[int, ...]]:
         f, d = hidden // tp, self.dim
@@ -177,10 +186,11 @@ class ModelSpec:
             return self._linear(f, d) + w2 + self._linear(f, d)
         return self._linear(f, d) + w2
 
-    def block_shapes(self, index: int, tp: int = 1, ep: int = 1) -> list[tuple[int, ...]]:
+    def block_shapes(self, index: int, tp: int = 1, ep: int = 1, experts: bool = True
+                     ) -> list[tuple[int, ...]]:
         """Every parameter of block ``index``: norm, attention, norm, feed-forward."""
         return (self._norm(tp) + self.attention_shapes(tp) + self._norm(tp)
-                + self.ffn_shapes(index, tp, ep))
+                + self.ffn_shapes(index, tp, ep, experts))
 
     def root_shapes(self, tp: int = 1, first: bool = True, last: bool = True
                     ) -> list[tuple[int, ...]]:
