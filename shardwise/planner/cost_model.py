@@ -202,6 +202,15 @@ class CostModel:
     def _shard_numel(self, shapes, world: int) -> int:
         return unit_state(tuple(shapes), world).shard_numel
 
+    def dp_collective_seconds(self, L: Layout) -> float:
+        """Seconds of one step's data-parallel collectives on the first pipeline rank,
+        overlapped or not (what a profile of its gathers and reductions adds up to)."""
+        layers = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual)[0]
+        gather, _, red, _ = self._dp_times(L, layers, True, L.pp == 1)
+        if L.zero == 3:
+            gather *= L.pp_microbatches * (2 if self.wl.reshard_after_forward else 1)
+        return gather + red
+
     def _dp_exposed(self, L: Layout, rt: RankTimes, layers, first, last) -> float:
         gather, first_g, red, last_r = self._dp_times(L, layers, first, last)
         m = L.pp_microbatches

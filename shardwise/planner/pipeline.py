@@ -3,8 +3,8 @@
 [Note: pipeline profile] The cost model needs two numbers from a pipeline schedule: how
 long the busiest rank is idle per step (the bubble) and how many micro-batches' activations
 a rank holds at its peak. Principle 4 says they must come from the schedule the executor
-runs; until the schedule generators and their simulator (shardwise.parallel.pipeline) are on
-this branch they come from the closed forms the simulator is tested against, with per-rank
+runs; until the schedule generators and their simulator (shardwise.parallel.pipeline)
+are on this branch they come from the closed forms the simulator is tested against, with per-rank
 costs ``f`` (forward of one micro-batch through all of a rank's layers), ``b`` (its
 backward) and ``w`` (the weight-gradient part of ``b``, which zero-bubble schedules defer; Qi et al.'s
 T_B is ``b - w`` here):

@@ -40,7 +40,7 @@ from shardwise.planner.stage_cost import stage_layers
 from shardwise.planner.workload import Workload
 
 __all__ = ["SearchResult", "search", "search_space", "in_search_space", "mesh_candidates",
-           "evaluate"]
+           "evaluate", "explain_empty"]
 
 _MAX_MICROBATCH = 16
 _MAX_VIRTUAL = 8
@@ -278,6 +278,32 @@ def in_search_space(layout: Layout, spec, hw, wl: Workload, gpus: int) -> bool:
              if k not in ("offload", "comm_weights", "comm_grads")}
     want = layout.replace(offload="none", comm_weights="fp", comm_grads="fp")
     return any(L == want for L in search_space(spec, hw, wl, gpus, fixed))
+
+
+def explain_empty(spec, hw, wl: Workload, gpus: int, fixed: dict) -> str:
+    """Why no layout matches ``fixed``: the mesh / batch rule a completed layout breaks."""
+    f = dict(fixed)
+    inner = f.get("tp", 1) * f.get("cp", 1) * f.get("pp", 1) * f.get("dp_replicate", 1)
+    shard = f.get("dp_shard", max(1, gpus // inner))
+    dp = f.get("dp_replicate", 1) * shard
+    mb = f.get("microbatch", 1)
+    pp = f.get("pp", 1)
+    sched = f.get("pp_schedule", "none" if pp == 1 else "1f1b")
+    L = Layout(dp_replicate=f.get("dp_replicate", 1), dp_shard=shard, cp=f.get("cp", 1),
+               tp=f.get("tp", 1), pp=pp, ep=f.get("ep", 1), zero=f.get("zero", 2),
+               microbatch=mb, pp_microbatches=f.get("pp_microbatches",
+                                                    max(1, wl.global_batch // (dp * mb))),
+               pp_schedule=sched, pp_virtual=f.get("pp_virtual", 2 if sched in (
+                   "zbv", "dualpipev", "interleaved_1f1b") else 1),
+               ac=f.get("ac", "none"), sp=f.get("sp", False), offload=f.get("offload", "none"),
+               comm_weights=f.get("comm_weights", "fp"), comm_grads=f.get("comm_grads", "fp"))
+    try:
+        check_layout(L, spec, gpus, wl.seq_len, wl.global_batch)
+    except ValueError as exc:
+        return f"no layout matches the fixed keys {fixed}: {exc}"
+    return (f"no layout matches the fixed keys {fixed} within the search space (tp inside a "
+            f"node of {hw.gpus_per_node}, micro-batch <= {_MAX_MICROBATCH} dividing the batch "
+            f"per data-parallel rank, cp halving the sequence, pp <= {spec.n_layers} layers)")
 
 
 def evaluate(spec, hw, wl: Workload, layout: Layout, gpus: int) -> Estimate:
