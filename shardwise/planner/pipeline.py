@@ -6,8 +6,8 @@ a rank holds at its peak. Principle 4 says they must come from the schedule the 
 runs; until the schedule generators and their simulator (shardwise.parallel.pipeline)
 are on this branch they come from the closed forms the simulator is tested against, with per-rank
 costs ``f`` (forward of one micro-batch through all of a rank's layers), ``b`` (its
-backward) and ``w`` (the weight-gradient part of ``b``, which zero-bubble schedules defer; Qi et al.'s
-T_B is ``b - w`` here):
+backward) and ``w`` (the weight-gradient part of ``b``, which zero-bubble schedules defer;
+Qi et al.'s T_B is ``b - w`` here):
 
 ================  ================================  =====================================
 schedule          idle time per step                peak micro-batches of activations
