@@ -1,1 +1,30 @@
-"""shardwise.parallel."""
+"""shardwise.parallel: tensor, sequence, expert and pipeline parallelism.
+
+Pipeline schedules are data (DESIGN.md, principle 4)::
+
+    from shardwise.parallel import build_schedule, simulate
+    schedule = build_schedule("1f1b", pp=4, microbatches=8)
+    print(schedule.to_text(), simulate(schedule).bubble)
+"""
+
+from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind,
+                                         Schedule, Simulation, build_schedule, critical_path,
+                                         describe_simulation, draw_timeline, format_timeline,
+                                         simulate, validate_schedule)
+
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "Kind",
+    "Schedule",
+    "build_schedule",
+    "validate_schedule",
+    "DeadlockError",
+    "Costs",
+    "Simulation",
+    "simulate",
+    "critical_path",
+    "format_timeline",
+    "draw_timeline",
+    "describe_simulation",
+]

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 from shardwise.checkpoint.cli import add_parser as add_checkpoint_parser
 from shardwise.checkpoint.cli import run as run_checkpoint
+from shardwise.parallel.pipeline.cli import add_parser as add_schedule_parser
+from shardwise.parallel.pipeline.cli import run as run_schedule
 from shardwise.planner.cli import add_parser as add_plan_parser
 from shardwise.planner.cli import run as run_plan
 from shardwise.train import config_io
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_doctor_parser(sub)
     add_checkpoint_parser(sub)
+    add_schedule_parser(sub)
     add_plan_parser(sub)
     return parser
 
@@ -188,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _unknown_argument(extra)
         if args.command == "checkpoint":
             return run_checkpoint(args)
+        if args.command == "schedule":
+            return run_schedule(args)
         if args.command == "plan":
             return run_plan(args)
         if args.command == "doctor":

@@ -1,0 +1,44 @@
+"""Pipeline parallelism: schedules as data (actions, generators, validator, simulator).
+
+    from shardwise.parallel.pipeline import Costs, build_schedule, simulate
+    s = build_schedule("zb1", pp=4, microbatches=8)
+    sim = simulate(s, Costs(f=1, b=2, i=1, w=1))
+    print(s.to_text(), sim.bubble)
+
+The same :class:`Schedule` drives the executor on real ranks and the planner's simulator.
+"""
+
+from shardwise.parallel.pipeline.actions import Action, Kind
+from shardwise.parallel.pipeline.p2p import steps
+from shardwise.parallel.pipeline.replay import DeadlockError
+from shardwise.parallel.pipeline.schedule import Schedule, looped_placement, v_placement
+from shardwise.parallel.pipeline.schedules import (SCHEDULE_NAMES, ScheduleSpec, build_schedule,
+                                                   schedule_spec)
+from shardwise.parallel.pipeline.simulate import (Costs, Simulation, TimedAction, critical_path,
+                                                  simulate)
+from shardwise.parallel.pipeline.timeline import (describe_simulation, draw_timeline,
+                                                  format_timeline)
+from shardwise.parallel.pipeline.validate import validate_schedule
+
+__all__ = [
+    "Action",
+    "Kind",
+    "Schedule",
+    "build_schedule",
+    "SCHEDULE_NAMES",
+    "ScheduleSpec",
+    "schedule_spec",
+    "looped_placement",
+    "v_placement",
+    "validate_schedule",
+    "steps",
+    "DeadlockError",
+    "Costs",
+    "Simulation",
+    "TimedAction",
+    "simulate",
+    "critical_path",
+    "format_timeline",
+    "draw_timeline",
+    "describe_simulation",
+]
