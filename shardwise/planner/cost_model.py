@@ -226,16 +226,36 @@ class CostModel:
         return hidden + max(0.0, red - rt.bwd) + last_r
 
     # ------------------------------------------------------------------ the step
-    def estimate(self, L: Layout) -> Estimate:
-        """Price one resolved layout (assumed valid: see ``layout.check_layout``)."""
-        wl, hw, spec = self.wl, self.hw, self.spec
-        m = L.pp_microbatches
-        ranks = self._sample_ranks(L)
-        r_star, rt, layers = max(ranks, key=lambda x: x[1].busy)
+    def _all_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
+        key = ("all", L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.microbatch, L.ac)
+        if key not in self._ranks:
+            layers = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual)
+            self._ranks[key] = [(r, self.stages.rank(L, layers[r], r == 0, r == L.pp - 1),
+                                 layers[r]) for r in range(L.pp)]
+        return self._ranks[key]
+
+    @staticmethod
+    def _fbw(rt: RankTimes) -> tuple[float, float, float]:
+        """Forward, backward and weight-gradient seconds with exposed comm folded in."""
         comm = rt.tp_comm + rt.cp_comm + rt.ep_comm
         share = rt.fwd / (rt.fwd + rt.bwd) if rt.fwd + rt.bwd else 0.5
-        prof = schedule_profile(L.pp_schedule, L.pp, L.pp_virtual, m,
-                                rt.fwd + comm * share, rt.bwd + comm * (1 - share), rt.wgrad)
+        return rt.fwd + comm * share, rt.bwd + comm * (1 - share), rt.wgrad
+
+    def estimate(self, L: Layout, exact: bool = False) -> Estimate:
+        """Price one resolved layout (assumed valid: see ``layout.check_layout``).
+
+        Args:
+            L: the layout.
+            exact: price every pipeline rank and simulate the schedule the executor runs
+                (see [Note: pipeline profile]); default: sampled ranks and closed forms.
+        """
+        wl, hw, spec = self.wl, self.hw, self.spec
+        m = L.pp_microbatches
+        ranks = self._all_ranks(L) if exact else self._sample_ranks(L)
+        r_star, rt, layers = max(ranks, key=lambda x: x[1].busy)
+        prof = schedule_profile(L.pp_schedule, L.pp, L.pp_virtual, m, *self._fbw(rt),
+                                exact=exact and L.pp > 1,
+                                rank_costs=[self._fbw(x[1]) for x in ranks] if exact else None)
         tokens = L.microbatch * wl.seq_len / L.cp
         split = L.tp if (L.sp or wl.p2p_scatter_gather) else 1
         p2p_bytes = tokens * spec.dim * wl.act_bytes / split
@@ -251,7 +271,8 @@ class CostModel:
         step = sum(breakdown.values())
         mems = []
         for r, rtr, lay in ranks:
-            inflight = self._inflight(L, prof.peak_inflight, r)
+            inflight = prof.per_rank[r] if len(prof.per_rank) == L.pp else \
+                self._inflight(L, prof.peak_inflight, r)
             mems.append(self._memory(L, r, rtr, lay, inflight))
         mem = max(mems, key=lambda x: x.total)
         gpus = L.gpus

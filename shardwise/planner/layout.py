@@ -32,9 +32,13 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
+from shardwise.parallel.pipeline.schedules import SCHEDULE_NAMES, schedule_spec
+
 __all__ = ["Layout", "LAYOUT_KEYS", "SCHEDULES", "parse_layout", "check_layout"]
 
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zb1", "zbv", "dualpipev")
+SCHEDULES = ("none",) + tuple(n for n in SCHEDULE_NAMES if n != "looped_bfs")
+"""``none`` (pp 1) and the generators of ``shardwise.parallel`` (looped BFS, which holds
+every micro-batch like GPipe and is never faster than interleaved 1F1B, is left out)."""
 _V_FIXED = {"zbv": 2, "dualpipev": 2}
 _CHOICES = {"pp_schedule": SCHEDULES, "ac": ("none", "selective", "full"),
             "offload": ("none", "cpu"), "comm_weights": ("fp", "int8", "fp8"),
@@ -199,7 +203,7 @@ def _check_pipeline(L: Layout, spec) -> None:
     if L.pp * L.pp_virtual > spec.n_layers:
         raise ValueError(f"pp x pp_virtual = {L.pp * L.pp_virtual} stages, more than the "
                          f"{spec.n_layers} layers of {spec.name}")
-    need = 2 * L.pp if L.pp_schedule == "dualpipev" else L.pp
-    if L.pp_microbatches < need and L.pp_schedule != "gpipe":
+    need = schedule_spec(L.pp_schedule).min_microbatches(L.pp)
+    if L.pp_microbatches < need:
         raise ValueError(f"pp_schedule={L.pp_schedule} with pp={L.pp} needs pp_microbatches "
                          f">= {need}, got {L.pp_microbatches}")

@@ -1,67 +1,64 @@
 """The pipeline term of the cost model, behind one function: :func:`schedule_profile`.
 
-[Note: pipeline profile] The cost model needs two numbers from a pipeline schedule: how
-long the busiest rank is idle per step (the bubble) and how many micro-batches' activations
-a rank holds at its peak. Principle 4 says they must come from the schedule the executor
-runs; until the schedule generators and their simulator (shardwise.parallel.pipeline)
-are on this branch they come from the closed forms the simulator is tested against, with per-rank
-costs ``f`` (forward of one micro-batch through all of a rank's layers), ``b`` (its
-backward) and ``w`` (the weight-gradient part of ``b``, which zero-bubble schedules defer;
-Qi et al.'s T_B is ``b - w`` here):
+[Note: pipeline profile] The cost model needs two things from a pipeline schedule: how long
+the slowest rank's step exceeds its own compute (the bubble) and how many micro-batches'
+activations each rank holds at its peak. Principle 4: they come from the schedule the
+executor runs. With ``exact=True`` this module builds that very schedule
+(``shardwise.parallel.build_schedule``) and replays it in the pipeline simulator
+(``shardwise.parallel.simulate``) with the cost model's per-stage forward, backward and
+weight-gradient seconds and the send latency. The search prices tens of thousands of
+layouts, too many to simulate each, so it ranks them with closed forms and re-prices its
+best ones exactly. The closed forms, with per-rank costs ``f`` (forward of one micro-batch
+over a rank's layers), ``b`` (its backward, recomputation included) and ``w`` (the weight-
+gradient part of ``b``), equal the simulator's results for equal stage costs and ``m >= 2p``
+(tests/test_planner_cost.py checks each against ``simulate``):
 
-================  ================================  =====================================
-schedule          idle time per step                peak micro-batches of activations
-================  ================================  =====================================
-gpipe             (p - 1)(f + b)                    m
-1f1b              (p - 1)(f + b)                    min(m, p)
-interleaved_1f1b  (p - 1)(f + b) / v                min(m, p) + (p - 1) / v  (Narayanan 2021)
-zb1 (ZB-H1)       (p - 1)(f + b - 2w)               p                        (Qi et al. 2024)
-zbv (ZB-V)        (p - 1) max(0, f + b - 3w)        p
-dualpipev         (p - 1) max(0, f + b - 3w) / 2    p + 1                    (DeepSeek-V3)
-================  ================================  =====================================
+================  ===============================  ======================================
+schedule          bubble (step - busy time)        peak micro-batches of activations
+================  ===============================  ======================================
+gpipe             (p - 1)(f + b)                   m
+1f1b              (p - 1)(f + b)                   min(m, p)
+interleaved_1f1b  (p - 1)(f + b) / v               min(m, p) + (p - 1) / v
+zb1 (ZB-H1)       (p - 1)(f + b - 2w)              min(m, p)
+zbv (ZB-V)        (p - 1)(f + b - 2w) / 2          p
+dualpipev         (p - 1)(f + b - w) / 2           p + 1/2
+================  ===============================  ======================================
 
-The simulator replaces this table by running the action lists with the same ``f``, ``b``,
-``w`` (and send costs) and reading idle time and in-flight activations off the timeline;
-the call below keeps its signature. The zbv and dualpipev rows are the papers' forms for
-equal chunk times and are the least exact of the table (DualPipeV overlaps one chunk's
-forward with another's backward, halving its exposed bubble).
+The bubble of every schedule no longer depends on ``m`` once ``m >= 2p``, so the exact
+profile simulates ``min(m, 2p)`` micro-batches (or the schedule's minimum) and keeps its
+bubble and peaks, which makes simulating even 64-stage pipelines cheap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-__all__ = ["PipelineProfile", "schedule_profile"]
+from shardwise.parallel.pipeline import Costs, build_schedule, simulate
+from shardwise.parallel.pipeline.schedule import looped_placement, v_placement
+from shardwise.parallel.pipeline.schedules import schedule_spec
+
+__all__ = ["PipelineProfile", "schedule_profile", "min_microbatches"]
 
 
 @dataclass(frozen=True)
 class PipelineProfile:
-    """Idle seconds per step of the busiest rank and its peak in-flight micro-batches."""
+    """Bubble seconds per step and peak in-flight micro-batches (in units of one micro-
+    batch over all of a rank's layers): the maximum, and per rank when simulated."""
 
     bubble_time: float
     peak_inflight: float
+    per_rank: tuple[float, ...] = ()
     source: str = "closed form"
 
 
-def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f: float,
-                     b: float, w: float = 0.0) -> PipelineProfile:
-    """Bubble and peak activations of a schedule (see [Note: pipeline profile]).
+def min_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches the schedule's generator accepts at ``pp`` ranks."""
+    return 1 if schedule == "none" else schedule_spec(schedule).min_microbatches(pp)
 
-    Args:
-        schedule: one of ``shardwise.planner.layout.SCHEDULES``.
-        pp: pipeline ranks; virtual: stages per rank; microbatches: per step.
-        f, b: seconds of one micro-batch's forward / backward over one rank's layers.
-        w: the weight-gradient share of ``b`` (zero-bubble schedules defer it).
 
-    Returns:
-        A :class:`PipelineProfile`.
-
-    Raises:
-        ValueError: for an unknown schedule.
-    """
-    p, m, v = pp, microbatches, max(1, virtual)
-    if p == 1 or schedule == "none":
-        return PipelineProfile(0.0, 1.0)
+def _closed(schedule: str, p: int, v: int, m: int, f: float, b: float, w: float
+            ) -> PipelineProfile:
     if schedule == "gpipe":
         return PipelineProfile((p - 1) * (f + b), float(m))
     if schedule == "1f1b":
@@ -69,9 +66,66 @@ def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f:
     if schedule == "interleaved_1f1b":
         return PipelineProfile((p - 1) * (f + b) / v, min(m, p) + (p - 1) / v)
     if schedule == "zb1":
-        return PipelineProfile((p - 1) * max(0.0, f + b - 2 * w), float(p))
+        return PipelineProfile((p - 1) * max(0.0, f + b - 2 * w), float(min(m, p)))
     if schedule == "zbv":
-        return PipelineProfile((p - 1) * max(0.0, f + b - 3 * w), float(p))
+        return PipelineProfile((p - 1) * max(0.0, f + b - 2 * w) / 2, float(p))
     if schedule == "dualpipev":
-        return PipelineProfile((p - 1) * max(0.0, f + b - 3 * w) / 2, float(p + 1))
+        return PipelineProfile((p - 1) * max(0.0, f + b - w) / 2, p + 0.5)
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+@lru_cache(maxsize=512)
+def _simulated(schedule: str, pp: int, v: int, m: int, stages: tuple, comm: float
+               ) -> tuple[float, tuple[float, ...]]:
+    """(bubble seconds, per-rank peak micro-batches) of the simulated schedule."""
+    sched = build_schedule(schedule, pp, m, v)
+    f, b, i, w = (tuple(s[k] for s in stages) for k in range(4))
+    sim = simulate(sched, Costs(f=list(f), b=list(b), i=list(i), w=list(w), comm=comm))
+    peaks = tuple(float(x) / v for x in sim.peak_activations)
+    return float(sim.step_time) - float(max(sim.busy)), peaks
+
+
+def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f: float,
+                     b: float, w: float = 0.0, *, exact: bool = False,
+                     rank_costs: list[tuple[float, float, float]] | None = None,
+                     comm: float = 0.0) -> PipelineProfile:
+    """Bubble and peak activations of a schedule (see [Note: pipeline profile]).
+
+    Args:
+        schedule: ``none`` or a name ``shardwise.parallel.build_schedule`` accepts.
+        pp: pipeline ranks; virtual: stages per rank; microbatches: per step.
+        f, b, w: seconds of one micro-batch's forward / backward / weight-gradient over the
+            slowest rank's layers (used by the closed forms).
+        exact: build the schedule and simulate it.
+        rank_costs: (f, b, w) of every rank (exact only; default: ``(f, b, w)`` for all).
+        comm: seconds of one send between stages (exact only).
+
+    Raises:
+        ValueError: for an unknown schedule.
+    """
+    p, m, v = pp, microbatches, max(1, virtual)
+    if p == 1 or schedule == "none":
+        return PipelineProfile(0.0, 1.0, (1.0,))
+    if not exact:
+        return _closed(schedule, p, v, m, f, b, w)
+    costs = rank_costs or [(f, b, w)] * p
+    sched_ranks = _placement(schedule, p, v)
+    stages = tuple((costs[r][0] / v, costs[r][1] / v, (costs[r][1] - costs[r][2]) / v,
+                    costs[r][2] / v) for r in sched_ranks)
+    m_sim = max(min_microbatches(schedule, p), min(m, 2 * p))
+    bubble, peaks = _simulated(schedule, p, v, m_sim, _rounded(stages), round(comm, 9))
+    if schedule == "gpipe":  # GPipe holds every micro-batch: its peak grows with m
+        peaks = tuple(float(m) for _ in peaks)
+    return PipelineProfile(bubble, max(peaks), peaks, "simulator")
+
+
+def _placement(schedule: str, pp: int, v: int) -> list[int]:
+    return list(v_placement(pp) if schedule_spec(schedule).v_shape
+                else looped_placement(pp, v))
+
+
+def _rounded(stages: tuple) -> tuple:
+    """Stage costs rounded to 4 significant digits so near-equal layouts share a run."""
+    def r(x: float) -> float:
+        return float(f"{x:.4g}")
+    return tuple(tuple(r(x) for x in s) for s in stages)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from shardwise.planner.cost_model import CostModel, Estimate
 from shardwise.planner.layout import Layout, check_layout
 from shardwise.planner.memory import state_bytes
+from shardwise.planner.pipeline import min_microbatches
 from shardwise.planner.stage_cost import stage_layers
 from shardwise.planner.workload import Workload
 
@@ -105,8 +106,7 @@ def _schedules(pp: int, n_layers: int, m: int, fixed: dict) -> list[tuple[str, i
         v *= 2
     if "pp_virtual" in fixed and fixed.get("pp_schedule") == "interleaved_1f1b":
         out.append(("interleaved_1f1b", fixed["pp_virtual"]))
-    need = {"dualpipev": 2 * pp}
-    out = [(s, v) for s, v in out if pp * v <= n_layers and (s == "gpipe" or m >= need.get(s, pp))]
+    out = [(s, v) for s, v in out if pp * v <= n_layers and m >= min_microbatches(s, pp)]
     return [(s, v) for s, v in dict.fromkeys(out)
             if fixed.get("pp_schedule", s) == s and fixed.get("pp_virtual", v) == v]
 
@@ -245,7 +245,8 @@ def search(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None, top: in
         spec, hw, wl: model, device, workload.
         gpus: GPUs of the job.
         fixed: layout keys the user set (``parse_layout``); the search chooses the rest.
-        top: how many of the best layouts to refine with quantised communication.
+        top: how many of the best layouts to refine with quantised communication and to
+            re-price exactly (every pipeline rank, the simulated schedule).
 
     Returns:
         A :class:`SearchResult`; ``ranked`` is empty only if no layout satisfies the keys.
@@ -261,7 +262,10 @@ def search(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None, top: in
     found.sort(key=_rank_key)
     found += _refine(s, found, top)
     found.sort(key=_rank_key)
-    return SearchResult(found, s.evaluated, s.pruned, time.perf_counter() - start)
+    # The best are re-priced with every pipeline rank and the simulated schedule.
+    exact = [s.cm.estimate(e.layout, exact=True) for e in found[:max(top, 1)]]
+    ranked = sorted(exact, key=_rank_key) + found[max(top, 1):]
+    return SearchResult(ranked, s.evaluated, s.pruned, time.perf_counter() - start)
 
 
 def search_space(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None
@@ -313,4 +317,4 @@ def evaluate(spec, hw, wl: Workload, layout: Layout, gpus: int) -> Estimate:
         ValueError: from ``check_layout`` when the layout cannot run this job.
     """
     check_layout(layout, spec, gpus, wl.seq_len, wl.global_batch)
-    return CostModel(spec, hw, wl).estimate(layout)
+    return CostModel(spec, hw, wl).estimate(layout, exact=True)
