@@ -45,12 +45,15 @@ def _resolve(name: str, table: dict, tables: dict[str, dict], where: str) -> Mod
     base = fields.pop("base", None)
     if base is not None:
         if base in tables:
-            fields = {**tables[base], **fields}
+            inherited = dict(tables[base])
         elif base in list_model_configs():
-            fields = {**_spec_fields(from_llama_config(get_model_config(base), base)), **fields}
+            inherited = _spec_fields(from_llama_config(get_model_config(base), base))
+            inherited.pop("source")
         else:
             raise ValueError(f"{where}: base={base!r} is not a model name; valid: "
                              f"{', '.join(list_models())}")
+        inherited.pop("name", None)  # the new entry has its own name
+        fields = {**inherited, **fields}
     unknown = sorted(set(fields) - _FIELDS)
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(_FIELDS), n=1)

@@ -109,7 +109,9 @@ class CostModel:
         key = (L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.microbatch, L.ac)
         if key not in self._ranks:
             layers = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual)
-            picks = sorted({0, 1, L.pp // 2, L.pp - 1} & set(range(L.pp)))
+            # Rank 0 holds the most layers (uneven splits give the first chunks one more)
+            # and the embedding, the last rank the head; rank 1 has no dense-first layers.
+            picks = sorted({0, L.pp - 1} | ({1} if self.spec.is_moe and L.pp > 2 else set()))
             self._ranks[key] = [(r, self.stages.rank(L, layers[r], r == 0, r == L.pp - 1),
                                  layers[r]) for r in picks]
         return self._ranks[key]
@@ -233,6 +235,15 @@ class CostModel:
             self._ranks[key] = [(r, self.stages.rank(L, layers[r], r == 0, r == L.pp - 1),
                                  layers[r]) for r in range(L.pp)]
         return self._ranks[key]
+
+    def lower_bound(self, L: Layout) -> float:
+        """A lower bound of ``estimate(L).step_time`` (closed forms): the busiest sampled
+        rank's micro-batches and the schedule's bubble, without data-parallel, pipeline-send
+        and optimizer time."""
+        rt = max(self._sample_ranks(L), key=lambda x: x[1].busy)[1]
+        prof = schedule_profile(L.pp_schedule, L.pp, L.pp_virtual, L.pp_microbatches,
+                                *self._fbw(rt))
+        return L.pp_microbatches * rt.busy + prof.bubble_time
 
     @staticmethod
     def _fbw(rt: RankTimes) -> tuple[float, float, float]:

@@ -26,7 +26,7 @@ params, grads and optimizer bytes against ``shardwise.memory_report`` exactly.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 import torch
@@ -145,14 +145,13 @@ class MemoryBreakdown:
     reserved: float
     fragmentation: float
     stage: int = 0
+    total: float = field(init=False)
+    """Sum of every kind (the stage index aside)."""
 
-    @property
-    def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.unsharded + self.full_grads
-                + self.comm + self.activations + self.logits + self.reserved
-                + self.fragmentation)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", self.params + self.grads + self.optimizer
+                           + self.unsharded + self.full_grads + self.comm + self.activations
+                           + self.logits + self.reserved + self.fragmentation)
 
     def as_dict(self) -> dict[str, float]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["total"] = self.total
-        return d
+        return {f.name: getattr(self, f.name) for f in fields(self)}

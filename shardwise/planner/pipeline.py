@@ -9,24 +9,26 @@ executor runs. With ``exact=True`` this module builds that very schedule
 weight-gradient seconds and the send latency. The search prices tens of thousands of
 layouts, too many to simulate each, so it ranks them with closed forms and re-prices its
 best ones exactly. The closed forms, with per-rank costs ``f`` (forward of one micro-batch
-over a rank's layers), ``b`` (its backward, recomputation included) and ``w`` (the weight-
-gradient part of ``b``), equal the simulator's results for equal stage costs and ``m >= 2p``
-(tests/test_planner_cost.py checks each against ``simulate``):
+over a rank's layers), ``b`` (its backward, recomputation included), ``w`` (the weight-
+gradient part of ``b``) and ``i = b - w``, are read off the simulator's results for equal
+stage costs and ``m >= 2p``; the first four are exact there, the V-shaped two are close
+approximations (tests/test_planner_cost.py checks each against ``simulate``):
 
-================  ===============================  ======================================
-schedule          bubble (step - busy time)        peak micro-batches of activations
-================  ===============================  ======================================
-gpipe             (p - 1)(f + b)                   m
-1f1b              (p - 1)(f + b)                   min(m, p)
-interleaved_1f1b  (p - 1)(f + b) / v               min(m, p) + (p - 1) / v
-zb1 (ZB-H1)       (p - 1)(f + b - 2w)              min(m, p)
-zbv (ZB-V)        (p - 1)(f + b - 2w) / 2          p
-dualpipev         (p - 1)(f + b - w) / 2           p + 1/2
-================  ===============================  ======================================
+================  =====================================  ================================
+schedule          bubble (step - busy time)              peak micro-batches of activations
+================  =====================================  ================================
+gpipe             (p - 1)(f + b)                         m
+1f1b              (p - 1)(f + b)                         min(m, p)
+interleaved_1f1b  (p - 1)(f + b) / v                     min(m, p) + (p - 1) / v
+zb1 (ZB-H1)       (p - 1) max(f, i, f + i - w)           min(m, p)
+zbv (ZB-V)        (p - 1) max(f, i, f + i - w) / 2       p
+dualpipev         (p - 1) max(f, (f + i) / 2)            p + 1/2
+================  =====================================  ================================
 
-The bubble of every schedule no longer depends on ``m`` once ``m >= 2p``, so the exact
-profile simulates ``min(m, 2p)`` micro-batches (or the schedule's minimum) and keeps its
-bubble and peaks, which makes simulating even 64-stage pipelines cheap.
+Beyond ``m >= 2p`` the bubble depends on ``m`` only through ``m mod p`` (interleaved 1F1B
+runs whole rounds of ``p`` micro-batches), so the exact profile simulates
+``2p + (m mod p)`` micro-batches when ``m >= 3p`` and keeps the bubble and the peaks; a
+64-stage pipeline of 512 micro-batches is then simulated with 128.
 """
 
 from __future__ import annotations
@@ -65,12 +67,13 @@ def _closed(schedule: str, p: int, v: int, m: int, f: float, b: float, w: float
         return PipelineProfile((p - 1) * (f + b), float(min(m, p)))
     if schedule == "interleaved_1f1b":
         return PipelineProfile((p - 1) * (f + b) / v, min(m, p) + (p - 1) / v)
+    i = b - w
     if schedule == "zb1":
-        return PipelineProfile((p - 1) * max(0.0, f + b - 2 * w), float(min(m, p)))
+        return PipelineProfile((p - 1) * max(f, i, f + i - w), float(min(m, p)))
     if schedule == "zbv":
-        return PipelineProfile((p - 1) * max(0.0, f + b - 2 * w) / 2, float(p))
+        return PipelineProfile((p - 1) * max(f, i, f + i - w) / 2, float(p))
     if schedule == "dualpipev":
-        return PipelineProfile((p - 1) * max(0.0, f + b - w) / 2, p + 0.5)
+        return PipelineProfile((p - 1) * max(f, (f + i) / 2), p + 0.5)
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
 
 
@@ -112,7 +115,7 @@ def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f:
     sched_ranks = _placement(schedule, p, v)
     stages = tuple((costs[r][0] / v, costs[r][1] / v, (costs[r][1] - costs[r][2]) / v,
                     costs[r][2] / v) for r in sched_ranks)
-    m_sim = max(min_microbatches(schedule, p), min(m, 2 * p))
+    m_sim = max(min_microbatches(schedule, p), m if m < 3 * p else 2 * p + m % p)
     bubble, peaks = _simulated(schedule, p, v, m_sim, _rounded(stages), round(comm, 9))
     if schedule == "gpipe":  # GPipe holds every micro-batch: its peak grows with m
         peaks = tuple(float(m) for _ in peaks)

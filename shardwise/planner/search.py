@@ -14,7 +14,10 @@ anything is priced: (1) a mesh and ZeRO stage whose parameters, gradients and op
 state alone exceed the device's memory is dropped with every micro-batch, schedule and
 policy below it; (2) a micro-batch size and checkpointing policy whose activations for a
 single in-flight micro-batch do not fit on top of that is dropped with every schedule;
-(3) the rest is priced in full. CPU offload is tried only where a layout does not fit
+(3) the rest is priced best-first, in increasing order of a lower bound of the step time
+(the busiest rank's micro-batches with their exposed tensor-, context- and expert-parallel
+communication, plus the schedule's bubble), and pricing stops once the bound exceeds the step time of the ``top + 50``-th fastest
+fitting layout found: nothing left can enter the ranking (branch and bound). CPU offload is tried only where a layout does not fit
 without it, and quantised data-parallel communication only as a refinement of the best
 layouts (it never changes memory, only time, and numerics: it must be ``QUANT_MIN_GAIN``
 faster). Keys the user fixed restrict each level.
@@ -29,6 +32,7 @@ than one that already fits (recomputation only adds time).
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +49,7 @@ __all__ = ["SearchResult", "search", "search_space", "in_search_space", "mesh_ca
 
 _MAX_MICROBATCH = 16
 _MAX_VIRTUAL = 8
+_KEEP = 50  # layouts beyond the printed ones kept in the ranking (the bound's margin)
 QUANT_MIN_GAIN = 0.02
 """Quantised communication changes the numerics; the search proposes it only where it is
 predicted at least this much faster than the same layout without it."""
@@ -61,7 +66,10 @@ class SearchResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    if n < 1:
+        return []
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _allowed(fixed: dict, key: str, values) -> list:
@@ -174,13 +182,15 @@ class _Searcher:
             sps = _allowed(f, "sp", [False, True] if every or "sp" in f else [True])
         scheds = [(s, v) for s, v in _schedules(pp, self.spec.n_layers, m, f)
                   if s != "gpipe" or every or "pp_schedule" in f]
+        b = base
+        off, cw, cg = f.get("offload", "none"), f.get("comm_weights", "fp"), \
+            f.get("comm_grads", "fp")
+        acs = _allowed(f, "ac", ("none", "selective", "full"))
         for sched, v in scheds:
             for sp in sps:
-                yield [base.replace(pp_schedule=sched, pp_virtual=v, ac=ac, sp=sp,
-                                    offload=f.get("offload", "none"),
-                                    comm_weights=f.get("comm_weights", "fp"),
-                                    comm_grads=f.get("comm_grads", "fp"))
-                       for ac in _allowed(f, "ac", ("none", "selective", "full"))]
+                yield [Layout(b.dp_replicate, b.dp_shard, b.cp, b.tp, b.pp, b.ep, b.zero,
+                              b.microbatch, b.pp_microbatches, sched, v, ac, sp, off, cw, cg)
+                       for ac in acs]
 
     def _price(self, L: Layout) -> Estimate | None:
         if self.states_floor(L) > self.hw.hbm_bytes and "offload" not in self.fixed:
@@ -199,17 +209,34 @@ class _Searcher:
             est = alt if alt.fits else est
         return est
 
-    def run(self) -> list[Estimate]:
-        out = []
+    def run(self, keep: int) -> list[Estimate]:
+        """Price the space best-first by lower bound until nothing left can enter the
+        ``keep`` fastest fitting layouts ([Note: search order])."""
+        groups = []
         for group in self.layouts():
+            bounds = [self.cm.lower_bound(L) for L in group]
+            groups.append((bounds[0], len(groups), group, bounds))
+        groups.sort()
+        out: list[Estimate] = []
+        best: list[float] = []  # negated step times of the fastest fitting layouts
+        for n, (_, _, group, bounds) in enumerate(groups):
+            if len(best) >= keep and bounds[0] > -best[0]:
+                self.pruned += sum(len(g[2]) for g in groups[n:])
+                break
             for i, L in enumerate(group):
+                if len(best) >= keep and bounds[i] > -best[0]:
+                    self.pruned += len(group) - i
+                    break
                 est = self._price(L)
                 if est is None:
                     self.pruned += 1
                     continue
                 out.append(est)
-                if est.fits:  # recomputing more only adds time: the rest are dominated
-                    self.pruned += len(group) - i - 1
+                if est.fits:
+                    heapq.heappush(best, -est.step_time)
+                    if len(best) > keep:
+                        heapq.heappop(best)
+                    self.pruned += len(group) - i - 1  # recomputing more only adds time
                     break
         return out
 
@@ -237,8 +264,8 @@ def _rank_key(e: Estimate):
     return (not e.fits, e.step_time if e.fits else e.memory.total, e.memory.total)
 
 
-def search(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None, top: int = 10
-           ) -> SearchResult:
+def search(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None, top: int = 10,
+           exact: bool = True) -> SearchResult:
     """Every layout of the space (see [Note: search order]), ranked.
 
     Args:
@@ -247,6 +274,8 @@ def search(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None, top: in
         fixed: layout keys the user set (``parse_layout``); the search chooses the rest.
         top: how many of the best layouts to refine with quantised communication and to
             re-price exactly (every pipeline rank, the simulated schedule).
+        exact: re-price the best layouts exactly (default True; False keeps the closed
+            forms, e.g. to compare them with the simulator).
 
     Returns:
         A :class:`SearchResult`; ``ranked`` is empty only if no layout satisfies the keys.
@@ -258,13 +287,15 @@ def search(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None, top: in
         raise ValueError(f"--gpus={gpus!r}, expected an integer >= 1")
     start = time.perf_counter()
     s = _Searcher(spec, hw, wl, gpus, dict(fixed or {}))
-    found = s.run()
+    found = s.run(keep=max(top, 1) + _KEEP)
     found.sort(key=_rank_key)
     found += _refine(s, found, top)
     found.sort(key=_rank_key)
     # The best are re-priced with every pipeline rank and the simulated schedule.
-    exact = [s.cm.estimate(e.layout, exact=True) for e in found[:max(top, 1)]]
-    ranked = sorted(exact, key=_rank_key) + found[max(top, 1):]
+    if exact:
+        best = [s.cm.estimate(e.layout, exact=True) for e in found[:max(top, 1)]]
+        found = sorted(best, key=_rank_key) + found[max(top, 1):]
+    ranked = found
     return SearchResult(ranked, s.evaluated, s.pruned, time.perf_counter() - start)
 
 
