@@ -66,7 +66,7 @@ def _predict(hw, m: StepMeasurement) -> tuple[float, float]:
 
 def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] = (
         "matmul_max", "memory_efficiency", "intra_efficiency", "inter_efficiency"),
-              iterations: int = 200):
+              iterations: int = 600):
     """Refit ``hw``'s constants so the cost model reproduces measured steps.
 
     Args:

@@ -57,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--attention", default="flash", help="flash or unfused")
     g.add_argument("--fused-kernels", action="store_true",
                    help="bandwidth-bound ops as fused kernels (default: eager PyTorch)")
+    g.add_argument("--workload", metavar="K=V,...", default="",
+                   help="other Workload fields, e.g. overlap_ep=true,overlap_dp=false "
+                        "(see shardwise/planner/workload.py)")
     return p
 
 
@@ -115,13 +118,14 @@ def _plan(args) -> int:
     from shardwise.planner.hardware import get_hardware
     from shardwise.planner.layout import parse_layout
     from shardwise.planner.search import explain_empty, search
-    from shardwise.planner.workload import Workload
+    from shardwise.planner.workload import Workload, parse_workload
     _need(args, "hardware", "gpus", "seq_len", "global_batch")
     spec = _spec(args)
     hw = get_hardware(args.hardware, args.hardware_config, args.calibration)
-    wl = Workload(seq_len=args.seq_len, global_batch=args.global_batch,
-                  compute_dtype=args.compute_dtype, optimizer=args.optimizer,
-                  attention=args.attention, fused_kernels=args.fused_kernels)
+    extra = parse_workload(args.workload)
+    wl = Workload(**{"seq_len": args.seq_len, "global_batch": args.global_batch,
+                     "compute_dtype": args.compute_dtype, "optimizer": args.optimizer,
+                     "attention": args.attention, "fused_kernels": args.fused_kernels, **extra})
     fixed = parse_layout(args.layout) if args.layout else {}
     if args.top < 1:
         raise ValueError(f"--top={args.top}, expected an integer >= 1")

@@ -30,7 +30,7 @@ from shardwise.planner.hardware import Hardware, Link
 from shardwise.planner.memory import unit_state
 
 __all__ = ["Group", "place", "all_gather_time", "reduce_scatter_time", "all_reduce_time",
-           "all_to_all_time", "p2p_time", "step_bytes"]
+           "all_to_all_time", "dispatch_time", "p2p_time", "step_bytes"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,27 @@ def all_to_all_time(nbytes: float, g: Group, hw: Hardware) -> float:
     intra = _phase(hw.intra, 1, nbytes * (k - 1) / n)
     inter = _phase(hw.inter, 1, nbytes * (n - k) / n)
     return max(intra, inter)
+
+
+def dispatch_time(token_bytes: float, tokens: float, top_k: int, g: Group, hw: Hardware,
+                  node_limit: int = 0) -> float:
+    """Seconds to send ``tokens`` tokens of ``token_bytes`` each to their ``top_k`` experts
+    spread evenly over ``g`` (the expert all-to-all's dispatch, or its combine).
+
+    Without a node limit every (token, expert) pair is a message, as a plain all-to-all
+    sends it. With ``node_limit = M`` (DeepSeek-V3's node-limited routing and its dispatch
+    kernels) a token crosses the network once per remote node it targets, at most ``M``,
+    and NVLink forwards it to the experts inside that node.
+    """
+    if g.size <= 1:
+        return 0.0
+    if not node_limit or g.nodes == 1:
+        return all_to_all_time(tokens * top_k * token_bytes, g, hw)
+    n_nodes = g.nodes
+    remote = (n_nodes - 1) * (1 - (1 - 1 / n_nodes) ** top_k)  # expected remote nodes hit
+    inter = _phase(hw.inter, 1, tokens * token_bytes * min(node_limit, remote))
+    intra = _phase(hw.intra, 1, tokens * top_k * token_bytes * (g.per_node - 1) / g.per_node)
+    return max(inter, intra)
 
 
 def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware) -> float:

@@ -5,22 +5,29 @@
     result.ranked[0].layout, result.ranked[0].step_time
 
 [Note: search order] The space is every layout with ``dp_replicate x dp_shard x cp x tp x
-pp`` equal to the GPU count (tp inside a node and dividing the heads, cp dividing the
-sequence into load-balanced halves, pp at most the layer count, the data-parallel degree
-dividing the global batch), ``ep`` dividing ``dp_shard x cp`` and the expert count, every
-ZeRO stage, micro-batch size, schedule (with its virtual stages), checkpointing policy and
-sequence-parallel choice. It is walked outside-in so that whole subtrees are pruned before
-anything is priced: (1) a mesh and ZeRO stage whose parameters, gradients and optimizer
-state alone exceed the device's memory is dropped with every micro-batch, schedule and
-policy below it; (2) a micro-batch size and checkpointing policy whose activations for a
-single in-flight micro-batch do not fit on top of that is dropped with every schedule;
-(3) the rest is priced best-first, in increasing order of a lower bound of the step time
-(the busiest rank's micro-batches with their exposed tensor-, context- and expert-parallel
-communication, plus the schedule's bubble), and pricing stops once the bound exceeds the step time of the ``top + 50``-th fastest
-fitting layout found: nothing left can enter the ranking (branch and bound). CPU offload is tried only where a layout does not fit
-without it, and quantised data-parallel communication only as a refinement of the best
-layouts (it never changes memory, only time, and numerics: it must be ``QUANT_MIN_GAIN``
-faster). Keys the user fixed restrict each level.
+pp`` equal to the GPU count (tp inside a node and dividing the heads, cp splitting the
+sequence into load-balanced halves of at least 1024 tokens per rank, pp at most the layer
+count, the data-parallel degree dividing the global batch), ``ep`` dividing
+``dp_shard x cp`` and the expert count, every ZeRO stage, micro-batch size (a power of two
+up to 16 sequences, or the one the user fixes), schedule (with its virtual stages),
+checkpointing policy and sequence-parallel choice. It is pruned before anything is priced
+and priced best-first:
+
+1. a mesh and ZeRO stage whose parameters, gradients and optimizer state alone exceed the
+   device's memory is dropped with every micro-batch, schedule and policy below it (unless
+   CPU offload of the optimizer state makes it fit, when the offloaded variant is kept);
+2. every remaining layout gets a lower bound of its step time from the closed forms: the
+   busiest pipeline rank's micro-batches with their exposed tensor-, context- and expert-
+   parallel communication, plus the schedule's bubble;
+3. layouts are priced in increasing order of that bound, and pricing stops once the bound
+   exceeds the step time of the ``top + 50``-th fastest fitting layout found: nothing left
+   can enter the ranking (branch and bound). A layout that does not fit is tried once more
+   with CPU offload.
+
+Quantised data-parallel communication is tried only as a refinement of the best layouts (it
+never changes memory, only time, and numerics: it must be ``QUANT_MIN_GAIN`` faster); the
+best ``top`` are then re-priced exactly (every pipeline rank, the simulated schedule). Keys
+the user fixed restrict every level.
 
 Layouts another layout dominates (no faster under the cost model and holding at least as
 much memory) are in the space but not priced, unless the user fixed the key that makes
@@ -47,8 +54,9 @@ from shardwise.planner.workload import Workload
 __all__ = ["SearchResult", "search", "search_space", "in_search_space", "mesh_candidates",
            "evaluate", "explain_empty"]
 
-_MAX_MICROBATCH = 16
+_MAX_MICROBATCH = 16  # sequences per micro-batch searched: powers of two up to this
 _MAX_VIRTUAL = 8
+_MIN_CP_TOKENS = 1024  # context parallelism keeps at least this many tokens per rank
 _KEEP = 50  # layouts beyond the printed ones kept in the ranking (the bound's margin)
 QUANT_MIN_GAIN = 0.02
 """Quantised communication changes the numerics; the search proposes it only where it is
@@ -86,7 +94,7 @@ def mesh_candidates(spec, hw, wl: Workload, gpus: int, fixed: dict
     for tp in _allowed(fixed, "tp", tps):
         rest = gpus // tp if gpus % tp == 0 else 0
         cps = [c for c in _divisors(rest) if c == 1 or (wl.seq_len % (2 * c) == 0
-                                                        and wl.seq_len // c >= 512)]
+                                                        and wl.seq_len // c >= _MIN_CP_TOKENS)]
         for cp in _allowed(fixed, "cp", cps):
             rest2 = rest // cp
             pps = [p for p in _divisors(rest2) if p <= spec.n_layers]
@@ -159,8 +167,12 @@ class _Searcher:
                 if zero == 0 and rep > 1 and "dp_replicate" not in f:
                     continue  # stage 0 replicates everything: one canonical mesh
                 per_rank = wl.global_batch // dp
-                mbs = [b for b in _divisors(per_rank) if b <= _MAX_MICROBATCH]
-                for mb in _allowed(f, "microbatch", mbs):
+                if "microbatch" in f:
+                    mbs = [f["microbatch"]] if per_rank % f["microbatch"] == 0 else []
+                else:
+                    mbs = [b for b in _divisors(per_rank)
+                           if b <= _MAX_MICROBATCH and b & (b - 1) == 0]
+                for mb in mbs:
                     m = per_rank // mb
                     if f.get("pp_microbatches", m) != m:
                         continue
@@ -294,7 +306,7 @@ def search(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None, top: in
     # The best are re-priced with every pipeline rank and the simulated schedule.
     if exact:
         best = [s.cm.estimate(e.layout, exact=True) for e in found[:max(top, 1)]]
-        found = sorted(best, key=_rank_key) + found[max(top, 1):]
+        found = sorted(best + found[max(top, 1):], key=_rank_key)
     ranked = found
     return SearchResult(ranked, s.evaluated, s.pruned, time.perf_counter() - start)
 
@@ -318,6 +330,10 @@ def in_search_space(layout: Layout, spec, hw, wl: Workload, gpus: int) -> bool:
 def explain_empty(spec, hw, wl: Workload, gpus: int, fixed: dict) -> str:
     """Why no layout matches ``fixed``: the mesh / batch rule a completed layout breaks."""
     f = dict(fixed)
+    node = min(hw.gpus_per_node, gpus)
+    if "tp" in f and (node % f["tp"] or spec.n_heads % f["tp"]):
+        return (f"tp={f['tp']} must divide the {node} GPUs of a node ({hw.name}) and the "
+                f"{spec.n_heads} attention heads of {spec.name}")
     inner = f.get("tp", 1) * f.get("cp", 1) * f.get("pp", 1) * f.get("dp_replicate", 1)
     shard = f.get("dp_shard", max(1, gpus // inner))
     dp = f.get("dp_replicate", 1) * shard

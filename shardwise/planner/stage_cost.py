@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from shardwise.planner import comm_model
 from shardwise.planner.work import (LayerWork, fp8_cast_bytes, head_work, layer_work,
                                    saved_bytes)
-from shardwise.planner.workload import ATTENTION_DTYPE
+from shardwise.planner.workload import ATTENTION_DTYPE, DTYPE_BYTES
 
 __all__ = ["LayerTimes", "RankTimes", "StageCoster", "stage_layers"]
 
@@ -132,8 +132,8 @@ class StageCoster:
                    + comm_model.reduce_scatter_time(act / tp, grp, hw)) if sp else \
                 2 * comm_model.all_reduce_time(act, grp, hw)
             tp_comm = passes * one
-            if wl.overlap_tp:
-                tp_comm = max(0.0, tp_comm - (fwd + bwd + recompute) * 0.5)
+            if wl.overlap_tp:  # async TP hides the collectives behind the layer's multiplies
+                tp_comm = max(0.0, tp_comm - wgrad * (passes + 1))
         cp_comm = 0.0
         if cp > 1:
             kv = (spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.is_mla else \
@@ -143,10 +143,14 @@ class StageCoster:
             cp_comm = max(0.0, gather - attn_fwd) * (passes - 1) + max(0.0, gather - 2 * attn_fwd)
         ep_comm = 0.0
         if moe and ep > 1:
-            grp = comm_model.place(ep, tp * 1, g)
-            a2a = comm_model.all_to_all_time(tokens * spec.top_k * spec.dim * wl.act_bytes,
-                                             grp, hw)
-            ep_comm = 0.0 if wl.overlap_ep else 2 * passes * a2a
+            grp = comm_model.place(ep, tp, g)
+            # Dispatch in the matmul dtype (fp8 training sends fp8), combine in 16 bits.
+            a2a = sum(comm_model.dispatch_time(spec.dim * nbytes, tokens, spec.top_k, grp, hw,
+                                               wl.ep_node_limit)
+                      for nbytes in (DTYPE_BYTES[wl.compute_dtype], wl.act_bytes))
+            ep_comm = passes * a2a
+            if wl.overlap_ep:  # DualPipe-style: hidden behind another micro-batch's compute
+                ep_comm = max(0.0, ep_comm - (fwd + bwd + recompute))
         working = saved_bytes(w, tp, sp, "none") if ac == "full" else 0.0
         return LayerTimes(fwd, bwd, wgrad, recompute, tp_comm, cp_comm, ep_comm,
                           w.model_flops, rec_flops, saved_bytes(w, tp, sp, ac), working)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Workload", "DTYPE_BYTES"]
+__all__ = ["Workload", "DTYPE_BYTES", "parse_workload"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 ATTENTION_DTYPE = {"fp8": "bf16"}
@@ -37,9 +37,13 @@ class Workload:
             Engine, torch.compile); False (default): eager PyTorch, as shardwise.models runs
             (see [Note: fused and eager kernels] in work.py).
         overlap_dp: data-parallel collectives overlap compute (default True).
-        overlap_tp: tensor-parallel collectives overlap their matrix multiplies (async TP).
+        overlap_tp: tensor-parallel collectives overlap their matrix multiplies (async TP:
+            what exceeds the multiplies stays exposed).
         overlap_pp: pipeline sends overlap compute in the steady state (default True).
-        overlap_ep: expert all-to-alls overlap compute (DualPipe-style), default False.
+        overlap_ep: expert all-to-alls overlap compute (DualPipe-style: what exceeds the
+            layer's compute stays exposed), default False.
+        ep_node_limit: expert routing sends each token to at most this many nodes, once
+            per node (DeepSeek-V3: 4); 0 (default): one message per (token, expert).
         prefetch: units gathered ahead at ZeRO stage 3 (default 1).
         reshard_after_forward: ZeRO stage 3 frees gathered parameters after each unit's
             forward and gathers them again for its backward (True, the engine's default);
@@ -61,6 +65,7 @@ class Workload:
     overlap_tp: bool = False
     overlap_pp: bool = True
     overlap_ep: bool = False
+    ep_node_limit: int = 0
     prefetch: int = 1
     reshard_after_forward: bool = True
     p2p_scatter_gather: bool = False
@@ -90,3 +95,38 @@ class Workload:
     def tokens(self) -> int:
         """Tokens per optimizer step."""
         return self.seq_len * self.global_batch
+
+
+def parse_workload(text: str) -> dict[str, object]:
+    """``--workload`` pairs (``overlap_ep=true,fused_kernels=true``) as Workload fields.
+
+    Raises:
+        ValueError: an unknown field (with the closest one) or a value of the wrong kind.
+    """
+    import dataclasses
+    import difflib
+    kinds = {f.name: f.type for f in dataclasses.fields(Workload)
+             if f.name not in ("seq_len", "global_batch")}
+    out: dict[str, object] = {}
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, value = (x.strip() for x in item.partition("="))
+        if not sep:
+            raise ValueError(f"--workload: {item!r} is not key=value")
+        if key not in kinds:
+            close = difflib.get_close_matches(key, list(kinds), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"--workload: unknown field {key!r}{hint}; fields: "
+                             f"{', '.join(kinds)}")
+        kind = kinds[key]
+        if kind == "bool":
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--workload: {key}={value!r}, expected true or false")
+            out[key] = value.lower() == "true"
+        elif kind == "int":
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise ValueError(f"--workload: {key}={value!r}, expected an integer") from None
+        else:
+            out[key] = value
+    return out
