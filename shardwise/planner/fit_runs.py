@@ -1,6 +1,6 @@
 """Fit the hardware families' constants on the published runs marked ``role = "fit"``.
 
-    python -m shardwise.planner.validation --fit
+    python -m shardwise.planner.fit_runs
 
 [Note: what is fitted] Per family, one constant: ``matmul_max``, the fraction of peak that
 large matrix multiplies reach. The other constants of a family (the efficiency curve's
@@ -22,6 +22,7 @@ that refitting reproduces them.
 from __future__ import annotations
 
 from shardwise.planner.fit import fit_constants, log_error
+from shardwise.planner.validation import hardware_of, load_runs, predict
 
 __all__ = ["fit_families", "FAMILY_FITS"]
 
@@ -48,7 +49,6 @@ def _overrides(params: dict[str, float]) -> dict:
 
 
 def _loss(runs, family: str, params: dict[str, float], base: dict[str, float]) -> float:
-    from shardwise.planner.validation import predict
     merged = _overrides({**base, **params})
     predicted = [predict(r, {family: merged}, exact=False)[1] for r in runs]
     return log_error(predicted, [r.value for r in runs])
@@ -66,7 +66,6 @@ def fit_families(iterations: int = 150) -> dict[str, tuple[dict[str, float], flo
     Returns:
         {family: (all five constants, the fit's mean squared log error)}.
     """
-    from shardwise.planner.validation import hardware_of, load_runs
     runs = [r for r in load_runs() if r.role == "fit"]
     results: dict[str, tuple[dict[str, float], float]] = {}
     for family, names in FAMILY_FITS.items():
@@ -79,3 +78,14 @@ def fit_families(iterations: int = 150) -> dict[str, tuple[dict[str, float], flo
                                      _loss(mine, family, p, base), iterations)
         results[family] = ({**base, **params}, loss)
     return results
+
+
+def main() -> int:
+    """Print every family's fitted constants and the fit's mean squared log error."""
+    for family, (params, loss) in fit_families().items():
+        print(family, {k: round(v, 4) for k, v in params.items()}, f"loss {loss:.5f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,7 +2,7 @@
 
     python -m shardwise.planner.validation                  # print the table
     python -m shardwise.planner.validation --choose --write bench/results/planner_validation.md
-    python -m shardwise.planner.validation --fit            # refit the families' constants
+    python -m shardwise.planner.fit_runs                    # refit the families' constants
 
 [Note: validating on published runs] For each run the planner is given what the source
 states: model, hardware, GPU count, sequence length, global batch, the layout keys it
@@ -218,15 +218,9 @@ def to_markdown(results: list[RunResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shardwise.planner.validation")
     p.add_argument("--choose", action="store_true", help="also search freely on each job")
-    p.add_argument("--fit", action="store_true", help="refit the families' constants")
     p.add_argument("--write", metavar="FILE", help="write the markdown table to FILE")
     p.add_argument("--run", action="append", help="only this run id (repeatable)")
     args = p.parse_args(argv)
-    if args.fit:
-        from shardwise.planner.fit_runs import fit_families
-        for family, (params, loss) in fit_families().items():
-            print(family, {k: round(v, 4) for k, v in params.items()}, f"loss {loss:.5f}")
-        return 0
     text = to_markdown(run_all(args.choose, args.run))
     if args.write:
         with open(args.write, "w") as fh:

@@ -11,6 +11,8 @@ collectives).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass
 
 __all__ = ["Workload", "DTYPE_BYTES", "parse_workload"]
@@ -103,8 +105,6 @@ def parse_workload(text: str) -> dict[str, object]:
     Raises:
         ValueError: an unknown field (with the closest one) or a value of the wrong kind.
     """
-    import dataclasses
-    import difflib
     kinds = {f.name: f.type for f in dataclasses.fields(Workload)
              if f.name not in ("seq_len", "global_batch")}
     out: dict[str, object] = {}
