@@ -9,9 +9,9 @@ pp`` equal to the GPU count (tp inside a node and dividing the heads, cp splitti
 sequence into load-balanced halves of at least 1024 tokens per rank, pp at most the layer
 count, the data-parallel degree dividing the global batch), ``ep`` dividing
 ``dp_shard x cp`` and the expert count, every ZeRO stage, micro-batch size (a power of two
-up to 16 sequences, or the one the user fixes), schedule (with its virtual stages),
-checkpointing policy and sequence-parallel choice. It is pruned before anything is priced
-and priced best-first:
+up to 16 sequences, or the one the user fixes), schedule (interleaved 1F1B with 2, 3, 4,
+6 or 8 stages per rank), checkpointing policy and sequence-parallel choice. It is pruned
+before anything is priced and priced best-first:
 
 1. a mesh and ZeRO stage whose parameters, gradients and optimizer state alone exceed the
    device's memory is dropped with every micro-batch, schedule and policy below it (unless
@@ -55,7 +55,7 @@ __all__ = ["SearchResult", "search", "search_space", "in_search_space", "mesh_ca
            "evaluate", "explain_empty"]
 
 _MAX_MICROBATCH = 16  # sequences per micro-batch searched: powers of two up to this
-_MAX_VIRTUAL = 8
+_VIRTUAL = (2, 3, 4, 6, 8)  # stages per rank searched for interleaved 1F1B
 _MIN_CP_TOKENS = 1024  # context parallelism keeps at least this many tokens per rank
 _KEEP = 50  # layouts beyond the printed ones kept in the ranking (the bound's margin)
 QUANT_MIN_GAIN = 0.02
@@ -116,10 +116,7 @@ def _schedules(pp: int, n_layers: int, m: int, fixed: dict) -> list[tuple[str, i
     if pp == 1:
         return [("none", 1)] if fixed.get("pp_schedule", "none") == "none" else []
     out = [("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("zbv", 2), ("dualpipev", 2)]
-    v = 2
-    while v <= _MAX_VIRTUAL and pp * v <= n_layers:
-        out.append(("interleaved_1f1b", v))
-        v *= 2
+    out += [("interleaved_1f1b", v) for v in _VIRTUAL if pp * v <= n_layers]
     if "pp_virtual" in fixed and fixed.get("pp_schedule") == "interleaved_1f1b":
         out.append(("interleaved_1f1b", fixed["pp_virtual"]))
     out = [(s, v) for s, v in out if pp * v <= n_layers and m >= min_microbatches(s, pp)]
@@ -321,6 +318,10 @@ def search_space(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None
 def in_search_space(layout: Layout, spec, hw, wl: Workload, gpus: int) -> bool:
     """Whether ``layout`` is one of the layouts :func:`search` chooses from (offload and
     quantised communication, which the search adds where they help, aside)."""
+    mb, v = layout.microbatch, layout.pp_virtual
+    if mb > _MAX_MICROBATCH or mb & (mb - 1) or (layout.pp_schedule == "interleaved_1f1b"
+                                                  and v not in _VIRTUAL):
+        return False  # fixing them widens the search beyond what the free search takes
     fixed = {k: v for k, v in layout.as_dict().items()
              if k not in ("offload", "comm_weights", "comm_grads")}
     want = layout.replace(offload="none", comm_weights="fp", comm_grads="fp")
