@@ -68,8 +68,15 @@ def fit_constants(start: dict[str, float], bounds: dict[str, tuple[float, float]
         return loss(decode(z))
 
     x0 = [_to_unit(start[n], *bounds[n]) for n in names]
+    best, value = _nelder_mead(f, x0, iterations, tolerance)
+    return decode(best), value
+
+
+def _nelder_mead(f, x0: list[float], iterations: int, tolerance: float
+                 ) -> tuple[list[float], float]:
+    """Minimise ``f`` from ``x0`` (standard reflection / expansion / contraction / shrink)."""
     simplex = [x0] + [[v + (0.5 if i == j else 0.0) for j, v in enumerate(x0)]
-                      for i in range(len(names))]
+                      for i in range(len(x0))]
     values = [f(x) for x in simplex]
     for _ in range(iterations):
         order = sorted(range(len(simplex)), key=values.__getitem__)
@@ -77,7 +84,7 @@ def fit_constants(start: dict[str, float], bounds: dict[str, tuple[float, float]
         if abs(values[-1] - values[0]) < tolerance:
             break
         centroid = [sum(x[i] for x in simplex[:-1]) / (len(simplex) - 1)
-                    for i in range(len(names))]
+                    for i in range(len(x0))]
         worst = simplex[-1]
 
         def point(k, centroid=centroid, worst=worst):
@@ -102,4 +109,4 @@ def fit_constants(start: dict[str, float], bounds: dict[str, tuple[float, float]
                                     for s in simplex[1:]]
                 values = [values[0]] + [f(x) for x in simplex[1:]]
     i = min(range(len(values)), key=values.__getitem__)
-    return decode(simplex[i]), values[i]
+    return simplex[i], values[i]
