@@ -40,7 +40,7 @@ from shardwise.parallel.pipeline import Costs, build_schedule, simulate
 from shardwise.parallel.pipeline.schedule import looped_placement, v_placement
 from shardwise.parallel.pipeline.schedules import schedule_spec
 
-__all__ = ["PipelineProfile", "schedule_profile", "min_microbatches"]
+__all__ = ["PipelineProfile", "schedule_profile", "min_microbatches", "stage_costs"]
 
 
 @dataclass(frozen=True)
@@ -111,10 +111,8 @@ def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f:
         return PipelineProfile(0.0, 1.0, (1.0,))
     if not exact:
         return _closed(schedule, p, v, m, f, b, w)
-    costs = rank_costs or [(f, b, w)] * p
-    sched_ranks = _placement(schedule, p, v)
-    stages = tuple((costs[r][0] / v, costs[r][1] / v, (costs[r][1] - costs[r][2]) / v,
-                    costs[r][2] / v) for r in sched_ranks)
+    per_stage = stage_costs(schedule, p, v, rank_costs or [(f, b, w)] * p)
+    stages = tuple(zip(*per_stage, strict=True))
     m_sim = max(min_microbatches(schedule, p), m if m < 3 * p else 2 * p + m % p)
     bubble, peaks = _simulated(schedule, p, v, m_sim, _rounded(stages), round(comm, 9))
     if schedule == "gpipe":  # GPipe holds every micro-batch: its peak grows with m
@@ -122,9 +120,15 @@ def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f:
     return PipelineProfile(bubble, max(peaks), peaks, "simulator")
 
 
-def _placement(schedule: str, pp: int, v: int) -> list[int]:
-    return list(v_placement(pp) if schedule_spec(schedule).v_shape
-                else looped_placement(pp, v))
+def stage_costs(schedule: str, pp: int, virtual: int,
+                rank_costs: list[tuple[float, float, float]]) -> tuple[tuple[float, ...], ...]:
+    """Per-stage (f, b, i, w) simulator costs from each rank's (f, b, w) over all of its
+    layers: a rank's stages share its costs equally, placed as the schedule places them."""
+    v = max(1, virtual)
+    place = v_placement(pp) if schedule_spec(schedule).v_shape else looped_placement(pp, v)
+    rows = [(rank_costs[r][0] / v, rank_costs[r][1] / v,
+             (rank_costs[r][1] - rank_costs[r][2]) / v, rank_costs[r][2] / v) for r in place]
+    return tuple(tuple(x[k] for x in rows) for k in range(4))
 
 
 def _rounded(stages: tuple) -> tuple:
