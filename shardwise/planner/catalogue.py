@@ -27,12 +27,23 @@ _FIELDS = {f.name for f in dataclasses.fields(ModelSpec)}
 
 
 def from_llama_config(cfg: LlamaConfig, name: str = "custom") -> ModelSpec:
-    """The :class:`ModelSpec` of ``Transformer(cfg)`` (same parameters, same shapes)."""
+    """The :class:`ModelSpec` of ``Transformer(cfg)`` (same parameters, same shapes),
+    mixture-of-experts and multi-head-latent-attention fields included when the config
+    has them."""
+    moe, mla = {}, {}
+    if getattr(cfg, "num_experts", 0):
+        moe = dict(n_experts=cfg.num_experts, top_k=cfg.top_k,
+                   n_shared_experts=cfg.num_shared_experts, moe_ffn_dim=cfg.expert_hidden_dim,
+                   n_dense_layers=cfg.moe_first_dense, moe_every=cfg.moe_every)
+    if getattr(cfg, "attention", "gqa") == "mla":
+        mla = dict(q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank,
+                   qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                   v_head_dim=cfg.v_head_dim)
     return ModelSpec(name=name, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                      n_kv_heads=cfg.n_kv_heads, vocab_size=cfg.vocab_size,
                      ffn_dim=cfg.ffn_hidden_dim, tie_embeddings=cfg.tie_embeddings,
                      max_seq_len=cfg.max_seq_len, buildable=True,
-                     source="shardwise.models.registry")
+                     source="shardwise.models.registry", **moe, **mla)
 
 
 def _catalogue() -> dict[str, dict]:
@@ -72,8 +83,10 @@ def _spec_fields(spec: ModelSpec) -> dict:
 
 
 def list_models() -> list[str]:
-    """Every name :func:`get_model_spec` accepts: registry names first."""
-    return list_model_configs() + [n for n in _catalogue() if not n.startswith("_")]
+    """Every name :func:`get_model_spec` accepts: registry names first (a registry name
+    shadows a catalogue entry of the same name: what the trainer builds is what is planned)."""
+    registry = list_model_configs()
+    return registry + [n for n in _catalogue() if not n.startswith("_") and n not in registry]
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from shardwise.distributed import comm_bytes
 from shardwise.planner.hardware import Hardware, Link
-from shardwise.planner.memory import unit_state
+from shardwise.planner.memory import TAG_BYTES, unit_state
 
 __all__ = ["Group", "place", "all_gather_time", "reduce_scatter_time", "all_reduce_time",
            "all_to_all_time", "dispatch_time", "p2p_time", "step_bytes"]
@@ -142,11 +142,13 @@ def step_bytes(spec, world: int, *, zero: int, param_bytes: int = 4, compute_byt
                                     for b in _buckets(spec, param_bytes))
         return out
     shard = [u.shard_numel for u in units]
-    gathers = sum(shard)
+    wire = [s * compute_bytes + (TAG_BYTES if u.n_params else 0)  # gathered bytes per unit
+            for s, u in zip(shard, units, strict=True)]
+    gathers = sum(wire)
     if zero == 3:
-        per_mb = sum(shard) + (sum(shard[1:]) if reshard_after_forward else 0)
+        per_mb = sum(wire) + (sum(wire[1:]) if reshard_after_forward else 0)
         gathers = microbatches * per_mb
-    out["all_gather"] = comm_bytes.all_gather_bytes(world, gathers * compute_bytes)[0]
+    out["all_gather"] = comm_bytes.all_gather_bytes(world, gathers)[0]
     out["reduce_scatter"] = comm_bytes.reduce_scatter_bytes(world, sum(shard) * rb)[0]
     return out
 

@@ -106,15 +106,18 @@ class CostModel:
 
     # ------------------------------------------------------------------ ranks
     def _sample_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
-        key = (L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.microbatch, L.ac)
+        key = (L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch, L.ac)
         if key not in self._ranks:
-            layers = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual)
-            # Rank 0 holds the most layers (uneven splits give the first chunks one more)
-            # and the embedding, the last rank the head; rank 1 has no dense-first layers.
+            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
+            # Rank 0 holds the most layers (uneven splits give the first stages one more)
+            # and the embedding; the head sits on the last rank (rank 0 in a V); rank 1 has
+            # no dense-first layers.
             picks = sorted({0, L.pp - 1} | ({1} if self.spec.is_moe and L.pp > 2 else set()))
-            self._ranks[key] = [(r, self.stages.rank(L, layers[r], r == 0, r == L.pp - 1),
-                                 layers[r]) for r in picks]
+            self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0]) for r in picks]
         return self._ranks[key]
+
+    def _rank_plan(self, L: Layout, r: int) -> tuple[list[int], bool, bool]:
+        return stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)[r]
 
     def _units(self, L: Layout, layers: list[int], first: bool, last: bool):
         key = ("units", L.tp, L.ep, tuple(layers), first, last)
@@ -132,7 +135,8 @@ class CostModel:
     def _memory(self, L: Layout, r: int, rt: RankTimes, layers, inflight: float
                 ) -> MemoryBreakdown:
         wl, hw = self.wl, self.hw
-        st = self.states(L, layers, r == 0, r == L.pp - 1)
+        _, first, last = self._rank_plan(L, r)
+        st = self.states(L, layers, first, last)
         optimizer = 0.0 if L.offload == "cpu" else st.optimizer
         tokens = L.microbatch * wl.seq_len / L.cp
         tp_buf = 2 * tokens * self.spec.dim * wl.act_bytes if L.tp > 1 else 0.0
@@ -207,8 +211,7 @@ class CostModel:
     def dp_collective_seconds(self, L: Layout) -> float:
         """Seconds of one step's data-parallel collectives on the first pipeline rank,
         overlapped or not (what a profile of its gathers and reductions adds up to)."""
-        layers = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual)[0]
-        gather, _, red, _ = self._dp_times(L, layers, True, L.pp == 1)
+        gather, _, red, _ = self._dp_times(L, *self._rank_plan(L, 0))
         if L.zero == 3:
             gather *= L.pp_microbatches * (2 if self.wl.reshard_after_forward else 1)
         return gather + red
@@ -229,11 +232,12 @@ class CostModel:
 
     # ------------------------------------------------------------------ the step
     def _all_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
-        key = ("all", L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.microbatch, L.ac)
+        key = ("all", L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch,
+               L.ac)
         if key not in self._ranks:
-            layers = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual)
-            self._ranks[key] = [(r, self.stages.rank(L, layers[r], r == 0, r == L.pp - 1),
-                                 layers[r]) for r in range(L.pp)]
+            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
+            self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0])
+                                for r in range(L.pp)]
         return self._ranks[key]
 
     def lower_bound(self, L: Layout) -> float:
@@ -273,8 +277,9 @@ class CostModel:
         across = L.dp * L.cp * L.tp >= hw.gpus_per_node
         t_p2p = comm_model.p2p_time(p2p_bytes, across, hw) if L.pp > 1 else 0.0
         pp_comm = 2 * (L.pp - 1) * t_p2p + (0.0 if wl.overlap_pp else 2 * L.pp_virtual * m * t_p2p)
-        dp = self._dp_exposed(L, rt, layers, r_star == 0, r_star == L.pp - 1)
-        opt, offload = self._optimizer(L, layers, r_star == 0, r_star == L.pp - 1)
+        _, first, last = self._rank_plan(L, r_star)
+        dp = self._dp_exposed(L, rt, layers, first, last)
+        opt, offload = self._optimizer(L, layers, first, last)
         breakdown = {"compute": m * (rt.fwd + rt.bwd), "tp_comm": m * rt.tp_comm,
                      "cp_comm": m * rt.cp_comm, "ep_all_to_all": m * rt.ep_comm,
                      "pp_bubble": prof.bubble_time, "pp_comm": pp_comm, "dp_comm": dp,

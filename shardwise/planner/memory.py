@@ -6,6 +6,7 @@ estimated from parameter counts: every sharding unit is laid out with the engine
 padding of uneven rows is counted exactly as ``Unit`` allocates it:
 
 * params: each unit's flat shard buffer, ``shard_numel`` elements of the parameter dtype
+  plus, where the engine tags its gathers (shard/identity.py), a ``TAG_BYTES`` trailer
   (stage 0: whole parameters);
 * grads: each unit's gradient shard, ``grad_numel`` elements of the parameter dtype
   (stage 0: DDP-style buckets of whole gradients);
@@ -33,8 +34,13 @@ import torch
 
 from shardwise.shard.layout import build_layout
 
+try:  # engines that tag every unit's gathers append TAG_BYTES to each shard buffer
+    from shardwise.shard.identity import TAG_BYTES
+except ImportError:  # engines without gather identity tags
+    TAG_BYTES = 0
+
 __all__ = ["UnitState", "StateBytes", "MemoryBreakdown", "unit_state", "state_bytes",
-           "OPTIMIZER_STATES"]
+           "OPTIMIZER_STATES", "TAG_BYTES"]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
 """State tensors per parameter (SGD: its momentum buffer); each also gets a 4-byte step
@@ -113,7 +119,8 @@ def state_bytes(units: list[tuple[tuple[int, ...], ...]], world: int, *, zero: i
     group = 1 if zero == 0 else world
     states = [unit_state(tuple(u), group, rank if group > 1 else 0) for u in units]
     numel = sum(s.numel for s in states)
-    params = sum(s.shard_numel for s in states) * param_bytes
+    trailer = TAG_BYTES // param_bytes if zero > 0 or compute_bytes != param_bytes else 0
+    params = sum(s.shard_numel + (trailer if s.n_params else 0) for s in states) * param_bytes
     grads = sum(s.shard_numel for s in states) * param_bytes
     opt = sum(s.local_numel * n_states * param_bytes + s.n_params * step for s in states)
     full = [s.full_numel * compute_bytes for s in states]

@@ -40,7 +40,8 @@ from shardwise.parallel.pipeline import Costs, build_schedule, simulate
 from shardwise.parallel.pipeline.schedule import looped_placement, v_placement
 from shardwise.parallel.pipeline.schedules import schedule_spec
 
-__all__ = ["PipelineProfile", "schedule_profile", "min_microbatches", "stage_costs"]
+__all__ = ["PipelineProfile", "schedule_profile", "min_microbatches", "stage_costs",
+           "placement"]
 
 
 @dataclass(frozen=True)
@@ -120,12 +121,22 @@ def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f:
     return PipelineProfile(bubble, max(peaks), peaks, "simulator")
 
 
+def placement(schedule: str, pp: int, virtual: int) -> tuple[int, ...]:
+    """The rank holding each stage, as the schedule places them (looped, or a V for zbv and
+    dualpipev: rank 0 then holds both the first and the last stage)."""
+    if schedule == "none" or pp == 1:
+        return (0,) * max(1, virtual)
+    if schedule_spec(schedule).v_shape:
+        return v_placement(pp)
+    return looped_placement(pp, max(1, virtual))
+
+
 def stage_costs(schedule: str, pp: int, virtual: int,
                 rank_costs: list[tuple[float, float, float]]) -> tuple[tuple[float, ...], ...]:
     """Per-stage (f, b, i, w) simulator costs from each rank's (f, b, w) over all of its
     layers: a rank's stages share its costs equally, placed as the schedule places them."""
     v = max(1, virtual)
-    place = v_placement(pp) if schedule_spec(schedule).v_shape else looped_placement(pp, v)
+    place = placement(schedule, pp, v)
     rows = [(rank_costs[r][0] / v, rank_costs[r][1] / v,
              (rank_costs[r][1] - rank_costs[r][2]) / v, rank_costs[r][2] / v) for r in place]
     return tuple(tuple(x[k] for x in rows) for k in range(4))

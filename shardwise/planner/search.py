@@ -135,11 +135,11 @@ class _Searcher:
 
     def states_floor(self, L: Layout) -> float:
         """Model-state bytes of the first pipeline rank (no activations)."""
-        key = (L.dp_shard, L.cp, L.tp, L.pp, L.ep, L.zero, L.pp_virtual,
+        key = (L.dp_shard, L.cp, L.tp, L.pp, L.ep, L.zero, L.pp_virtual, L.pp_schedule,
                L.pp_microbatches > 1, L.offload)
         if key not in self._states:
-            layers = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual)[0]
-            root, dense, experts = self.cm._units(L, layers, True, L.pp == 1)
+            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)[0]
+            root, dense, experts = self.cm._units(L, *plan)
             units = [root] + [u for u, n in dense.items() for _ in range(n)]
             st = state_bytes(units, L.dp_shard * L.cp, zero=L.zero,
                              param_bytes=self.wl.param_bytes, compute_bytes=self.wl.act_bytes,

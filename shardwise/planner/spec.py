@@ -59,6 +59,9 @@ class ModelSpec:
     moe_ffn_dim: int = 0
     n_dense_layers: int = 0
     """Leading layers with a dense ``ffn_dim`` feed-forward (DeepSeek's first 3)."""
+    moe_every: int = 1
+    """Layer ``i >= n_dense_layers`` is MoE when ``(i + 1) % moe_every == 0`` (as
+    ``LlamaConfig.is_moe_layer``)."""
     # Multi-head latent attention (kv_lora_rank == 0: standard attention).
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
@@ -126,11 +129,12 @@ class ModelSpec:
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) has an expert feed-forward."""
-        return self.is_moe and index >= self.n_dense_layers
+        return (self.is_moe and index >= self.n_dense_layers
+                and (index + 1) % self.moe_every == 0)
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers if self.is_moe else 0
+        return sum(1 for i in range(self.n_layers) if self.is_moe_layer(i))
 
     # ---------------------------------------------------------------- parameter shapes
     def _norm(self, tp: int) -> list[tuple[int, ...]]:
@@ -173,11 +177,16 @@ class ModelSpec:
         return shapes
 
     def expert_shapes(self, index: int, tp: int = 1, ep: int = 1) -> list[tuple[int, ...]]:
-        """The routed experts of block ``index`` held by one (tp, ep) rank."""
+        """The routed experts of block ``index`` held by one (tp, ep) rank: grouped
+        ``(experts, in, out)`` tensors, as ``shardwise.models``' GroupedExperts holds them
+        (w1 and w3 ``(E, dim, f)``, w2 ``(E, f, dim)``), so the engine shards them by
+        expert along dim 0."""
         if not self.is_moe_layer(index):
             return []
-        one = self._dense_ffn(self.moe_ffn_dim, tp)
-        return [s for _ in range(self.n_experts // ep) for s in one]
+        e, f, d = self.n_experts // ep, self.moe_ffn_dim // tp, self.dim
+        if self.mlp == "swiglu":
+            return [(e, d, f), (e, f, d), (e, d, f)]
+        return [(e, d, f), (e, f, d)]
 
     def _dense_ffn(self, hidden: int, tp: int) -> list[tuple[int, ...]]:
         f, d = hidden // tp, self.dim

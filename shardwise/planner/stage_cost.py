@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.planner import comm_model
+from shardwise.planner.pipeline import placement
 from shardwise.planner.work import (LayerWork, fp8_cast_bytes, head_work, layer_work,
                                    saved_bytes)
 from shardwise.planner.workload import ATTENTION_DTYPE, DTYPE_BYTES
@@ -66,9 +67,12 @@ class RankTimes:
         return self.fwd + self.bwd + self.tp_comm + self.cp_comm + self.ep_comm
 
 
-def stage_layers(n_layers: int, pp: int, virtual: int) -> list[list[int]]:
-    """Layer indices per pipeline rank: ``pp x virtual`` chunks in order, the first
-    ``n_layers % chunks`` one layer longer, rank ``r`` holding chunks ``r, r + pp, ...``."""
+def stage_layers(n_layers: int, pp: int, virtual: int, schedule: str = "1f1b"
+                 ) -> list[tuple[list[int], bool, bool]]:
+    """Per pipeline rank: (its layer indices, whether it holds the embedding, whether it
+    holds the final norm and head). ``pp x virtual`` stages split the layers in order (the
+    first ``n_layers % stages`` one layer longer) and sit on ranks as the schedule places
+    them (``pipeline.placement``: looped, or a V where rank 0 holds the first and last)."""
     chunks = pp * virtual
     base, extra = divmod(n_layers, chunks)
     bounds, start = [], 0
@@ -76,7 +80,9 @@ def stage_layers(n_layers: int, pp: int, virtual: int) -> list[list[int]]:
         size = base + (1 if c < extra else 0)
         bounds.append(range(start, start + size))
         start += size
-    return [[i for c in range(r, chunks, pp) for i in bounds[c]] for r in range(pp)]
+    place = placement(schedule, pp, virtual)
+    return [([i for c in range(chunks) if place[c] == r for i in bounds[c]],
+             place[0] == r, place[-1] == r) for r in range(pp)]
 
 
 class StageCoster:
@@ -109,7 +115,9 @@ class StageCoster:
         attn_bwd = attn * (2.5 if self.wl.attention == "flash" else 2.0)
         # What selective recomputation replays ([Note: selective recomputation]).
         cheap = attn + hw.memory_time(w.core_bytes) if self.wl.attention != "flash" else mem
-        return gemm + attn + mem + cast_f, 2 * gemm + attn_bwd + 2 * mem + cast_b, gemm, cheap
+        slow = 1 / (1 - self.wl.comm_sm_fraction)  # cores the overlapped comm occupies
+        return ((gemm + attn + mem + cast_f) * slow, (2 * gemm + attn_bwd + 2 * mem + cast_b)
+                * slow, gemm * slow, cheap * slow)
 
     def _price_layer(self, moe, tp, cp, sp, ep, mb, ac) -> LayerTimes:
         s, wl, hw, spec = self.wl.seq_len, self.wl, self.hw, self.spec
