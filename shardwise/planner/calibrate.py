@@ -107,13 +107,16 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
 
 
 # ---------------------------------------------------------------------- micro-benchmarks
-def _time(fn, repeats: int) -> float:
+def _time(fn, repeats: int, min_seconds: float = 0.05, max_calls: int = 200) -> float:
+    """Best of at least ``repeats`` calls, and of as many more as fit in ``min_seconds``:
+    the minimum filters out the time slices other processes take on a shared machine."""
     fn()
-    best = math.inf
-    for _ in range(repeats):
+    best, calls, start = math.inf, 0, time.perf_counter()
+    while calls < repeats or (time.perf_counter() - start < min_seconds and calls < max_calls):
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
+        calls += 1
     return best
 
 
@@ -135,7 +138,7 @@ def fit_matmul_curve(points: list[tuple[float, float]]) -> tuple[float, float, f
     peak = max(f / t for f, t in points)
     start = {"matmul_max": 0.95, "half": min(f for f, _ in points)}
     hi = max(f for f, _ in points)
-    best, _ = fit_constants(start, {"matmul_max": (0.3, 1.2), "half": (1.0, hi)},
+    best, _ = fit_constants(start, {"matmul_max": (0.3, 1.0), "half": (1.0, hi)},
                             lambda p: log_error([(f + p["half"]) / (peak * p["matmul_max"])
                                                  for f, _ in points], [t for _, t in points]))
     return peak, best["matmul_max"], best["half"]
@@ -171,10 +174,11 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
         def ag(out=out, shard=shard, gather=gather):
             gather(out, shard)
 
+        # A fixed number of calls: every rank must issue the same collectives.
         dist.barrier()
-        rows.append(("all_reduce", numel * 4, _time(ar, repeats)))
+        rows.append(("all_reduce", numel * 4, _time(ar, repeats, min_seconds=0.0)))
         dist.barrier()
-        rows.append(("all_gather", numel * 4, _time(ag, repeats)))
+        rows.append(("all_gather", numel * 4, _time(ag, repeats, min_seconds=0.0)))
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -196,6 +200,9 @@ def measure_collectives(world: int, sizes: list[int], repeats: int = 3,
         p.start()
     try:
         rows = queue.get(timeout=timeout_s)
+    except Exception:  # queue.Empty: a rank died or hung; its traceback is on stderr
+        raise RuntimeError(f"collective micro-benchmark on {world} Gloo ranks did not finish "
+                           f"within {timeout_s:.0f} s") from None
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -229,13 +236,20 @@ def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeas
     """Run the micro-benchmarks (about ``budget_s`` seconds; smaller budgets measure
     fewer sizes) on this machine's CPU and Gloo ranks."""
     quick = budget_s < 15
-    sizes = [64, 128, 256, 384] if quick else [64, 128, 256, 512, 768, 1024]
-    matmul = measure_matmul(sizes, repeats=2 if quick else 3)
-    n = 1 << (22 if quick else 25)  # 16 / 128 MiB fp32
-    x = torch.ones(n)
-    y = torch.empty(n)
-    copy = 2 * 4 * n / _time(lambda: y.copy_(x), 2 if quick else 4)
     ranks = ranks or max(2, min(4, os.cpu_count() or 2))
+    sizes = [64, 128, 256, 384] if quick else [64, 128, 256, 512, 768, 1024]
+    threads = torch.get_num_threads()
+    # One rank's share of the cores, as each training rank gets: it is one rank's speed
+    # that is priced, and fewer threads than cores avoid waiting on descheduled ones.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    try:
+        matmul = measure_matmul(sizes, repeats=2 if quick else 3)
+        n = 1 << (22 if quick else 25)  # 16 / 128 MiB fp32
+        x = torch.ones(n)
+        y = torch.empty(n)
+        copy = 2 * 4 * n / _time(lambda: y.copy_(x), 2 if quick else 4)
+    finally:
+        torch.set_num_threads(threads)
     msg = [4096, 65536, 1 << 20] if quick else [4096, 65536, 1 << 20, 1 << 23]
     coll = {}
     for world in sorted({2, ranks}):
