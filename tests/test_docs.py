@@ -40,7 +40,6 @@ them train for minutes.
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
@@ -167,19 +166,3 @@ def test_paths_and_notes_named_in_the_docs_exist(page):
     assert not unknown, f"{_page_id(page)} cites notes no code defines: {unknown}"
 
 
-def test_what_the_readme_calls_empty_is_empty():
-    """README's "what is coming" rows say which packages are empty today; filling one fails
-    this test until the row says what is built."""
-    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
-    claimed = re.findall(r"`(shardwise/[\w/]+?)/?` is empty today", text)
-    assert claimed, "README.md no longer says which packages are empty: drop this test"
-    def has_code(file: Path) -> bool:  # anything but a docstring
-        body = ast.parse(file.read_text(encoding="utf-8")).body
-        return any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
-                   for node in body)
-
-    for package in claimed:
-        code = [p for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py"
-                or has_code(p)]
-        assert not code, (f"README.md says {package}/ is empty, but it holds "
-                          f"{[str(p.relative_to(ROOT)) for p in code]}: say what is built")

@@ -5,7 +5,8 @@ Every collective the library runs goes through this module so that
 bytes it sent and received, and so that each call carries a label (``"unit3.all_gather"``)
 and a per-group sequence number that the watchdog and error messages can name.
 
-[Note: byte accounting] Bytes are the per-rank volume of the bandwidth-optimal (ring)
+[Note: byte accounting] Bytes (computed by :mod:`shardwise.distributed.comm_bytes`, which the
+planner prices too) are the per-rank volume of the bandwidth-optimal (ring)
 algorithm, the figure the ZeRO paper reasons with, for a group of ``n`` ranks:
 
 * all-gather of a ``b``-byte shard: sends and receives ``(n - 1) * b``;
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from shardwise.distributed import comm_bytes
 
 __all__ = [
     "CollectiveStats",
@@ -248,8 +251,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None
     """
     check_devices("all_gather", group, label, output, shard, scratch)
     n = group_size(group)
-    b = _nbytes(shard)
-    _RECORDER.record("all_gather", group, label, (n - 1) * b, (n - 1) * b)
+    _RECORDER.record("all_gather", group, label, *comm_bytes.all_gather_bytes(n, _nbytes(shard)))
     if n == 1:
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard.view_as(output))
@@ -300,8 +302,8 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group=None, 
     """
     check_devices("reduce_scatter", group, label, output, full, scratch)
     n = group_size(group)
-    b = _nbytes(output)
-    _RECORDER.record("reduce_scatter", group, label, (n - 1) * b, (n - 1) * b)
+    _RECORDER.record("reduce_scatter", group, label,
+                     *comm_bytes.reduce_scatter_bytes(n, _nbytes(output)))
     if n == 1:
         if output.data_ptr() != full.data_ptr():
             output.copy_(full.view_as(output))
@@ -324,8 +326,7 @@ def all_reduce(tensor: torch.Tensor, group=None, *, label: str = "", async_op: b
     """Reduce ``tensor`` in place over ``group`` (sum by default), counted."""
     check_devices("all_reduce", group, label, tensor)
     n = group_size(group)
-    vol = 2 * (n - 1) * _nbytes(tensor) // n
-    _RECORDER.record("all_reduce", group, label, vol, vol)
+    _RECORDER.record("all_reduce", group, label, *comm_bytes.all_reduce_bytes(n, _nbytes(tensor)))
     if n == 1:
         return None
     return _issue("all_reduce", group, label, tensor, async_op, dist.all_reduce, tensor, op=op,
@@ -337,10 +338,9 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, *, label: str = "",
     """Broadcast ``tensor`` from global rank ``src`` over ``group``, counted."""
     check_devices("broadcast", group, label, tensor)
     n = group_size(group)
-    b = _nbytes(tensor)
     is_src = dist.is_initialized() and dist.get_rank() == src
-    _RECORDER.record("broadcast", group, label, (n - 1) * b if is_src else 0,
-                     0 if is_src or n == 1 else b)
+    _RECORDER.record("broadcast", group, label,
+                     *comm_bytes.broadcast_bytes(n, _nbytes(tensor), is_src))
     if n == 1:
         return None
     return _issue("broadcast", group, label, tensor, async_op, dist.broadcast, _wire(tensor),
@@ -359,9 +359,8 @@ def all_to_all_single(output: torch.Tensor, inp: torch.Tensor, output_split_size
     row_out = _nbytes(output) // max(output.shape[0], 1) if output.dim() else _nbytes(output)
     ins = input_split_sizes or [inp.shape[0] // n] * n
     outs = output_split_sizes or [output.shape[0] // n] * n
-    sent = sum(s for i, s in enumerate(ins) if i != me) * row_in
-    received = sum(s for i, s in enumerate(outs) if i != me) * row_out
-    _RECORDER.record(kind, group, label, sent, received)
+    _RECORDER.record(kind, group, label,
+                     *comm_bytes.all_to_all_bytes(me, row_in, row_out, ins, outs))
     if n == 1:
         output.copy_(inp)
         return None

@@ -23,6 +23,8 @@ from shardwise.checkpoint.cli import add_parser as add_checkpoint_parser
 from shardwise.checkpoint.cli import run as run_checkpoint
 from shardwise.parallel.pipeline.cli import add_parser as add_schedule_parser
 from shardwise.parallel.pipeline.cli import run as run_schedule
+from shardwise.planner.cli import add_parser as add_plan_parser
+from shardwise.planner.cli import run as run_plan
 from shardwise.train import config_io
 from shardwise.train.config import Config, all_keys
 
@@ -127,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor_parser(sub)
     add_checkpoint_parser(sub)
     add_schedule_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -221,6 +224,8 @@ def _run(argv: list[str]) -> int:
             return run_checkpoint(args)
         if args.command == "schedule":
             return run_schedule(args)
+        if args.command == "plan":
+            return run_plan(args)
         _check_aliases(args)
         if args.command == "doctor":
             return _cmd_doctor(args)

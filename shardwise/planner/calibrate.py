@@ -1,0 +1,298 @@
+"""Measure the local machine, store it as the ``local`` device, and correct a device from
+measured steps.
+
+    shardwise plan --hardware local --calibrate        # measure, write the calibration file
+    hw = calibrate(measurements, get_hardware("h100"))  # fit constants to measured steps
+
+[Note: calibration] ``measure_local`` runs short micro-benchmarks: matrix multiplies of
+growing size (achieved FLOP/s by size, fitted to the efficiency curve of hardware.py), a
+large copy (memory bandwidth), and all-reduces and all-gathers on real Gloo ranks for each
+group size and several message sizes (latency and bandwidth fitted to the alpha-beta model
+of comm_model.py through the byte formulas of ``shardwise.distributed.comm_bytes``). The
+result is written as a hardware-catalogue entry named ``local`` (so every later prediction
+reads it like any device), with the raw measurements beside it.
+
+:func:`calibrate` is the self-correcting half: given steps measured on some device (step
+time, and optionally the seconds the data-parallel collectives took), it refits the device's
+constants (``matmul_max``, ``memory_efficiency``, ``intra_efficiency``,
+``inter_efficiency``) so the cost model reproduces them, using the same optimiser that
+fitted the catalogue on published runs (fit.py).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardwise.distributed import comm_bytes
+from shardwise.planner.cost_model import CostModel
+from shardwise.planner.fit import fit_constants, log_error
+
+__all__ = ["StepMeasurement", "calibrate", "measure_local", "write_calibration",
+           "fit_matmul_curve", "fit_alpha_beta"]
+
+_FITTABLE = {"matmul_max": (0.05, 1.5), "memory_efficiency": (0.05, 1.5),
+             "intra_efficiency": (0.02, 1.5), "inter_efficiency": (0.02, 1.5)}
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One measured training step of a layout.
+
+    Attributes:
+        spec, workload, layout: what ran.
+        step_time: measured seconds per step.
+        dp_collective_time: measured seconds of the step's data-parallel collectives
+            (gathers + reductions, as ``comm_stats`` labels them), or None.
+    """
+
+    spec: object
+    workload: object
+    layout: object
+    step_time: float
+    dp_collective_time: float | None = None
+
+
+def _predict(hw, m: StepMeasurement) -> tuple[float, float]:
+    cm = CostModel(m.spec, hw, m.workload)
+    return cm.estimate(m.layout).step_time, cm.dp_collective_seconds(m.layout)
+
+
+def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] = (
+        "matmul_max", "memory_efficiency", "intra_efficiency", "inter_efficiency"),
+              iterations: int = 600):
+    """Refit ``hw``'s constants so the cost model reproduces measured steps.
+
+    Args:
+        measurements: at least one :class:`StepMeasurement` (more, of layouts stressing
+            different parts, identify more constants).
+        hw: the :class:`~shardwise.planner.hardware.Hardware` to correct.
+        params: which constants to fit (any of matmul_max, memory_efficiency,
+            intra_efficiency, inter_efficiency).
+        iterations: optimiser steps.
+
+    Returns:
+        (the corrected Hardware, the fit's mean squared log error).
+
+    Raises:
+        ValueError: no measurements, or an unknown parameter.
+    """
+    if not measurements:
+        raise ValueError("calibrate needs at least one StepMeasurement")
+    bad = [p for p in params if p not in _FITTABLE]
+    if bad:
+        raise ValueError(f"calibrate: cannot fit {bad[0]!r}; fittable: {', '.join(_FITTABLE)}")
+    observed, which = [], []
+    for i, m in enumerate(measurements):
+        observed.append(m.step_time)
+        which.append((i, 0))
+        if m.dp_collective_time:
+            observed.append(m.dp_collective_time)
+            which.append((i, 1))
+    start = {p: getattr(hw, p) for p in params}
+
+    def loss(p):
+        h = hw.replace(**p)
+        preds = [_predict(h, m) for m in measurements]
+        return log_error([preds[i][k] for i, k in which], observed)
+
+    best, err = fit_constants(start, {p: _FITTABLE[p] for p in params}, loss, iterations)
+    return hw.replace(**best), err
+
+
+# ---------------------------------------------------------------------- micro-benchmarks
+def _time(fn, repeats: int, min_seconds: float = 0.05, max_calls: int = 200) -> float:
+    """Best of at least ``repeats`` calls, and of as many more as fit in ``min_seconds``:
+    the minimum filters out the time slices other processes take on a shared machine."""
+    fn()
+    best, calls, start = math.inf, 0, time.perf_counter()
+    while calls < repeats or (time.perf_counter() - start < min_seconds and calls < max_calls):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        calls += 1
+    return best
+
+
+def measure_matmul(sizes: list[int], repeats: int = 3) -> list[tuple[float, float]]:
+    """(FLOPs, seconds) of square fp32 matrix multiplies of each size."""
+    out = []
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out.append((2.0 * n ** 3, _time(lambda a=a, b=b: torch.mm(a, b), repeats)))
+    return out
+
+
+def fit_matmul_curve(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(peak FLOP/s, matmul_max, half-size FLOPs) of the curve ``t = (F + h) / (peak e)``.
+
+    The peak is the best measured throughput; ``matmul_max`` and the half-size are fitted
+    to every point (log errors).
+    """
+    peak = max(f / t for f, t in points)
+    start = {"matmul_max": 0.95, "half": min(f for f, _ in points)}
+    hi = max(f for f, _ in points)
+    best, _ = fit_constants(start, {"matmul_max": (0.3, 1.0), "half": (1.0, hi)},
+                            lambda p: log_error([(f + p["half"]) / (peak * p["matmul_max"])
+                                                 for f, _ in points], [t for _, t in points]))
+    return peak, best["matmul_max"], best["half"]
+
+
+def fit_alpha_beta(points: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """(latency per step s, bandwidth bytes/s) from (steps, bytes, seconds) points."""
+    start = {"alpha": 1e-5, "beta": 1e9}
+    best, _ = fit_constants(start, {"alpha": (1e-8, 1e-1), "beta": (1e6, 1e12)},
+                            lambda p: log_error([s * p["alpha"] + b / p["beta"]
+                                                 for s, b, _ in points], [t for *_, t in points]))
+    return best["alpha"], best["beta"]
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int,
+                       queue) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = []
+    for nbytes in sizes:
+        numel = max(world, nbytes // 4 // world * world)
+        t = torch.ones(numel)
+        out = torch.empty(numel * world)
+        shard = torch.ones(numel)
+
+        def ar(t=t):
+            dist.all_reduce(t)
+
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+        def ag(out=out, shard=shard, gather=gather):
+            gather(out, shard)
+
+        # A fixed number of calls: every rank must issue the same collectives.
+        dist.barrier()
+        rows.append(("all_reduce", numel * 4, _time(ar, repeats, min_seconds=0.0)))
+        dist.barrier()
+        rows.append(("all_gather", numel * 4, _time(ag, repeats, min_seconds=0.0)))
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def measure_collectives(world: int, sizes: list[int], repeats: int = 3,
+                        timeout_s: float = 120.0) -> list[tuple[str, int, float]]:
+    """(kind, payload bytes, seconds) of Gloo all-reduces and all-gathers on ``world``
+    local ranks (payload: the all-reduced tensor, or one rank's all-gather shard)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, repeats,
+                                                          queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        rows = queue.get(timeout=timeout_s)
+    except Exception:  # queue.Empty: a rank died or hung; its traceback is on stderr
+        raise RuntimeError(f"collective micro-benchmark on {world} Gloo ranks did not finish "
+                           f"within {timeout_s:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return rows
+
+
+def _alpha_beta_points(rows, world: int) -> list[tuple[int, float, float]]:
+    pts = []
+    for kind, nbytes, secs in rows:
+        if kind == "all_reduce":
+            pts.append((2 * (world - 1), comm_bytes.all_reduce_bytes(world, nbytes)[0], secs))
+        else:
+            pts.append((world - 1, comm_bytes.all_gather_bytes(world, nbytes)[0], secs))
+    return pts
+
+
+@dataclass
+class LocalMeasurements:
+    """What :func:`measure_local` measured (see [Note: calibration])."""
+
+    matmul: list[tuple[float, float]]
+    copy_bandwidth: float
+    collectives: dict[int, list[tuple[str, int, float]]] = field(default_factory=dict)
+    ranks: int = 2
+    memory_bytes: float = 0.0
+
+
+def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeasurements:
+    """Run the micro-benchmarks (about ``budget_s`` seconds; smaller budgets measure
+    fewer sizes) on this machine's CPU and Gloo ranks."""
+    quick = budget_s < 15
+    ranks = ranks or max(2, min(4, os.cpu_count() or 2))
+    sizes = [64, 128, 256, 384] if quick else [64, 128, 256, 512, 768, 1024]
+    threads = torch.get_num_threads()
+    # One rank's share of the cores, as each training rank gets: it is one rank's speed
+    # that is priced, and fewer threads than cores avoid waiting on descheduled ones.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    try:
+        matmul = measure_matmul(sizes, repeats=2 if quick else 3)
+        n = 1 << (22 if quick else 25)  # 16 / 128 MiB fp32
+        x = torch.ones(n)
+        y = torch.empty(n)
+        copy = 2 * 4 * n / _time(lambda: y.copy_(x), 2 if quick else 4)
+    finally:
+        torch.set_num_threads(threads)
+    msg = [4096, 65536, 1 << 20] if quick else [4096, 65536, 1 << 20, 1 << 23]
+    coll = {}
+    for world in sorted({2, ranks}):
+        coll[world] = measure_collectives(world, msg, repeats=2 if quick else 3)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return LocalMeasurements(matmul, copy, coll, ranks, float(mem))
+
+
+def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
+    """Fit the measurements and write the ``local`` catalogue entry to ``path``."""
+    peak, emax, half = fit_matmul_curve(meas.matmul)
+    alphas, betas = [], []
+    for world, rows in meas.collectives.items():
+        a, b = fit_alpha_beta(_alpha_beta_points(rows, world))
+        alphas.append(a)
+        betas.append(b)
+    alpha, beta = sum(alphas) / len(alphas), min(betas)
+    per_rank = meas.memory_bytes / meas.ranks
+    lines = ["# Written by `shardwise plan --hardware local --calibrate` (see docs/planner.md).",
+             "[local]",
+             'description = "this machine, measured: CPU ranks over Gloo"',
+             'family = "local"',
+             f"peak_tflops = {{ fp32 = {peak / 1e12:.6g}, bf16 = {peak / 1e12:.6g}, "
+             f"fp16 = {peak / 1e12:.6g} }}",
+             f"hbm_gib = {per_rank / 2**30:.4g}",
+             f"hbm_gbs = {meas.copy_bandwidth / 1e9:.4g}",
+             f"gpus_per_node = {meas.ranks}",
+             f"intra_gbs = {beta / 1e9:.4g}", f"inter_gbs = {beta / 1e9:.4g}",
+             f"intra_latency_us = {alpha * 1e6:.4g}", f"inter_latency_us = {alpha * 1e6:.4g}",
+             f"pcie_gbs = {meas.copy_bandwidth / 1e9:.4g}",
+             f"host_gbs = {meas.copy_bandwidth / 1e9:.4g}",
+             f"host_gib = {meas.memory_bytes / 2**30:.4g}", "reserved_gib = 0.25",
+             f"matmul_max = {emax:.4g}", f"matmul_half_gflop = {half / 1e9:.6g}",
+             "memory_efficiency = 1.0", "intra_efficiency = 1.0", "inter_efficiency = 1.0",
+             f'fitted_on = "calibrated {time.strftime("%Y-%m-%d %H:%M")}"', "",
+             "[local.measured]",
+             "matmul_flops_seconds = [" + ", ".join(f"[{f:.6g}, {t:.6g}]"
+                                                   for f, t in meas.matmul) + "]",
+             f"copy_bytes_per_s = {meas.copy_bandwidth:.6g}"]
+    for world, rows in meas.collectives.items():
+        lines.append(f"collectives_{world}_ranks = [" + ", ".join(
+            f'["{k}", {b}, {t:.6g}]' for k, b, t in rows) + "]")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    return out

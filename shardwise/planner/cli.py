@@ -1,0 +1,172 @@
+"""``shardwise plan``: predict and rank parallel layouts for a model on a cluster.
+
+    shardwise plan --model llama3-405b --hardware h100 --gpus 16384 --seq-len 8192 \\
+        --global-batch 2048                                # top layouts as a table
+    shardwise plan ... --json                              # the same records, JSON only
+    shardwise plan ... --layout "tp=8,pp=16,dp_shard=128,pp_schedule=1f1b,microbatch=1,ac=full"
+    shardwise plan ... --plot plan.png                     # memory + pipeline timeline
+    shardwise plan --hardware local --calibrate            # measure this machine first
+    shardwise plan --model-config my_model.toml ...        # any other shape
+
+Exit codes: 0 success, 2 bad input (one line naming the value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["add_parser", "run"]
+
+_DESCRIPTION = """\
+Predict step time, tokens/s per GPU, MFU, HFU, memory per GPU and the bottleneck of every
+parallel layout (data / ZeRO / context / tensor / pipeline / expert degrees, micro-batches,
+schedule, checkpointing, offload, quantised communication) and print the best. --layout
+fixes keys (the search chooses the rest). --global-batch is in sequences. The model and
+its accuracy against published runs: docs/planner.md."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``plan`` subcommand on ``sub``; returns its parser."""
+    p = sub.add_parser("plan", help="predict and rank parallel layouts (docs/planner.md)",
+                       description=_DESCRIPTION, allow_abbrev=False,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a registry or catalogue model name (e.g. llama3-405b)")
+    p.add_argument("--model-config", metavar="FILE", help="a TOML of ModelSpec fields")
+    p.add_argument("--hardware", help="device name (h100, a100-80gb, ..., local)")
+    p.add_argument("--hardware-config", metavar="FILE", help="a TOML extending the catalogue")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="calibration file of --hardware local (default "
+                        "~/.cache/shardwise/calibration.toml or $SHARDWISE_CALIBRATION)")
+    p.add_argument("--gpus", type=int, help="GPUs (ranks) of the job")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--layout", metavar="K=V,...", help="layout keys to fix (see docs)")
+    p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--json", action="store_true", help="print only a JSON array of records")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the best layout's memory and "
+                   "pipeline timeline")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --hardware local: run micro-benchmarks, store the calibration")
+    p.add_argument("--calibrate-budget", type=float, default=30.0, metavar="SECONDS",
+                   help="time the micro-benchmarks may take (default 30)")
+    g = p.add_argument_group("workload (defaults: shardwise's own stack)")
+    g.add_argument("--compute-dtype", default="bf16", help="bf16, fp16, fp8 or fp32")
+    g.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    g.add_argument("--attention", default="flash", help="flash or unfused")
+    g.add_argument("--fused-kernels", action="store_true",
+                   help="bandwidth-bound ops as fused kernels (default: eager PyTorch)")
+    g.add_argument("--workload", metavar="K=V,...", default="",
+                   help="other Workload fields, e.g. overlap_ep=true,overlap_dp=false "
+                        "(see shardwise/planner/workload.py)")
+    return p
+
+
+def _need(args, *names: str) -> None:
+    for n in names:
+        if getattr(args, n) is None:
+            raise ValueError(f"--{n.replace('_', '-')} is required (see shardwise plan -h)")
+
+
+def _spec(args):
+    from shardwise.planner.catalogue import get_model_spec, load_model_config
+    if args.model and args.model_config:
+        raise ValueError("give --model or --model-config, not both")
+    if args.model_config:
+        return load_model_config(args.model_config)
+    _need(args, "model")
+    return get_model_spec(args.model)
+
+
+def _do_calibrate(args) -> None:
+    from shardwise.planner.calibrate import measure_local, write_calibration
+    from shardwise.planner.hardware import default_calibration_path
+    if args.hardware != "local":
+        raise ValueError(f"--calibrate measures this machine: use --hardware local, got "
+                         f"--hardware {args.hardware}")
+    path = args.calibration or default_calibration_path()
+    meas = measure_local(args.calibrate_budget)
+    out = write_calibration(meas, path)
+    print(f"shardwise plan: calibration written to {out}", file=sys.stderr)
+
+
+def _table(result, spec, hw, wl, gpus: int, top: int) -> str:
+    head = (f"shardwise plan: {spec.name} on {gpus} x {hw.name} ({hw.description}), "
+            f"seq {wl.seq_len}, global batch {wl.global_batch} sequences\n"
+            f"{result.evaluated:,} layouts priced, {result.pruned:,} pruned, "
+            f"{result.seconds:.1f} s\n")
+    rows = [f"{'#':>2} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'HFU':>6} {'GiB':>6} "
+            f"{'fits':>4}  {'bottleneck':<13} layout"]
+    for i, e in enumerate(result.ranked[:top], 1):
+        rows.append(f"{i:>2} {e.step_time:>8.3g} {e.tokens_per_s_per_gpu:>10.4g} "
+                    f"{e.mfu:>6.1%} {e.hfu:>6.1%} {e.memory.total / 2**30:>6.1f} "
+                    f"{'yes' if e.fits else 'NO':>4}  {e.bottleneck:<13} {_short(e.layout)}")
+    return head + "\n".join(rows)
+
+
+def _short(L) -> str:
+    from shardwise.planner.layout import Layout
+    default = Layout()
+    keep = ("tp", "pp", "dp_shard", "zero", "microbatch", "ac")
+    return ",".join(f"{k}={str(v).lower()}" for k, v in L.as_dict().items()
+                    if k in keep or v != getattr(default, k))
+
+
+def _plan(args) -> int:
+    from shardwise.planner.cost_model import CostModel
+    from shardwise.planner.hardware import get_hardware
+    from shardwise.planner.layout import parse_layout
+    from shardwise.planner.search import explain_empty, search
+    from shardwise.planner.workload import Workload, parse_workload
+    _need(args, "hardware", "gpus", "seq_len", "global_batch")
+    spec = _spec(args)
+    hw = get_hardware(args.hardware, args.hardware_config, args.calibration)
+    extra = parse_workload(args.workload)
+    wl = Workload(**{"seq_len": args.seq_len, "global_batch": args.global_batch,
+                     "compute_dtype": args.compute_dtype, "optimizer": args.optimizer,
+                     "attention": args.attention, "fused_kernels": args.fused_kernels, **extra})
+    fixed = parse_layout(args.layout) if args.layout else {}
+    if args.top < 1:
+        raise ValueError(f"--top={args.top}, expected an integer >= 1")
+    result = search(spec, hw, wl, args.gpus, fixed)
+    if not result.ranked:
+        raise ValueError(explain_empty(spec, hw, wl, args.gpus, fixed))
+    if args.json:
+        json.dump([e.record() for e in result.ranked[:args.top]], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(_table(result, spec, hw, wl, args.gpus, args.top))
+    if args.plot:
+        from shardwise.planner.plot import plot_estimate
+        out = plot_estimate(result.ranked[0], CostModel(spec, hw, wl), args.plot)
+        print(f"shardwise plan: plot written to {out}", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``shardwise plan`` for parsed ``args``; returns the exit code.
+
+    Bad input prints one line naming the value to stderr and returns 2.
+    """
+    try:
+        if args.calibrate:
+            _do_calibrate(args)
+            if args.gpus is None and args.model is None and args.model_config is None:
+                return 0
+        return _plan(args)
+    except ValueError as exc:
+        print(f"shardwise: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shardwise.planner.cli ...`` (the same as ``shardwise plan ...``)."""
+    parser = argparse.ArgumentParser(prog="shardwise")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    return run(parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

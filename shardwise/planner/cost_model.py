@@ -1,0 +1,340 @@
+"""Step time, memory and utilisation of one layout: :class:`CostModel`.
+
+    cm = CostModel(get_model_spec("llama3-405b"), get_hardware("h100"),
+                   Workload(seq_len=8192, global_batch=2048))
+    est = cm.estimate(Layout(tp=8, pp=16, dp_shard=128, pp_schedule="1f1b",
+                             pp_microbatches=16, ac="full"))
+    est.step_time, est.memory.total, est.mfu, est.bottleneck
+
+[Note: step time] The busiest pipeline rank sets the pace. Per micro-batch it spends
+forward + backward (+ recomputation) seconds and the exposed tensor-, context- and expert-
+parallel communication of its layers (stage_cost.py, [Note: layer time]); a step runs
+``pp_microbatches`` of them, plus the schedule's bubble (pipeline.py), the exposed
+pipeline sends, the exposed data-parallel collectives, and the optimizer step (HBM-bound
+on the device, or host-bound with the transfers over PCIe when offloaded). Data-parallel
+collectives are priced per unit with comm_model from the bytes of
+:func:`shardwise.distributed.comm_bytes` (quantised payloads from the engine's
+``packed_nbytes``) and hide behind compute as the engine schedules them: gradient
+reductions behind the last micro-batch's backward, stage-3 gathers behind the computing
+unit, stage-1/2 gathers behind the next forward.
+
+Every component is reported; the largest one is the layout's ``bottleneck`` (compute
+includes the device optimizer step; context-parallel exchanges count as tp_comm).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from shardwise.planner import comm_model
+from shardwise.planner.layout import Layout
+from shardwise.planner.memory import MemoryBreakdown, state_bytes, unit_state
+from shardwise.planner.pipeline import schedule_profile
+from shardwise.planner.stage_cost import RankTimes, StageCoster, stage_layers
+from shardwise.planner.workload import Workload
+from shardwise.quant import packed_nbytes
+
+__all__ = ["CostModel", "Estimate", "BOTTLENECKS", "FRAGMENTATION"]
+
+BOTTLENECKS = ("compute", "dp_comm", "tp_comm", "pp_bubble", "pp_comm", "ep_all_to_all",
+               "offload")
+FRAGMENTATION = 0.05
+"""Allocator fragmentation allowance, a fraction of model states and activations."""
+_GIB = 2 ** 30
+_OPT_BYTES = {"adamw": 30, "adam": 30, "sgd": 18}  # HBM bytes per parameter per step
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The prediction for one layout (seconds, bytes, fractions)."""
+
+    layout: Layout
+    step_time: float
+    breakdown: dict[str, float]
+    memory: MemoryBreakdown
+    fits: bool
+    model_flops: float
+    hardware_flops: float
+    gpus: int
+    tokens: int
+    peak_flops: float
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens / (self.step_time * self.gpus)
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (no recomputation) per second over the devices' peak."""
+        return self.model_flops / (self.step_time * self.gpus * self.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        """Executed FLOPs (recomputation included) per second over the devices' peak."""
+        return self.hardware_flops / (self.step_time * self.gpus * self.peak_flops)
+
+    @property
+    def bottleneck(self) -> str:
+        cats = {k: self.breakdown.get(k, 0.0) for k in BOTTLENECKS}
+        cats["compute"] += self.breakdown.get("optimizer", 0.0)
+        cats["tp_comm"] += self.breakdown.get("cp_comm", 0.0)
+        return max(cats, key=cats.get)
+
+    def record(self) -> dict[str, object]:
+        """The JSON record of ``shardwise plan --json``."""
+        return {"layout": self.layout.as_dict(), "step_time_s": self.step_time,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "hfu": self.hfu, "memory_per_gpu_gib": self.memory.total / _GIB,
+                "fits": self.fits, "bottleneck": self.bottleneck}
+
+
+class CostModel:
+    """Prices layouts of one model on one device for one workload (see the notes)."""
+
+    def __init__(self, spec, hw, wl: Workload) -> None:
+        self.spec, self.hw, self.wl = spec, hw, wl
+        self.stages = StageCoster(spec, hw, wl)
+        self._ranks: dict[tuple, list[tuple[int, RankTimes, list[int]]]] = {}
+        self._flops: float | None = None
+        self._cache: dict[tuple, object] = {}  # units, states, dp times, optimizer, recompute
+
+    def _cached(self, key: tuple, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    # ------------------------------------------------------------------ ranks
+    def _sample_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
+        key = (L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch, L.ac)
+        if key not in self._ranks:
+            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
+            # Rank 0 holds the most layers (uneven splits give the first stages one more)
+            # and the embedding; the head sits on the last rank (rank 0 in a V); rank 1 has
+            # no dense-first layers.
+            picks = sorted({0, L.pp - 1} | ({1} if self.spec.is_moe and L.pp > 2 else set()))
+            self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0]) for r in picks]
+        return self._ranks[key]
+
+    def _rank_plan(self, L: Layout, r: int) -> tuple[list[int], bool, bool]:
+        return stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)[r]
+
+    def _units(self, L: Layout, layers: list[int], first: bool, last: bool):
+        key = ("units", L.tp, L.ep, tuple(layers), first, last)
+        return self._cached(key, lambda: self._make_units(L, layers, first, last))
+
+    def _make_units(self, L: Layout, layers: list[int], first: bool, last: bool):
+        root = tuple(self.spec.root_shapes(L.tp, first, last))
+        dense = Counter(tuple(self.spec.block_shapes(i, L.tp, L.ep, experts=False))
+                        for i in layers)
+        experts = Counter(tuple(self.spec.expert_shapes(i, L.tp, L.ep)) for i in layers
+                          if self.spec.is_moe_layer(i))
+        return root, dense, experts
+
+    # ------------------------------------------------------------------ memory
+    def _memory(self, L: Layout, r: int, rt: RankTimes, layers, inflight: float
+                ) -> MemoryBreakdown:
+        wl, hw = self.wl, self.hw
+        _, first, last = self._rank_plan(L, r)
+        st = self.states(L, layers, first, last)
+        optimizer = 0.0 if L.offload == "cpu" else st.optimizer
+        tokens = L.microbatch * wl.seq_len / L.cp
+        tp_buf = 2 * tokens * self.spec.dim * wl.act_bytes if L.tp > 1 else 0.0
+        acts = inflight * rt.saved + rt.working
+        frag = FRAGMENTATION * (st.params + st.grads + optimizer + st.unsharded
+                                + st.full_grads + acts)
+        return MemoryBreakdown(st.params, st.grads, optimizer, st.unsharded, st.full_grads,
+                               st.comm + tp_buf, acts, rt.logits, hw.reserved_bytes, frag, r)
+
+    def states(self, L: Layout, layers: list[int], first: bool, last: bool):
+        """Model-state bytes of the rank holding ``layers`` (cached)."""
+        key = ("states", L.tp, L.ep, L.dp_shard, L.cp, L.zero, L.pp_microbatches > 1,
+               tuple(layers), first, last)
+        return self._cached(key, lambda: self._make_states(L, layers, first, last))
+
+    def _make_states(self, L: Layout, layers: list[int], first: bool, last: bool):
+        wl = self.wl
+        root, dense, experts = self._units(L, layers, first, last)
+        units = [root] + [u for u, n in dense.items() for _ in range(n)]
+        kw = dict(zero=L.zero, param_bytes=wl.param_bytes, compute_bytes=wl.act_bytes,
+                  optimizer=wl.optimizer, prefetch=wl.prefetch,
+                  accumulate=L.pp_microbatches > 1,
+                  reshard_after_forward=wl.reshard_after_forward)
+        st = state_bytes(units, L.dp_shard * L.cp, root=0 if root else None, **kw)
+        if experts:
+            ex = [u for u, n in experts.items() for _ in range(n)]
+            st = st + state_bytes(ex, max(1, L.dp_shard * L.cp // L.ep), root=None, **kw)
+        return st
+
+    # ------------------------------------------------------------------ data parallel
+    def _dp_times(self, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
+        """(gather per step, first-unit gather, reduction per step, last-unit reduction)."""
+        key = ("dp", L.tp, L.ep, L.dp_shard, L.cp, L.dp_replicate, L.zero, L.comm_weights,
+               L.comm_grads, tuple(layers), first, last)
+        return self._cached(key, lambda: self._make_dp_times(L, layers, first, last))
+
+    def _make_dp_times(self, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
+        wl, hw, g = self.wl, self.hw, self.hw.gpus_per_node
+        root, dense, experts = self._units(L, layers, first, last)
+        groups = [(comm_model.place(L.dp_shard * L.cp, L.tp, g), [(root, 1), *dense.items()])]
+        if experts:
+            groups.append((comm_model.place(max(1, L.dp_shard * L.cp // L.ep), L.tp * L.ep, g),
+                           list(experts.items())))
+        rep = comm_model.place(L.dp_replicate, L.dp_shard * L.cp * L.tp, g)
+        gather = first_g = red = last_r = 0.0
+        rb = wl.act_bytes if L.zero > 0 else wl.param_bytes
+        for grp, units in groups:
+            for shapes, count in units:
+                if not shapes:
+                    continue
+                n = self._shard_numel(shapes, grp.size if L.zero > 0 else 1)
+                if L.zero == 0:
+                    full = comm_model.place(grp.size * L.dp_replicate, L.tp, g)
+                    t_red = comm_model.all_reduce_time(n * rb, full, hw)
+                    t_gat = 0.0
+                else:
+                    gb = packed_nbytes(n, L.comm_weights, 256) if L.comm_weights != "fp" \
+                        else n * wl.act_bytes
+                    qb = packed_nbytes(n, L.comm_grads, 256) if L.comm_grads != "fp" \
+                        else n * rb
+                    t_gat = comm_model.all_gather_time(gb, grp, hw)
+                    t_red = comm_model.reduce_scatter_time(qb, grp, hw) + \
+                        comm_model.all_reduce_time(n * rb, rep, hw)
+                gather += count * t_gat
+                red += count * t_red
+                first_g, last_r = max(first_g, t_gat), max(last_r, t_red)
+        return gather, first_g, red, last_r
+
+    def _shard_numel(self, shapes, world: int) -> int:
+        return unit_state(tuple(shapes), world).shard_numel
+
+    def dp_collective_seconds(self, L: Layout) -> float:
+        """Seconds of one step's data-parallel collectives on the first pipeline rank,
+        overlapped or not (what a profile of its gathers and reductions adds up to)."""
+        gather, _, red, _ = self._dp_times(L, *self._rank_plan(L, 0))
+        if L.zero == 3:
+            gather *= L.pp_microbatches * (2 if self.wl.reshard_after_forward else 1)
+        return gather + red
+
+    def _dp_exposed(self, L: Layout, rt: RankTimes, layers, first, last) -> float:
+        gather, first_g, red, last_r = self._dp_times(L, layers, first, last)
+        m = L.pp_microbatches
+        if L.zero == 3:
+            per_mb = (2 if self.wl.reshard_after_forward else 1) * gather
+            total_gather = m * per_mb
+            hidden = m * max(0.0, per_mb - rt.busy) + first_g
+        else:
+            total_gather = gather
+            hidden = max(0.0, gather - rt.fwd) + first_g if gather else 0.0
+        if not self.wl.overlap_dp:
+            return total_gather + red
+        return hidden + max(0.0, red - rt.bwd) + last_r
+
+    # ------------------------------------------------------------------ the step
+    def _all_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
+        key = ("all", L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch,
+               L.ac)
+        if key not in self._ranks:
+            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
+            self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0])
+                                for r in range(L.pp)]
+        return self._ranks[key]
+
+    def lower_bound(self, L: Layout) -> float:
+        """A lower bound of ``estimate(L).step_time`` (closed forms): the busiest sampled
+        rank's micro-batches and the schedule's bubble, without data-parallel, pipeline-send
+        and optimizer time."""
+        rt = max(self._sample_ranks(L), key=lambda x: x[1].busy)[1]
+        prof = schedule_profile(L.pp_schedule, L.pp, L.pp_virtual, L.pp_microbatches,
+                                *self._fbw(rt))
+        return L.pp_microbatches * rt.busy + prof.bubble_time
+
+    @staticmethod
+    def _fbw(rt: RankTimes) -> tuple[float, float, float]:
+        """Forward, backward and weight-gradient seconds with exposed comm folded in."""
+        comm = rt.tp_comm + rt.cp_comm + rt.ep_comm
+        share = rt.fwd / (rt.fwd + rt.bwd) if rt.fwd + rt.bwd else 0.5
+        return rt.fwd + comm * share, rt.bwd + comm * (1 - share), rt.wgrad
+
+    def estimate(self, L: Layout, exact: bool = False) -> Estimate:
+        """Price one resolved layout (assumed valid: see ``layout.check_layout``).
+
+        Args:
+            L: the layout.
+            exact: price every pipeline rank and simulate the schedule the executor runs
+                (see [Note: pipeline profile]); default: sampled ranks and closed forms.
+        """
+        wl, hw, spec = self.wl, self.hw, self.spec
+        m = L.pp_microbatches
+        ranks = self._all_ranks(L) if exact else self._sample_ranks(L)
+        r_star, rt, layers = max(ranks, key=lambda x: x[1].busy)
+        prof = schedule_profile(L.pp_schedule, L.pp, L.pp_virtual, m, *self._fbw(rt),
+                                exact=exact and L.pp > 1,
+                                rank_costs=[self._fbw(x[1]) for x in ranks] if exact else None)
+        tokens = L.microbatch * wl.seq_len / L.cp
+        split = L.tp if (L.sp or wl.p2p_scatter_gather) else 1
+        p2p_bytes = tokens * spec.dim * wl.act_bytes / split
+        across = L.dp * L.cp * L.tp >= hw.gpus_per_node
+        t_p2p = comm_model.p2p_time(p2p_bytes, across, hw) if L.pp > 1 else 0.0
+        pp_comm = 2 * (L.pp - 1) * t_p2p + (0.0 if wl.overlap_pp else 2 * L.pp_virtual * m * t_p2p)
+        _, first, last = self._rank_plan(L, r_star)
+        dp = self._dp_exposed(L, rt, layers, first, last)
+        opt, offload = self._optimizer(L, layers, first, last)
+        breakdown = {"compute": m * (rt.fwd + rt.bwd), "tp_comm": m * rt.tp_comm,
+                     "cp_comm": m * rt.cp_comm, "ep_all_to_all": m * rt.ep_comm,
+                     "pp_bubble": prof.bubble_time, "pp_comm": pp_comm, "dp_comm": dp,
+                     "optimizer": opt, "offload": offload}
+        step = sum(breakdown.values())
+        mems = []
+        for r, rtr, lay in ranks:
+            inflight = prof.per_rank[r] if len(prof.per_rank) == L.pp else \
+                self._inflight(L, prof.peak_inflight, r)
+            mems.append(self._memory(L, r, rtr, lay, inflight))
+        mem = max(mems, key=lambda x: x.total)
+        gpus = L.gpus
+        model_flops = self._model_flops()
+        hw_flops = model_flops + self._recompute_flops(L)
+        return Estimate(L, step, breakdown, mem, mem.total <= hw.hbm_bytes, model_flops,
+                        hw_flops, gpus, wl.tokens, hw.peak("bf16"))
+
+    def _inflight(self, L: Layout, peak: float, r: int) -> float:
+        if L.pp == 1:
+            return 1.0
+        if L.pp_schedule == "gpipe":
+            return peak
+        return max(1.0, peak - r * peak / L.pp)
+
+    def _optimizer(self, L: Layout, layers, first, last) -> tuple[float, float]:
+        key = ("opt", L.tp, L.ep, L.dp_shard, L.cp, L.zero, L.offload, tuple(layers), first,
+               last)
+        return self._cached(key, lambda: self._make_optimizer(L, layers, first, last))
+
+    def _make_optimizer(self, L: Layout, layers, first, last) -> tuple[float, float]:
+        root, dense, experts = self._units(L, layers, first, last)
+        world = 1 if L.zero == 0 else L.dp_shard * L.cp
+        n = self._shard_numel(root, world) if root else 0
+        n += sum(c * self._shard_numel(u, world) for u, c in dense.items())
+        ew = 1 if L.zero == 0 else max(1, L.dp_shard * L.cp // L.ep)
+        n += sum(c * self._shard_numel(u, ew) for u, c in experts.items())
+        nbytes = n * _OPT_BYTES[self.wl.optimizer] * self.wl.param_bytes / 4
+        if L.offload == "cpu":
+            host = nbytes / self.hw.host_bandwidth
+            pcie = n * 2 * self.wl.param_bytes / self.hw.pcie_bandwidth
+            return 0.0, max(host, pcie)
+        return self.hw.memory_time(nbytes), 0.0
+
+    def _model_flops(self) -> float:
+        """FLOPs per step as MFU counts them: 3x forward (backward = 2x), no recompute."""
+        if self._flops is None:
+            rt = self.stages.rank(Layout(), list(range(self.spec.n_layers)), True, True)
+            self._flops = 3 * rt.model_flops * self.wl.global_batch
+        return self._flops
+
+    def _recompute_flops(self, L: Layout) -> float:
+        return self._cached(("recompute", L.ac), lambda: self._make_recompute(L))
+
+    def _make_recompute(self, L: Layout) -> float:
+        rt = self.stages.rank(L.replace(tp=1, cp=1, sp=False, ep=1, microbatch=1),
+                              list(range(self.spec.n_layers)), False, False)
+        return rt.recompute_flops * self.wl.global_batch
+

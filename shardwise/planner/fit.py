@@ -1,0 +1,112 @@
+"""Fitting a few positive constants to observations: Nelder-Mead on log-errors.
+
+One small optimiser serves both places that fit the cost model to reality: the hardware
+families' constants fitted on published runs (validation.py) and a device's constants fitted
+to what a run measured (calibrate.py). Parameters live in bounded intervals; the search runs
+on a logit-like transform of each so no step leaves its interval, and minimises the mean
+squared log ratio of prediction to observation (errors of 10% too fast and 10% too slow
+weigh the same, and large and small runs count alike).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+__all__ = ["fit_constants", "log_error"]
+
+
+def log_error(predicted: Sequence[float], observed: Sequence[float]) -> float:
+    """Mean of ``log(predicted / observed) ** 2`` (inf when a prediction is not positive)."""
+    total = 0.0
+    for p, o in zip(predicted, observed, strict=True):
+        if not (p > 0 and o > 0) or not math.isfinite(p):
+            return math.inf
+        total += math.log(p / o) ** 2
+    return total / max(1, len(observed))
+
+
+def _to_unit(x: float, lo: float, hi: float) -> float:
+    u = min(max((x - lo) / (hi - lo), 1e-9), 1 - 1e-9)
+    return math.log(u / (1 - u))
+
+
+def _from_unit(z: float, lo: float, hi: float) -> float:
+    return lo + (hi - lo) / (1 + math.exp(-z))
+
+
+def fit_constants(start: dict[str, float], bounds: dict[str, tuple[float, float]],
+                  loss: Callable[[dict[str, float]], float], iterations: int = 300,
+                  tolerance: float = 1e-10) -> tuple[dict[str, float], float]:
+    """Minimise ``loss(params)`` over ``params`` within ``bounds`` (Nelder-Mead).
+
+    Args:
+        start: initial value of every parameter to fit.
+        bounds: (low, high) of every parameter in ``start``.
+        loss: the objective, e.g. ``log_error(predict(params), observed)``.
+        iterations: at most this many simplex steps.
+        tolerance: stop when the simplex's losses differ by less than this.
+
+    Returns:
+        (best parameters, their loss).
+
+    Raises:
+        ValueError: a parameter without bounds, or a start outside its bounds.
+    """
+    names = list(start)
+    for n in names:
+        if n not in bounds:
+            raise ValueError(f"fit_constants: parameter {n!r} has no bounds")
+        lo, hi = bounds[n]
+        if not lo <= start[n] <= hi:
+            raise ValueError(f"fit_constants: start {n}={start[n]} is outside [{lo}, {hi}]")
+
+    def decode(z):
+        return {n: _from_unit(v, *bounds[n]) for n, v in zip(names, z, strict=True)}
+
+    def f(z):
+        return loss(decode(z))
+
+    x0 = [_to_unit(start[n], *bounds[n]) for n in names]
+    best, value = _nelder_mead(f, x0, iterations, tolerance)
+    return decode(best), value
+
+
+def _nelder_mead(f, x0: list[float], iterations: int, tolerance: float
+                 ) -> tuple[list[float], float]:
+    """Minimise ``f`` from ``x0`` (standard reflection / expansion / contraction / shrink)."""
+    simplex = [x0] + [[v + (0.5 if i == j else 0.0) for j, v in enumerate(x0)]
+                      for i in range(len(x0))]
+    values = [f(x) for x in simplex]
+    for _ in range(iterations):
+        order = sorted(range(len(simplex)), key=values.__getitem__)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        if abs(values[-1] - values[0]) < tolerance:
+            break
+        centroid = [sum(x[i] for x in simplex[:-1]) / (len(simplex) - 1)
+                    for i in range(len(x0))]
+        worst = simplex[-1]
+
+        def point(k, centroid=centroid, worst=worst):
+            return [ci + k * (ci - wi) for ci, wi in zip(centroid, worst, strict=True)]
+
+        reflect = point(1.0)
+        fr = f(reflect)
+        if fr < values[0]:
+            expand = point(2.0)
+            fe = f(expand)
+            simplex[-1], values[-1] = (expand, fe) if fe < fr else (reflect, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflect, fr
+        else:
+            contract = point(-0.5)
+            fc = f(contract)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contract, fc
+            else:  # shrink towards the best
+                best = simplex[0]
+                simplex = [best] + [[b + 0.5 * (x - b) for b, x in zip(best, s, strict=True)]
+                                    for s in simplex[1:]]
+                values = [values[0]] + [f(x) for x in simplex[1:]]
+    i = min(range(len(values)), key=values.__getitem__)
+    return simplex[i], values[i]

@@ -1,0 +1,149 @@
+"""The pipeline term of the cost model, behind one function: :func:`schedule_profile`.
+
+[Note: pipeline profile] The cost model needs two things from a pipeline schedule: how long
+the slowest rank's step exceeds its own compute (the bubble) and how many micro-batches'
+activations each rank holds at its peak. Principle 4: they come from the schedule the
+executor runs. With ``exact=True`` this module builds that very schedule
+(``shardwise.parallel.build_schedule``) and replays it in the pipeline simulator
+(``shardwise.parallel.simulate``) with the cost model's per-stage forward, backward and
+weight-gradient seconds and the send latency. The search prices tens of thousands of
+layouts, too many to simulate each, so it ranks them with closed forms and re-prices its
+best ones exactly. The closed forms, with per-rank costs ``f`` (forward of one micro-batch
+over a rank's layers), ``b`` (its backward, recomputation included), ``w`` (the weight-
+gradient part of ``b``) and ``i = b - w``, are read off the simulator's results for equal
+stage costs and ``m >= 2p``; the first four are exact there, the V-shaped two are close
+approximations (tests/test_planner_cost.py checks each against ``simulate``):
+
+================  =====================================  ================================
+schedule          bubble (step - busy time)              peak micro-batches of activations
+================  =====================================  ================================
+gpipe             (p - 1)(f + b)                         m
+1f1b              (p - 1)(f + b)                         min(m, p)
+interleaved_1f1b  (p - 1)(f + b) / v                     min(m, p) + (p - 1) / v
+zb1 (ZB-H1)       (p - 1) max(f, i, f + i - w)           min(m, p)
+zbv (ZB-V)        (p - 1) max(f, i, f + i - w) / 2       p
+dualpipev         (p - 1) max(f, (f + i) / 2)            p + 1/2
+================  =====================================  ================================
+
+Beyond ``m >= 2p`` the bubble depends on ``m`` only through ``m mod p`` (interleaved 1F1B
+runs whole rounds of ``p`` micro-batches), so the exact profile simulates
+``2p + (m mod p)`` micro-batches when ``m >= 3p`` and keeps the bubble and the peaks; a
+64-stage pipeline of 512 micro-batches is then simulated with 128.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.parallel.pipeline import Costs, build_schedule, simulate
+from shardwise.parallel.pipeline.schedule import looped_placement, v_placement
+from shardwise.parallel.pipeline.schedules import schedule_spec
+
+__all__ = ["PipelineProfile", "schedule_profile", "min_microbatches", "stage_costs",
+           "placement"]
+
+
+@dataclass(frozen=True)
+class PipelineProfile:
+    """Bubble seconds per step and peak in-flight micro-batches (in units of one micro-
+    batch over all of a rank's layers): the maximum, and per rank when simulated."""
+
+    bubble_time: float
+    peak_inflight: float
+    per_rank: tuple[float, ...] = ()
+    source: str = "closed form"
+
+
+def min_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches the schedule's generator accepts at ``pp`` ranks."""
+    return 1 if schedule == "none" else schedule_spec(schedule).min_microbatches(pp)
+
+
+def _closed(schedule: str, p: int, v: int, m: int, f: float, b: float, w: float
+            ) -> PipelineProfile:
+    if schedule == "gpipe":
+        return PipelineProfile((p - 1) * (f + b), float(m))
+    if schedule == "1f1b":
+        return PipelineProfile((p - 1) * (f + b), float(min(m, p)))
+    if schedule == "interleaved_1f1b":
+        return PipelineProfile((p - 1) * (f + b) / v, min(m, p) + (p - 1) / v)
+    i = b - w
+    if schedule == "zb1":
+        return PipelineProfile((p - 1) * max(f, i, f + i - w), float(min(m, p)))
+    if schedule == "zbv":
+        return PipelineProfile((p - 1) * max(f, i, f + i - w) / 2, float(p))
+    if schedule == "dualpipev":
+        return PipelineProfile((p - 1) * max(f, (f + i) / 2), p + 0.5)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+@lru_cache(maxsize=512)
+def _simulated(schedule: str, pp: int, v: int, m: int, stages: tuple, comm: float
+               ) -> tuple[float, tuple[float, ...]]:
+    """(bubble seconds, per-rank peak micro-batches) of the simulated schedule."""
+    sched = build_schedule(schedule, pp, m, v)
+    f, b, i, w = (tuple(s[k] for s in stages) for k in range(4))
+    sim = simulate(sched, Costs(f=list(f), b=list(b), i=list(i), w=list(w), comm=comm))
+    peaks = tuple(float(x) / v for x in sim.peak_activations)
+    return float(sim.step_time) - float(max(sim.busy)), peaks
+
+
+def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f: float,
+                     b: float, w: float = 0.0, *, exact: bool = False,
+                     rank_costs: list[tuple[float, float, float]] | None = None,
+                     comm: float = 0.0) -> PipelineProfile:
+    """Bubble and peak activations of a schedule (see [Note: pipeline profile]).
+
+    Args:
+        schedule: ``none`` or a name ``shardwise.parallel.build_schedule`` accepts.
+        pp: pipeline ranks; virtual: stages per rank; microbatches: per step.
+        f, b, w: seconds of one micro-batch's forward / backward / weight-gradient over the
+            slowest rank's layers (used by the closed forms).
+        exact: build the schedule and simulate it.
+        rank_costs: (f, b, w) of every rank (exact only; default: ``(f, b, w)`` for all).
+        comm: seconds of one send between stages (exact only).
+
+    Raises:
+        ValueError: for an unknown schedule.
+    """
+    p, m, v = pp, microbatches, max(1, virtual)
+    if p == 1 or schedule == "none":
+        return PipelineProfile(0.0, 1.0, (1.0,))
+    if not exact:
+        return _closed(schedule, p, v, m, f, b, w)
+    per_stage = stage_costs(schedule, p, v, rank_costs or [(f, b, w)] * p)
+    stages = tuple(zip(*per_stage, strict=True))
+    m_sim = max(min_microbatches(schedule, p), m if m < 3 * p else 2 * p + m % p)
+    bubble, peaks = _simulated(schedule, p, v, m_sim, _rounded(stages), round(comm, 9))
+    if schedule == "gpipe":  # GPipe holds every micro-batch: its peak grows with m
+        peaks = tuple(float(m) for _ in peaks)
+    return PipelineProfile(bubble, max(peaks), peaks, "simulator")
+
+
+def placement(schedule: str, pp: int, virtual: int) -> tuple[int, ...]:
+    """The rank holding each stage, as the schedule places them (looped, or a V for zbv and
+    dualpipev: rank 0 then holds both the first and the last stage)."""
+    if schedule == "none" or pp == 1:
+        return (0,) * max(1, virtual)
+    if schedule_spec(schedule).v_shape:
+        return v_placement(pp)
+    return looped_placement(pp, max(1, virtual))
+
+
+def stage_costs(schedule: str, pp: int, virtual: int,
+                rank_costs: list[tuple[float, float, float]]) -> tuple[tuple[float, ...], ...]:
+    """Per-stage (f, b, i, w) simulator costs from each rank's (f, b, w) over all of its
+    layers: a rank's stages share its costs equally, placed as the schedule places them."""
+    v = max(1, virtual)
+    place = placement(schedule, pp, v)
+    rows = [(rank_costs[r][0] / v, rank_costs[r][1] / v,
+             (rank_costs[r][1] - rank_costs[r][2]) / v, rank_costs[r][2] / v) for r in place]
+    return tuple(tuple(x[k] for x in rows) for k in range(4))
+
+
+def _rounded(stages: tuple) -> tuple:
+    """Stage costs rounded to 4 significant digits so near-equal layouts share a run."""
+    def r(x: float) -> float:
+        return float(f"{x:.4g}")
+    return tuple(tuple(r(x) for x in s) for s in stages)

@@ -1,0 +1,201 @@
+"""Seconds and bytes of one micro-batch on one pipeline rank: its layers, embedding and head.
+
+[Note: layer time] A layer's forward is the sum of its matrix multiplies (each at the
+hardware's achievable fraction of peak for its size), its attention core (one batched
+kernel) and its bandwidth-bound kernels (norms, residual adds, activation functions,
+dropout, unfused softmax) at the fitted fraction of HBM bandwidth. fp8 training also casts
+every linear's operands (work.fp8_cast_bytes). Backward runs two
+multiplies per forward multiply (input and weight gradients) at the same size, 2.5x the
+attention kernel's forward work for flash attention (it recomputes the scores) and 2x
+otherwise, and twice the bandwidth-bound bytes. Recomputation replays the forward (full) or
+the attention core (selective). Tensor-parallel collectives (two per layer and pass: all-
+reduces, or all-gathers and reduce-scatters with sequence parallelism), context-parallel
+key/value gathers and expert all-to-alls are priced by comm_model and counted as exposed
+unless the workload overlaps them (then only what exceeds the compute they hide behind).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.planner import comm_model
+from shardwise.planner.pipeline import placement
+from shardwise.planner.work import (LayerWork, fp8_cast_bytes, head_work, layer_work,
+                                   saved_bytes)
+from shardwise.planner.workload import ATTENTION_DTYPE, DTYPE_BYTES
+
+__all__ = ["LayerTimes", "RankTimes", "StageCoster", "stage_layers"]
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """One layer, one micro-batch, one rank (seconds, FLOPs, bytes)."""
+
+    fwd: float
+    bwd: float
+    wgrad: float
+    recompute: float
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    model_flops: float
+    recompute_flops: float
+    saved: float
+    working: float
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """A pipeline rank's per-micro-batch totals."""
+
+    fwd: float
+    bwd: float
+    wgrad: float
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    model_flops: float
+    recompute_flops: float
+    saved: float
+    working: float
+    logits: float
+    layers: int
+
+    @property
+    def busy(self) -> float:
+        """Seconds the rank is occupied per micro-batch, exposed communication included."""
+        return self.fwd + self.bwd + self.tp_comm + self.cp_comm + self.ep_comm
+
+
+def stage_layers(n_layers: int, pp: int, virtual: int, schedule: str = "1f1b"
+                 ) -> list[tuple[list[int], bool, bool]]:
+    """Per pipeline rank: (its layer indices, whether it holds the embedding, whether it
+    holds the final norm and head). ``pp x virtual`` stages split the layers in order (the
+    first ``n_layers % stages`` one layer longer) and sit on ranks as the schedule places
+    them (``pipeline.placement``: looped, or a V where rank 0 holds the first and last)."""
+    chunks = pp * virtual
+    base, extra = divmod(n_layers, chunks)
+    bounds, start = [], 0
+    for c in range(chunks):
+        size = base + (1 if c < extra else 0)
+        bounds.append(range(start, start + size))
+        start += size
+    place = placement(schedule, pp, virtual)
+    return [([i for c in range(chunks) if place[c] == r for i in bounds[c]],
+             place[0] == r, place[-1] == r) for r in range(pp)]
+
+
+class StageCoster:
+    """Prices layers and pipeline ranks for one model, device and workload (cached)."""
+
+    def __init__(self, spec, hw, wl) -> None:
+        self.spec, self.hw, self.wl = spec, hw, wl
+        self._layers: dict[tuple, LayerTimes] = {}
+
+    # ------------------------------------------------------------------ one layer
+    def layer(self, moe: bool, tp: int, cp: int, sp: bool, ep: int, mb: int, ac: str
+              ) -> LayerTimes:
+        key = (moe, tp, cp, sp, ep, mb, ac)
+        if key not in self._layers:
+            self._layers[key] = self._price_layer(*key)
+        return self._layers[key]
+
+    def _compute(self, w: LayerWork, sp: bool, tp: int) -> tuple[float, float, float, float]:
+        """(forward, backward, weight-gradient, attention-forward) seconds."""
+        hw, dt = self.hw, self.wl.compute_dtype
+        gemm = sum(n * hw.matmul_time(f, dt) for f, n in w.gemms)
+        adt = ATTENTION_DTYPE.get(dt, dt)
+        attn = w.attn_exec_flops / (hw.peak(adt) * hw.matmul_efficiency(w.attn_unit_flops)) \
+            if w.attn_exec_flops else 0.0
+        rep = w.elementwise_rep / (tp if sp else 1)
+        mem = hw.memory_time(rep + w.elementwise_tp + w.core_bytes)
+        cast_f = cast_b = 0.0
+        if dt == "fp8":
+            cast_f, cast_b = (hw.memory_time(x) for x in fp8_cast_bytes(w))
+        attn_bwd = attn * (2.5 if self.wl.attention == "flash" else 2.0)
+        # What selective recomputation replays ([Note: selective recomputation]).
+        cheap = attn + hw.memory_time(w.core_bytes) if self.wl.attention != "flash" else mem
+        slow = 1 / (1 - self.wl.comm_sm_fraction)  # cores the overlapped comm occupies
+        return ((gemm + attn + mem + cast_f) * slow, (2 * gemm + attn_bwd + 2 * mem + cast_b)
+                * slow, gemm * slow, cheap * slow)
+
+    def _price_layer(self, moe, tp, cp, sp, ep, mb, ac) -> LayerTimes:
+        s, wl, hw, spec = self.wl.seq_len, self.wl, self.hw, self.spec
+        tokens = mb * s / cp
+        w = layer_work(spec, moe, tokens, s, tp, ep, wl.attention, wl.act_bytes,
+                       wl.fused_kernels)
+        fwd, bwd, wgrad, cheap = self._compute(w, sp, tp)
+        attn_fwd = w.attn_exec_flops / (hw.peak("bf16") * hw.matmul_efficiency(
+            w.attn_unit_flops)) if w.attn_exec_flops else 0.0
+        recompute = {"none": 0.0, "selective": cheap, "full": fwd}[ac]
+        sel_flops = w.attn_model_flops if wl.attention != "flash" else 0.0
+        rec_flops = {"none": 0.0, "selective": sel_flops, "full": w.model_flops}[ac]
+        passes = 3 if ac == "full" else 2  # forward, backward (+ the replayed forward)
+        g = self.hw.gpus_per_node
+        act = tokens * spec.dim * wl.act_bytes
+        tp_comm = 0.0
+        if tp > 1:
+            grp = comm_model.place(tp, 1, g)
+            one = (comm_model.all_gather_time(act / tp, grp, hw)
+                   + comm_model.reduce_scatter_time(act / tp, grp, hw)) if sp else \
+                2 * comm_model.all_reduce_time(act, grp, hw)
+            tp_comm = passes * one
+            if wl.overlap_tp:  # async TP hides the collectives behind the layer's multiplies
+                tp_comm = max(0.0, tp_comm - wgrad * (passes + 1))
+        cp_comm = 0.0
+        if cp > 1:
+            kv = (spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.is_mla else \
+                2 * max(1, spec.kv_heads // tp) * spec.hd
+            grp = comm_model.place(cp, tp, g)
+            gather = comm_model.all_gather_time(tokens * kv * wl.act_bytes, grp, hw)
+            cp_comm = max(0.0, gather - attn_fwd) * (passes - 1) + max(0.0, gather - 2 * attn_fwd)
+        ep_comm = 0.0
+        if moe and ep > 1:
+            grp = comm_model.place(ep, tp, g)
+            # Dispatch in the matmul dtype (fp8 training sends fp8), combine in 16 bits.
+            a2a = sum(comm_model.dispatch_time(spec.dim * nbytes, tokens, spec.top_k, grp, hw,
+                                               wl.ep_node_limit)
+                      for nbytes in (DTYPE_BYTES[wl.compute_dtype], wl.act_bytes))
+            ep_comm = passes * a2a
+            if wl.overlap_ep:  # DualPipe-style: hidden behind another micro-batch's compute
+                ep_comm = max(0.0, ep_comm - (fwd + bwd + recompute))
+        working = saved_bytes(w, tp, sp, "none") if ac == "full" else 0.0
+        return LayerTimes(fwd, bwd, wgrad, recompute, tp_comm, cp_comm, ep_comm,
+                          w.model_flops, rec_flops, saved_bytes(w, tp, sp, ac), working)
+
+    # ------------------------------------------------------------------ one rank
+    def rank(self, L, layers: list[int], first: bool, last: bool) -> RankTimes:
+        """Per-micro-batch totals of a pipeline rank holding ``layers``."""
+        spec = self.spec
+        sums = [0.0] * 10
+        working = 0.0
+        for moe, count in self._layer_kinds(layers):
+            t = self.layer(moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, L.ac)
+            vals = (t.fwd, t.bwd + t.recompute, t.wgrad, t.tp_comm, t.cp_comm, t.ep_comm,
+                    t.model_flops, t.recompute_flops, t.saved, 0.0)
+            sums = [a + count * b for a, b in zip(sums, vals, strict=True)]
+            working = max(working, t.working)
+        fwd, bwd, wgrad, tpc, cpc, epc, flops, rflops, saved, _ = sums
+        tokens = L.microbatch * self.wl.seq_len / L.cp
+        logits = 0.0
+        if first:
+            emb = self.hw.memory_time(tokens * spec.dim * (2 * self.wl.act_bytes + 4))
+            fwd, bwd = fwd + emb / 3, bwd + 2 * emb / 3
+        if last:
+            hf, loss_bytes, logits = head_work(spec, tokens, L.tp, self.wl.act_bytes)
+            head = self.hw.matmul_time(hf, self.wl.compute_dtype)
+            loss = self.hw.memory_time(loss_bytes)
+            fwd, bwd, wgrad = fwd + head + loss / 2, bwd + 2 * head + loss / 2, wgrad + head
+            flops += hf
+            if spec.mtp_layers:  # DeepSeek's multi-token prediction: one more layer + head
+                t = self.layer(spec.is_moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, L.ac)
+                k = spec.mtp_layers
+                fwd, bwd = fwd + k * (t.fwd + head), bwd + k * (t.bwd + t.recompute + 2 * head)
+                flops += k * (t.model_flops + hf)
+                saved += k * t.saved
+        return RankTimes(fwd, bwd, wgrad, tpc, cpc, epc, flops, rflops, saved, working,
+                         logits, len(layers))
+
+    def _layer_kinds(self, layers: list[int]) -> list[tuple[bool, int]]:
+        moe = sum(1 for i in layers if self.spec.is_moe_layer(i))
+        return [(k, n) for k, n in ((True, moe), (False, len(layers) - moe)) if n]

@@ -1,0 +1,139 @@
+"""The job a layout is planned for: batch, sequence, precision, optimizer, software stack.
+
+The layout says how the job is split; the workload says what the job is and how the
+software beneath it behaves. The defaults describe shardwise itself (flash attention,
+data-parallel collectives overlapped with compute by prefetch and ordered bucketed
+reductions, pipeline sends overlapped); a published run from another stack sets the flags
+that differ (Megatron-LM 2021 did not overlap its gradient all-reduce, DeepSeek-V3 hides its
+expert all-to-all behind DualPipe, torchtitan's AsyncTP overlaps tensor-parallel
+collectives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+__all__ = ["Workload", "DTYPE_BYTES", "parse_workload"]
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+ATTENTION_DTYPE = {"fp8": "bf16"}
+"""The attention kernel's dtype when the matrix multiplies of the linears use another
+(Float8 training keeps attention in bf16)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained, and the software's overlap behaviour.
+
+    Attributes:
+        seq_len: tokens per sequence.
+        global_batch: sequences per optimizer step.
+        compute_dtype: dtype of the matrix multiplies ("bf16", "fp16", "fp8", "fp32");
+            activations and gathered parameters are 16-bit unless this is "fp32".
+        param_dtype: dtype of the parameters the optimizer updates (masters).
+        optimizer: "adamw", "adam" or "sgd" (momentum).
+        attention: "flash" (fused kernel, causal half executed) or "unfused".
+        fused_kernels: bandwidth-bound ops run as fused kernels (Megatron-LM, Transformer
+            Engine, torch.compile); False (default): eager PyTorch, as shardwise.models runs
+            (see [Note: fused and eager kernels] in work.py).
+        overlap_dp: data-parallel collectives overlap compute (default True).
+        overlap_tp: tensor-parallel collectives overlap their matrix multiplies (async TP:
+            what exceeds the multiplies stays exposed).
+        overlap_pp: pipeline sends overlap compute in the steady state (default True).
+        overlap_ep: expert all-to-alls overlap compute (DualPipe-style: what exceeds the
+            layer's compute stays exposed), default False.
+        ep_node_limit: expert routing sends each token to at most this many nodes, once
+            per node (DeepSeek-V3: 4); 0 (default): one message per (token, expert).
+        comm_sm_fraction: share of the device's cores that communication kernels occupy
+            while they overlap compute, which the model's kernels then lack (DeepSeek-V3
+            reserves 20 of the H800's 132 SMs: 0.15); default 0.
+        prefetch: units gathered ahead at ZeRO stage 3 (default 1).
+        reshard_after_forward: ZeRO stage 3 frees gathered parameters after each unit's
+            forward and gathers them again for its backward (True, the engine's default);
+            False keeps them until the backward (one gather per micro-batch, the gathered
+            parameters of every in-flight unit held).
+        p2p_scatter_gather: without sequence parallelism, pipeline sends carry 1/tp of the
+            activations and tensor-parallel ranks all-gather them over NVLink (Megatron-
+            LM's optimisation); False sends the whole activation from every rank.
+    """
+
+    seq_len: int
+    global_batch: int
+    compute_dtype: str = "bf16"
+    param_dtype: str = "fp32"
+    optimizer: str = "adamw"
+    attention: str = "flash"
+    fused_kernels: bool = False
+    overlap_dp: bool = True
+    overlap_tp: bool = False
+    overlap_pp: bool = True
+    overlap_ep: bool = False
+    ep_node_limit: int = 0
+    comm_sm_fraction: float = 0.0
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    p2p_scatter_gather: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name.replace('_', '-')}={v!r}, expected an integer >= 1")
+        for name in ("compute_dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"{name}={getattr(self, name)!r}, expected one of "
+                                 f"{', '.join(DTYPE_BYTES)}")
+        if self.attention not in ("flash", "unfused"):
+            raise ValueError(f"attention={self.attention!r}, expected flash or unfused")
+        if not 0 <= self.comm_sm_fraction < 1:
+            raise ValueError(f"comm_sm_fraction={self.comm_sm_fraction!r}, expected a fraction "
+                             f"in [0, 1)")
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of an activation / gathered-parameter element."""
+        return 4 if self.compute_dtype in ("fp32", "tf32") else 2
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per optimizer step."""
+        return self.seq_len * self.global_batch
+
+
+def parse_workload(text: str) -> dict[str, object]:
+    """``--workload`` pairs (``overlap_ep=true,fused_kernels=true``) as Workload fields.
+
+    Raises:
+        ValueError: an unknown field (with the closest one) or a value of the wrong kind.
+    """
+    kinds = {f.name: f.type for f in dataclasses.fields(Workload)
+             if f.name not in ("seq_len", "global_batch")}
+    out: dict[str, object] = {}
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, value = (x.strip() for x in item.partition("="))
+        if not sep:
+            raise ValueError(f"--workload: {item!r} is not key=value")
+        if key not in kinds:
+            close = difflib.get_close_matches(key, list(kinds), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"--workload: unknown field {key!r}{hint}; fields: "
+                             f"{', '.join(kinds)}")
+        kind = kinds[key]
+        if kind == "bool":
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--workload: {key}={value!r}, expected true or false")
+            out[key] = value.lower() == "true"
+        elif kind in ("int", "float"):
+            try:
+                out[key] = int(value) if kind == "int" else float(value)
+            except ValueError:
+                raise ValueError(f"--workload: {key}={value!r}, expected a number") from None
+        else:
+            out[key] = value
+    return out

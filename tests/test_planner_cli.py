@@ -1,0 +1,91 @@
+"""``shardwise plan`` end to end: table, --json, --layout, --plot, --model-config,
+--calibrate, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from shardwise.train.cli import main
+
+JOB = ["plan", "--model", "llama3-8b", "--hardware", "h100", "--gpus", "16", "--seq-len",
+       "8192", "--global-batch", "64"]
+KEYS = {"layout", "step_time_s", "tokens_per_s_per_gpu", "mfu", "hfu", "memory_per_gpu_gib",
+        "fits", "bottleneck"}
+
+
+def test_table(capsys):
+    assert main(JOB + ["--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3-8b on 16 x h100-sxm" in out and "bottleneck" in out
+    rows = [line for line in out.splitlines() if re.match(r"^\s*\d+\s+[\d.]+\s", line)]
+    assert len(rows) == 3
+
+
+def test_json_prints_only_the_records(capsys):
+    assert main(JOB + ["--json", "--layout", "tp=8,ac=full"]) == 0
+    records = json.loads(capsys.readouterr().out)  # nothing but the JSON array
+    assert records and all(set(r) == KEYS for r in records)
+    assert all(r["layout"]["tp"] == 8 and r["layout"]["ac"] == "full" for r in records)
+    times = [r["step_time_s"] for r in records if r["fits"]]
+    assert times == sorted(times)
+
+
+def test_layout_of_the_issue(capsys):
+    args = ["plan", "--model", "llama3-405b", "--hardware", "h100", "--gpus", "16384",
+            "--seq-len", "8192", "--global-batch", "2048", "--json", "--top", "1", "--layout",
+            "tp=8,pp=16,dp_shard=128,pp_schedule=1f1b,microbatch=1,ac=full"]
+    assert main(args) == 0
+    (rec,) = json.loads(capsys.readouterr().out)
+    want = {"tp": 8, "pp": 16, "dp_shard": 128, "pp_schedule": "1f1b", "microbatch": 1,
+            "ac": "full", "dp_replicate": 1, "cp": 1, "pp_microbatches": 16}
+    assert {k: rec["layout"][k] for k in want} == want and rec["fits"]
+
+
+def test_plot_and_model_config(tmp_path, capsys):
+    cfg = tmp_path / "half.toml"
+    cfg.write_text('base = "llama3-8b"\nn_layers = 16\n')
+    png = tmp_path / "plan.png"
+    args = ["plan", "--model-config", str(cfg), "--hardware", "a100", "--gpus", "8",
+            "--seq-len", "4096", "--global-batch", "32", "--layout", "pp=2", "--plot", str(png)]
+    assert main(args) == 0
+    assert "half on 8 x a100-80gb" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--layout", "tp=3"], "tp=3 must divide the 8 GPUs of a node"),
+    (["--layout", "tpp=2"], "did you mean 'tp'"),
+    (["--layout", "tp=8,pp=4"], "expected the GPU count 16"),
+    (["--top", "0"], "--top=0"),
+])
+def test_bad_input_exits_2_naming_the_value(args, message, capsys):
+    assert main(JOB + args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("shardwise: error:")
+
+
+def test_unknown_model_and_missing_arguments(capsys):
+    assert main(["plan", "--model", "llama3-8", "--hardware", "h100", "--gpus", "8",
+                 "--seq-len", "1024", "--global-batch", "8"]) == 2
+    assert "did you mean 'llama3-8b'" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3-8b", "--hardware", "h100"]) == 2
+    assert "--gpus is required" in capsys.readouterr().err
+
+
+def test_calibrate_local_then_plan(tmp_path, capsys):
+    cal = tmp_path / "cal.toml"
+    assert main(["plan", "--hardware", "local", "--calibrate", "--calibrate-budget", "2",
+                 "--calibration", str(cal)]) == 0
+    text = cal.read_text()
+    assert "[local]" in text and "matmul_flops_seconds" in text
+    capsys.readouterr()
+    assert main(["plan", "--model", "debug", "--hardware", "local", "--calibration", str(cal),
+                 "--gpus", "2", "--seq-len", "256", "--global-batch", "8", "--json",
+                 "--compute-dtype", "fp32"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert records[0]["fits"] and records[0]["step_time_s"] > 0
+    assert main(["plan", "--hardware", "h100", "--calibrate"]) == 2
+    assert "use --hardware local" in capsys.readouterr().err
