@@ -114,6 +114,10 @@ class TrainConfig:
     nonfinite: str = "stop"
     """A nan/inf loss or gradient before the optimizer step: "stop" (fail naming the first
     offending parameter and the step) or "skip" (drop the update, log it, continue)."""
+    sync_debug: str = "off"
+    """On CUDA, torch.cuda.set_sync_debug_mode around each step's forward, backward, norm,
+    clipping and optimizer step (not the step's one statistics read): "off", "warn" or
+    "error" (a host sync there raises). For checking that a step never waits for the GPU."""
 
 
 @dataclass(frozen=True)

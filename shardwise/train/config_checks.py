@@ -52,6 +52,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("train.eval_batches", _positive, "a positive int"),
     ("train.log_interval", _positive, "a positive int"),
     ("train.nonfinite", lambda v: v in ("stop", "skip"), "'stop' or 'skip'"),
+    ("train.sync_debug", lambda v: v in ("off", "warn", "error"), "'off', 'warn' or 'error'"),
     ("optim.lr", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
     ("optim.betas", lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     ("optim.eps", _positive, "a positive number"),

@@ -147,6 +147,21 @@ def _gather_stats(values: list[torch.Tensor | float], env: dist_env.DistEnv) -> 
     return out.view(env.world_size, len(values)).cpu()
 
 
+@contextlib.contextmanager
+def _sync_debug(cfg: Config, env: dist_env.DistEnv):
+    """``train.sync_debug`` around a region of the step (CUDA only)."""
+    mode = cfg.train.sync_debug
+    if mode == "off" or env.device.type != "cuda":
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 def _forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.DistEnv,
                       scaler: LossScaler, guard: StepGuard | None) -> torch.Tensor:
     """The step's ``grad_accum`` micro-batches; the summed loss as a device tensor (read on
@@ -189,11 +204,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     start = time.perf_counter()
     accum = cfg.train.grad_accum
     lr = optimizer.param_groups[0]["lr"]
-    loss_sum = _forward_backward(model, loader, cfg, env, scaler, guard)
-    scaler.unscale_(model)
+    with _sync_debug(cfg, env):
+        loss_sum = _forward_backward(model, loader, cfg, env, scaler, guard)
+    scaler.unscale_(model)  # fp16: reads the agreed overflow flag (one host read)
     if guard is not None:
         guard.after_backward(model)
-    norm = get_total_norm(model)
+    with _sync_debug(cfg, env):
+        norm = get_total_norm(model)
     cuda_mib = (torch.cuda.max_memory_allocated(env.device) / 2**20
                 if env.device.type == "cuda" else 0.0)
     # One small all-gather per step: every rank's loss, the (agreed) gradient norm and each
@@ -212,8 +229,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     if skip is None:
         if guard is not None:
             guard.before_optimizer()
-        clip_grads_with_norm_(model, cfg.optim.grad_clip or math.inf, norm)
-        stepped = scaler.step(model, optimizer)
+        with _sync_debug(cfg, env):
+            clip_grads_with_norm_(model, cfg.optim.grad_clip or math.inf, norm)
+            stepped = scaler.step(model, optimizer)
         scaler.update()
     else:
         grad_norm = math.nan
