@@ -1,6 +1,6 @@
 """The package's dependencies run one way, bottom up (shared/DESIGN.md, issue 10).
 
-quant, models, data  ->  distributed  ->  shard  ->  parallel  ->  checkpoint  ->  planner  ->
+sizes, quant, models, data -> distributed -> shard -> parallel -> checkpoint -> planner ->
 train. Every import a module makes (at module level or inside a function) may only reach its
 own floor or one below; module-level imports form no cycle; and the core import path
 (``import shardwise``) never imports the trainer or ``tomllib`` (which Python 3.10 lacks).
@@ -9,6 +9,7 @@ own floor or one below; module-level imports form no cycle; and the core import 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,8 @@ from pathlib import Path
 import shardwise
 
 ROOT = Path(shardwise.__file__).parent
-FLOORS = {"quant": 0, "models": 0, "data": 0, "distributed": 1, "shard": 2, "parallel": 3,
-          "checkpoint": 4, "planner": 5, "train": 6}
+FLOORS = {"sizes": 0, "compat": 0, "quant": 0, "models": 0, "data": 0, "distributed": 1, "shard": 2,
+          "parallel": 3, "checkpoint": 4, "planner": 5, "train": 6}
 
 
 def _module(path: Path) -> str:
@@ -119,19 +120,24 @@ def test_import_shardwise_needs_neither_the_trainer_nor_tomllib():
     assert out == "[]", out
 
 
-PY310_MISSING = ("tomllib", "typing.Self", "datetime.UTC", "enum.StrEnum", "ExceptionGroup",
-                 "asyncio.TaskGroup", "except*")
+PY310_MISSING = ("import tomllib", "typing.Self", "datetime.UTC", "enum.StrEnum",
+                 "ExceptionGroup", "asyncio.TaskGroup", "except*")
 
 
 def test_the_package_is_python_3_10_source():
     """pyproject says Python >= 3.10: the sources compile under 3.10 where it is installed,
-    and use no 3.11-only name outside a guarded import."""
+    and use no 3.11-only name (tomllib comes from shardwise.compat, which falls back to
+    tomli)."""
     found = []
     for path in sorted(ROOT.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         for name in PY310_MISSING:
-            guarded = name == "tomllib" and "except ModuleNotFoundError" in text
-            if name in text and not guarded:
+            if name == "import tomllib":  # only shardwise/compat.py imports it, guarded
+                used = path.name != "compat.py" and re.search(r"^\s*(import|from) tomllib\b",
+                                                              text, re.M)
+            else:
+                used = name in text
+            if used:
                 found.append(f"{path.relative_to(ROOT.parent)} uses {name}")
     assert not found, found
     py310 = _python310()

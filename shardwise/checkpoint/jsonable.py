@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from shardwise.sizes import nbytes
+
 __all__ = ["encode", "decode", "MAX_TENSOR_BYTES"]
 
 MAX_TENSOR_BYTES = 1 << 20
@@ -62,9 +64,9 @@ def encode(obj: Any, where: str = "extra") -> Any:
 
 def _encode_tensor(t: torch.Tensor, where: str) -> dict:
     t = t.detach().to("cpu")
-    nbytes = t.numel() * t.element_size()
-    if nbytes > MAX_TENSOR_BYTES:
-        raise ValueError(f"{where} is a {tuple(t.shape)} tensor of {nbytes} bytes; extra "
+    size = nbytes(t)
+    if size > MAX_TENSOR_BYTES:
+        raise ValueError(f"{where} is a {tuple(t.shape)} tensor of {size} bytes; extra "
                          f"state keeps tensors up to {MAX_TENSOR_BYTES} bytes inline")
     raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return {"__tensor__": base64.b64encode(raw).decode("ascii"),

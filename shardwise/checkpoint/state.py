@@ -25,6 +25,7 @@ from torch import nn
 from shardwise.checkpoint import jsonable
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.shard.registry import engine_states
+from shardwise.sizes import nbytes
 
 __all__ = ["param_names", "model_state", "optimizer_state", "layout_of", "model_info",
            "model_targets", "optimizer_targets", "load_optimizer", "tensor_nbytes"]
@@ -36,7 +37,7 @@ def tensor_nbytes(obj: Any) -> int:
         return sum(tensor_nbytes(v) for v in obj.values())
     if isinstance(obj, torch.Tensor):
         local = obj.to_local() if hasattr(obj, "to_local") else obj
-        return local.numel() * local.element_size()
+        return nbytes(local)
     return 0
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed import comm_bytes
+from shardwise.sizes import nbytes as _nbytes
 
 __all__ = [
     "CollectiveStats",
@@ -218,10 +219,6 @@ def check_devices(kind: str, group, label: str, *tensors: torch.Tensor | None) -
 # torch 2.13 deprecates the *_tensor spellings in favour of *_single; older releases lack them.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

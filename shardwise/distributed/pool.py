@@ -27,6 +27,8 @@ import threading
 
 import torch
 
+from shardwise.sizes import nbytes as _nbytes
+
 __all__ = ["BufferPool", "POOL", "empty_cache"]
 
 
@@ -95,10 +97,6 @@ class BufferPool:
             self.cached_bytes = 0
             self.high_water_bytes = self.in_use_bytes
             self._peak = {k: c for k, c in self._in_use.items() if c}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 POOL = BufferPool()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
+from shardwise.compat import tomllib
 from importlib import resources
 from pathlib import Path
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import tomllib
+from shardwise.compat import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path

@@ -19,7 +19,7 @@ fast within the same device memory.
 from __future__ import annotations
 
 import argparse
-import tomllib
+from shardwise.compat import tomllib
 from dataclasses import dataclass
 from importlib import resources
 

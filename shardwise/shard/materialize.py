@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from shardwise.sizes import nbytes
+
 __all__ = ["has_meta", "default_init", "materialize"]
 
 
@@ -68,7 +70,7 @@ def materialize(root: nn.Module, device: torch.device,
                 live[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                            requires_grad=p.requires_grad)
             m._parameters[a] = live[id(p)]
-        peak = max(peak, sum(t.numel() * t.element_size() for t in live.values()))
+        peak = max(peak, sum(nbytes(t) for t in live.values()))
         try:
             with torch.no_grad():
                 init(m)

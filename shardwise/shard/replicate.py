@@ -17,6 +17,7 @@ from shardwise.distributed import comm
 from shardwise.distributed.mesh import ShardGroups
 from shardwise.shard.hooks import OrderedLauncher, queue_end_of_backward, register_output_hooks
 from shardwise.shard.memory import MemoryTracker
+from shardwise.sizes import nbytes
 
 __all__ = ["Bucket", "ReplicateState"]
 
@@ -29,7 +30,7 @@ class Bucket:
         self.index, self.params, self.groups = index, params, groups
         numel = sum(p.numel() for p in params)
         self.buf = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        tracker.add("grads", self.buf.numel() * self.buf.element_size())
+        tracker.add("grads", nbytes(self.buf))
         self.views, off = [], 0
         for p in params:
             self.views.append(self.buf[off:off + p.numel()].view_as(p))
@@ -84,7 +85,7 @@ class ReplicateState:
         self._handles = [module.register_forward_hook(self._post_forward)]
         for p in trainable:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        tracker.add("params", sum(p.numel() * p.element_size() for p in params))
+        tracker.add("params", sum(nbytes(p) for p in params))
 
     def _build_buckets(self, params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
         # Like DDP, a small first bucket starts communication early in backward.
@@ -92,12 +93,12 @@ class ReplicateState:
         groups, cur, size = [], [], 0
         for p in params:
             cap = caps[min(len(groups), 1)] * 2**20
-            nbytes = p.numel() * p.element_size()
-            if cur and (size + nbytes > cap or p.dtype != cur[0].dtype):
+            pbytes = nbytes(p)
+            if cur and (size + pbytes > cap or p.dtype != cur[0].dtype):
                 groups.append(cur)
                 cur, size = [], 0
             cur.append(p)
-            size += nbytes
+            size += pbytes
         if cur:
             groups.append(cur)
         return [Bucket(i, g, self.groups, self.tracker) for i, g in enumerate(groups)]

@@ -48,7 +48,8 @@ from shardwise.shard.streams import CommStreams
 from shardwise.shard.ungathered import UngatheredParameter
 from shardwise.shard.precision import MixedPrecision
 from shardwise.shard.comm_quant import CommQuant
-from shardwise.shard.unit_grads import GradientReducer, nbytes as _nbytes
+from shardwise.shard.unit_grads import GradientReducer
+from shardwise.sizes import nbytes as _nbytes
 
 __all__ = ["ParamEntry", "Unit"]
 

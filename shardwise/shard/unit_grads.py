@@ -13,15 +13,11 @@ import torch.nn.functional as F
 from shardwise.distributed import comm
 from shardwise.distributed.quant_comm import reduce_scatter_quantized
 from shardwise.distributed.pool import POOL
+from shardwise.sizes import nbytes
 
-__all__ = ["GradientReducer", "nbytes"]
+__all__ = ["GradientReducer"]
 
 _CHUNK_CAT = hasattr(torch, "_chunk_cat")  # torch >= 2.4
-
-
-def nbytes(t: torch.Tensor | None) -> int:
-    """Bytes of ``t`` (0 for None)."""
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 class GradientReducer:

@@ -22,11 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the tomli backport (a dependency there)
-    import tomli as tomllib
-
+from shardwise.compat import tomllib
 from shardwise.train import config_io
 
 __all__ = [

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardwise.sizes import nbytes
+
 __all__ = ["ALIGN", "aligned", "tensor_nbytes", "estimate_state_bytes", "HostMasters"]
 
 ALIGN = 64  # bytes; state tensors in the disk layout start on this boundary (view(dtype) needs it)
@@ -21,8 +23,7 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def tensor_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+tensor_nbytes = nbytes  # the package's one byte count (shardwise.sizes)
 
 
 def _probe_hyper(group: dict) -> dict:
