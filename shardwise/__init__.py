@@ -12,8 +12,10 @@ from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
 from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
                              NonFiniteReport, Offload, OffloadedOptimizer, clip_grad_norm_,
                              clip_grads_with_norm_, empty_cache, find_nonfinite_grads,
-                             full_state_dict, get_total_norm, memory_report, no_sync,
-                             offload_optimizer, shard)
+                             full_state_dict, get_total_norm, graph_parameters, memory_report,
+                             no_sync, offload_optimizer, reshard, set_gradient_sync,
+                             set_reshard_after_backward, set_reshard_after_forward, shard,
+                             unshard)
 
 __version__ = "0.1.0"
 
@@ -22,6 +24,12 @@ __all__ = [
     "distributed",
     "shard",
     "no_sync",
+    "set_gradient_sync",
+    "set_reshard_after_forward",
+    "set_reshard_after_backward",
+    "unshard",
+    "reshard",
+    "graph_parameters",
     "clip_grad_norm_",
     "get_total_norm",
     "clip_grads_with_norm_",

@@ -105,8 +105,6 @@ class ReplicateState:
 
     def _post_forward(self, module, args, output):
         if torch.is_grad_enabled():
-            for b in self.buckets:
-                b.pending = len(b.params)
             register_output_hooks(output, self._start_backward)
         return None
 
@@ -114,6 +112,10 @@ class ReplicateState:
         if self._backward_started:
             return
         self._backward_started = True
+        # Counted per backward pass, not per forward: forwards and backward passes may
+        # interleave ([Note: micro-batch passes] in state.py).
+        for b in self.buckets:
+            b.pending = len(b.params)
         queue_end_of_backward(self._end_backward)
         self.launcher.start(list(self.buckets))
 

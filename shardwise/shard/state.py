@@ -61,13 +61,20 @@ __all__ = ["ShardState"]
 
 
 class Phase(enum.Enum):
-    """Where a unit is in the current training step (forward with gradients, then backward)."""
+    """Where a unit is between forwards and the backward pass in progress.
 
-    IDLE = "idle"                    # not run since the step's forward began
+    [Note: micro-batch passes] Forwards and backward passes may interleave (a pipeline's
+    1F1B runs forward 2 before backward 1); every backward pass is one autograd call. A
+    backward pass starts (its first hook) by marking the units of the latest forward as
+    expected and resetting their gradient counters, so each pass runs its own pre- and
+    post-backward once per unit, whatever forwards happened in between.
+    """
+
+    IDLE = "idle"                    # not expected in the backward pass in progress
     FORWARD = "forward"              # its forward is running
     FORWARD_DONE = "forward_done"    # ran forward; its backward is expected
-    BACKWARD = "backward"            # its backward has begun
-    BACKWARD_DONE = "backward_done"  # gradients packed (or the step ended)
+    BACKWARD = "backward"            # its backward has begun in this pass
+    BACKWARD_DONE = "backward_done"  # this pass is done with it (gradients packed or kept)
 
 
 class ShardState:
@@ -79,6 +86,7 @@ class ShardState:
         self.module, self.units, self.root, self.groups = module, units, root, groups
         self.stage, self.prefetch, self.tracker = stage, prefetch, tracker
         self.reshard_after_forward = reshard_after_forward and stage == 3
+        self.reshard_after_backward = stage == 3  # [Note: per-micro-batch controls]
         self.sync = True
         self.launcher = OrderedLauncher()
         self.fwd_order: list[Unit] = []       # previous step's pre-forward order
@@ -162,9 +170,6 @@ class ShardState:
         if self._pre_order:
             self.fwd_order = self._pre_order
         self._pre_order, self._post_order = [], []
-        for u in self.units:
-            u.pending = len(u.trainable)
-            u.phase = Phase.IDLE
 
     def _end_forward(self) -> None:
         """[Note: prefetch safety]: discard gathers of prefetched units that did not run."""
@@ -192,6 +197,10 @@ class ShardState:
         self._backward_started = True
         queue_end_of_backward(self._end_backward)
         self.bwd_order = list(reversed(self._post_order))
+        expected = {id(u) for u in self.bwd_order}
+        for u in self.units:  # [Note: micro-batch passes]
+            u.pending = len(u.trainable)
+            u.phase = Phase.FORWARD_DONE if id(u) in expected else Phase.IDLE
         order = list(reversed(self._pre_order))
         order += [u for u in reversed(self.units) if u not in order]
         self.launcher.start([u for u in order if u.trainable])
@@ -220,7 +229,7 @@ class ShardState:
             return
         u.phase = Phase.BACKWARD_DONE
         u.swap_out()
-        if self.stage == 3:
+        if self.stage == 3 and self.reshard_after_backward:
             u.reshard()
         if self.sync and u.trainable:
             u.pack_grads()
@@ -236,7 +245,7 @@ class ShardState:
         for u in self.units:
             u.phase = Phase.BACKWARD_DONE
             u.swap_out()
-            if self.stage == 3:
+            if self.stage == 3 and self.reshard_after_backward:
                 u.reshard()  # completes and discards a gather still in flight
             else:
                 u._drain()
@@ -249,6 +258,19 @@ class ShardState:
         for u in self.units:
             u.stale = True
             if self.stage == 3:
+                u.reshard()
+
+    def unshard_all(self) -> None:
+        """Gather every unit now (all gathers issued first, in unit order, then waited)."""
+        for u in self.units:
+            u.gather_async()
+        for u in self.units:
+            u.unshard()
+
+    def reshard_all(self) -> None:
+        """Free every unit's gathered parameters (stage 3; stages 1/2 keep them by design)."""
+        if self.stage == 3:
+            for u in self.units:
                 u.reshard()
 
     def remove(self) -> None:
