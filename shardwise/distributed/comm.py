@@ -43,7 +43,6 @@ __all__ = [
     "broadcast",
     "all_to_all_single",
     "reduce_scatter_needs_scratch",
-    "all_gather_needs_scratch",
     "group_size",
     "group_rank",
     "served_devices",
@@ -228,25 +227,55 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_gather_needs_scratch(group=None) -> bool:
-    """Whether :func:`all_gather_into_tensor` stages through an output-sized scratch buffer."""
-    return group_size(group) > 1 and dist.get_backend(group) == "gloo"
+class _AllDone:
+    """One handle for several point-to-point works."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _gather_by_sends(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
+    """[Note: all-gather on Gloo] ``shard`` straight to every peer, each peer's straight into
+    its row of ``output``."""
+    n, me = group_size(group), group_rank(group)
+    rows = output.view(n, -1)
+    rows[me].copy_(shard.reshape(-1))
+    ops = []
+    for r in range(n):
+        if r != me:
+            peer = dist.get_global_rank(group, r) if group is not None else r
+            ops.append(dist.P2POp(dist.isend, shard, peer, group))
+            ops.append(dist.P2POp(dist.irecv, rows[r], peer, group))
+    handle = _AllDone(dist.batch_isend_irecv(ops))
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None, *,
-                           label: str = "", async_op: bool = False,
-                           scratch: torch.Tensor | None = None):
+                           label: str = "", async_op: bool = False):
     """Gather equal ``shard``s of every rank into ``output`` (rank-major), counted.
 
     [Note: all-gather on Gloo] Gloo's all-gather allocates two output-sized temporaries per
     call (measured with torch.profiler on torch 2.13: 12.8 MB for a 6.4 MB output), and
     those per-call allocations of the same large sizes fragment glibc's heap over a long run.
-    On Gloo this function therefore sends ``n`` copies of ``shard`` (staged in ``scratch``,
-    output-sized; allocated when not given) with ``all_to_all_single``, which allocates
-    nothing, moves the same ``(n - 1)`` shards per rank, and measured faster (5.5 vs 7.2 ms
-    for 800k fp32 elements at 2 ranks, 0.55 vs 1.7 ms for 50k).
+    On Gloo this function therefore sends ``shard`` to every peer and receives each peer's
+    shard directly into its row of ``output`` (one ``batch_isend_irecv``): no temporary, the
+    same ``(n - 1)`` shards sent per rank, and measured at least as fast (at 2 ranks: 3.9 vs
+    5.7 ms for 800k fp32 elements with an all-to-all of ``n`` copies, 7.2 ms with Gloo's own
+    all-gather). Peers' sends pair in issue order per group, like any collective.
     """
-    check_devices("all_gather", group, label, output, shard, scratch)
+    check_devices("all_gather", group, label, output, shard)
     n = group_size(group)
     _RECORDER.record("all_gather", group, label, *comm_bytes.all_gather_bytes(n, _nbytes(shard)))
     if n == 1:
@@ -254,10 +283,8 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None
             output.copy_(shard.view_as(output))
         return None
     if dist.get_backend(group) == "gloo":
-        src = scratch if scratch is not None else torch.empty_like(output)
-        src.view(n, -1).copy_(shard.reshape(1, -1).expand(n, -1))
-        return _issue("all_gather", group, label, shard, async_op, dist.all_to_all_single,
-                      _wire(output), _wire(src), group=group, async_op=async_op)
+        return _issue("all_gather", group, label, shard, async_op, _gather_by_sends,
+                      _wire(output), _wire(shard), group, async_op)
     return _issue("all_gather", group, label, shard, async_op, _ALL_GATHER, _wire(output),
                   _wire(shard), group=group, async_op=async_op)
 
