@@ -15,7 +15,10 @@ algorithm, the figure the ZeRO paper reasons with, for a group of ``n`` ranks:
 * all-to-all: exactly the bytes addressed to / received from other ranks.
 
 A group of one rank moves nothing. The counters are process-wide telemetry (like the
-``logging`` registry): :func:`reset_comm_stats` zeroes them.
+``logging`` registry): :func:`reset_comm_stats` zeroes them. Besides per kind, they are kept
+per operation: the label's last dotted component (``"layers.0.attention.wo.tp_g_all_reduce"``
+counts under ``"tp_g_all_reduce"``), so tensor- and sequence-parallel collectives
+(``tp_*`` / ``sp_*``) can be told from the engine's ``all_gather`` / ``reduce_scatter``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class CommStats:
     """Per-kind collective counters of this rank (see [Note: byte accounting])."""
 
     by_kind: dict[str, CollectiveStats] = field(default_factory=dict)
+    by_label: dict[str, CollectiveStats] = field(default_factory=dict)
 
     @property
     def bytes_sent(self) -> int:
@@ -82,6 +86,10 @@ class CommStats:
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {k: vars(v).copy() for k, v in sorted(self.by_kind.items())}
+
+    def label(self, op: str) -> CollectiveStats:
+        """Counters of the collectives whose label ends in ``op`` (e.g. ``"sp_all_gather"``)."""
+        return self.by_label.get(op, CollectiveStats())
 
 
 class _Recorder:
@@ -102,6 +110,11 @@ class _Recorder:
         gid = id(group) if group is not None else 0
         with self.lock:
             s = self.stats.by_kind.setdefault(kind, CollectiveStats())
+            s.calls += 1
+            s.bytes_sent += sent
+            s.bytes_received += received
+            op = label.rsplit(".", 1)[-1] if label else kind
+            s = self.stats.by_label.setdefault(op, CollectiveStats())
             s.calls += 1
             s.bytes_sent += sent
             s.bytes_received += received

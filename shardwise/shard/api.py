@@ -33,10 +33,11 @@ from shardwise.shard.precision import MixedPrecision, cast_floating
 from shardwise.shard.offload.config import Offload
 from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.offload import guard_unwrapped_steps
+from shardwise.shard.placed import PartialGrads, record_data_axes
 from shardwise.shard.registry import attach_state, engine_states, is_sharded
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
-from shardwise.shard.state_dict import register_state_dict_hooks
+from shardwise.shard.state_dict import placement_has_model_axes, register_state_dict_hooks
 from shardwise.shard.unit import Unit
 
 __all__ = ["shard", "no_sync", "memory_report", "engine_states"]
@@ -267,9 +268,14 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     tracker = MemoryTracker()
     if stage == 0 and as_units:
         groups = replicated_groups(groups)
+    params = [e.param for p in plans for e in p.entries]
+    record_data_axes(params, groups, sharded=as_units)  # [Note: placement is data]
     if stage == 0 and not as_units:
         state = _replicate(module, plans[0].entries, groups, bucket_mb, tracker, init_weights,
                            sync_module_states, target)
+        state.entries = plans[0].entries  # names of its parameters, for the state dict
+        if any(placement_has_model_axes(p) for p in params):
+            register_state_dict_hooks(module, state)
     else:
         units = _build_units(module, plans, groups, stage, tracker, init_weights,
                              sync_module_states, materialize, mixed_precision, target, comm)
@@ -279,6 +285,8 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
         if mixed_precision is not None:
             _register_casts(module, mixed_precision)
     state.offload = offload
+    partial = PartialGrads([e.param for p in plans for e in p.entries])
+    state.after_reduce = [partial] if partial else []  # [Note: partial gradients]
     if offload is not None:
         guard_unwrapped_steps([p for m in [module] for p in m.parameters()], offload)
     attach_state(module, state)
