@@ -104,12 +104,21 @@ def _plan_shards(entries: list[tuple[str, torch.dtype, tuple]], max_bytes: int) 
     return shards
 
 
+def _natural(name: str) -> list:
+    """Sort key: "layers.10" after "layers.9"."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
 def _model_entries(src: Path, md) -> tuple[list[tuple[str, torch.dtype, tuple]], dict,
                                             list[str]]:
     """``[(hf name, dtype, shape)]`` of the model tensors in DCP's index, hf name -> (our
     name, expert index or None), and our routing biases (which have no HF name)."""
     entries, ours, biases = [], {}, []
-    for key, tmd in md.state_dict_metadata.items():
+    # DCP's index lists tensors in the order the ranks' plans were merged, which depends on
+    # the layout (copies are saved by one rank); a natural sort of the names makes the file
+    # the same from every layout.
+    for key in sorted(md.state_dict_metadata, key=_natural):
+        tmd = md.state_dict_metadata[key]
         if not key.startswith("model."):
             continue
         fqn = key[len("model."):]
