@@ -50,10 +50,26 @@ def record_data_axes(params: list[nn.Parameter], groups: ShardGroups, sharded: b
     """Add this ``shard`` call's data axes to every parameter's placement (a parameter with
     none gets a whole-tensor one first)."""
     shard, reps = data_axes(groups, sharded)
+    data = [a for a in (shard, *reps) if a is not None]
     for p in params:
         pl = placement_of(p) or Placement.replicated(p.shape)
+        _check_disjoint(pl, data)
         assert tuple(pl.model_shape()) == tuple(p.shape), (pl.describe(), tuple(p.shape))
         set_placement(p, pl.with_data(shard, reps))
+
+
+def _check_disjoint(pl: Placement, data: list[Axis]) -> None:
+    """Data axes must not run along a model axis (e.g. shard over the world after
+    ``apply_tp`` over part of it): the engine would average a tensor rank's pieces with
+    another tensor rank's."""
+    for axis in pl.model_axes():
+        for d in data:
+            shared = set(axis.ranks) & set(d.ranks)
+            if len(shared) > 1:
+                raise ValueError(f"parameters are laid out over the {axis.name} ranks "
+                                 f"{list(axis.ranks)}, and this shard call would treat ranks "
+                                 f"{sorted(shared)} of them as data-parallel ({d.name}): pass "
+                                 f"mesh=<the ParallelMesh> (or a mesh of the data axes only)")
 
 
 def global_shape(param: nn.Parameter) -> torch.Size:

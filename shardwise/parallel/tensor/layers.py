@@ -73,6 +73,10 @@ class TPContext:
         """Partial sums of a row-parallel output -> their sum (on this rank's sequence
         piece under sequence parallelism)."""
         if self.sequence_parallel:
+            if x.dim() < 2 or x.shape[1] % self.tp.size:
+                raise ValueError(f"{label}: sequence parallelism splits the sequence (dim 1 "
+                                 f"of {tuple(x.shape)}) over tp={self.tp.size} ranks; expected "
+                                 f"a sequence length divisible by {self.tp.size}")
             return scatter_sequence(x, self.group, f"{label}.sp_reduce_scatter",
                                     f"{label}.sp_all_gather")
         return reduce_from_region(x, self.group, f"{label}.tp_g_all_reduce")
