@@ -132,6 +132,8 @@ def _user_plan_trains(mesh) -> float:
     ref_loss.backward()
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     norm = shardwise.get_total_norm(model)
+    mem = shardwise.memory_report(model)  # one region's gathered input: 2 x 8 x 16 fp32
+    assert (mem.tp_comm_bytes, mem.peak_tp_comm_bytes) == (0, 2 * 8 * 16 * 4), mem
     return max(abs(loss.item() - ref_loss.item()) / ref_loss.item(),
                abs(norm.item() - ref_norm.item()) / ref_norm.item())
 

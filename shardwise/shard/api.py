@@ -34,7 +34,7 @@ from shardwise.shard.offload.config import Offload
 from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.offload import guard_unwrapped_steps
 from shardwise.shard.placed import PartialGrads, record_data_axes
-from shardwise.shard.registry import attach_state, engine_states, is_sharded
+from shardwise.shard.registry import attach_state, engine_states, extra_trackers, is_sharded
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
 from shardwise.shard.state_dict import placement_has_model_axes, register_state_dict_hooks
@@ -328,4 +328,5 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     if not states:
         raise ValueError(f"memory_report needs a module passed to shardwise.shard, got an "
                          f"unsharded {type(model).__name__}")
-    return build_memory_report([s.tracker for s in states], list(model.parameters()), optimizer)
+    trackers = [s.tracker for s in states] + extra_trackers(model)
+    return build_memory_report(trackers, list(model.parameters()), optimizer)

@@ -17,7 +17,7 @@ from shardwise.distributed.parallel_dims import ParallelMesh
 from shardwise.distributed.placement import Axis, placement_of
 from shardwise.parallel.tensor.layers import TPContext, apply_style, replicate_param
 from shardwise.parallel.tensor.plan import default_plan, resolve_plan
-from shardwise.shard.registry import engine_states
+from shardwise.shard.registry import attach_tracker, engine_states
 
 __all__ = ["apply_tp", "tp_context"]
 
@@ -144,6 +144,7 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str] | None = None,
     _check_ties(model)
     model.register_forward_hook(lambda *args: ctx.clear())  # drop the last region's input
     setattr(model, _CTX_ATTR, ctx)
+    attach_tracker(model, ctx.tracker)  # memory_report's tp_comm_bytes
     return model
 
 

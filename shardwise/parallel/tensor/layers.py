@@ -21,6 +21,7 @@ from torch import nn
 
 from shardwise.distributed.mesh import split_axis
 from shardwise.distributed.placement import Axis, Placement, placement_of, set_placement
+from shardwise.shard.memory import MemoryTracker
 from shardwise.parallel.tensor.ops import (SequenceInput, copy_to_region, gather_last_dim,
                                            reduce_from_region, scatter_sequence,
                                            sequence_linear)
@@ -46,6 +47,7 @@ class TPContext:
     sequence_parallel: bool
     loss_parallel: bool
     kv_axes: dict = field(default_factory=dict)
+    tracker: MemoryTracker = field(default_factory=MemoryTracker)
     _key: object = None
     _entry: tuple | None = None
 
@@ -61,9 +63,12 @@ class TPContext:
         if self._entry is not None and self._key is not None and self._key() is x \
                 and self._entry[0] == key:
             return self._entry[1], self._entry[2]
+        self.clear()
         if self.sequence_parallel:
-            src = SequenceInput(self.group, label)
+            src = SequenceInput(self.group, label, self.tracker)
             full = src.gather(x)
+            if self.tp.size > 1:  # the gathered input is held until the next region
+                self.tracker.add("tp_comm", full.numel() * full.element_size())
         else:
             src, full = None, copy_to_region(x, self.group, f"{label}.tp_f_all_reduce")
         self._key, self._entry = weakref.ref(x), (key, full, src)
@@ -82,7 +87,10 @@ class TPContext:
         return reduce_from_region(x, self.group, f"{label}.tp_g_all_reduce")
 
     def clear(self) -> None:
-        """Drop the cached region input (end of a forward pass)."""
+        """Drop the cached region input (a new region, or the end of a forward pass)."""
+        if self._entry is not None and self._entry[2] is not None and self.tp.size > 1:
+            full = self._entry[1]
+            self.tracker.sub("tp_comm", full.numel() * full.element_size())
         self._key, self._entry = None, None
 
     def kv_split(self, heads: int) -> tuple[Axis, Axis]:

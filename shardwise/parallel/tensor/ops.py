@@ -138,10 +138,11 @@ class SequenceInput:
     Args:
         group: the tensor-parallel group.
         label: prefix of the collectives' labels (the first reading module's path).
+        tracker: a MemoryTracker told about the re-gathered input (kind ``tp_comm``).
     """
 
-    def __init__(self, group, label: str) -> None:
-        self.group, self.label = group, label
+    def __init__(self, group, label: str, tracker=None) -> None:
+        self.group, self.label, self.tracker = group, label, tracker
         self._regathered: torch.Tensor | None = None
         self.readers = 0  # linears whose backward is still to run
 
@@ -156,11 +157,19 @@ class SequenceInput:
         if self._regathered is None:
             self._regathered = comm_dims.all_gather_dim(
                 piece.detach(), SEQ_DIM, self.group, label=f"{self.label}.sp_regather")
+            if self.tracker is not None and comm_dims.comm.group_size(self.group) > 1:
+                self.tracker.add("tp_comm", self._nbytes())
         return self._regathered
 
+    def _nbytes(self) -> int:
+        return self._regathered.numel() * self._regathered.element_size()
+
     def release(self) -> None:
+        """One reader's backward is done; the last one drops the re-gathered input."""
         self.readers -= 1
-        if self.readers <= 0:
+        if self.readers <= 0 and self._regathered is not None:
+            if self.tracker is not None and comm_dims.comm.group_size(self.group) > 1:
+                self.tracker.sub("tp_comm", self._nbytes())
             self._regathered = None
 
 
