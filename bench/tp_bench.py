@@ -222,6 +222,22 @@ def _markdown(rows: dict, meta: dict) -> str:
         lines.append(f"| {name} | {world} | {r['step_s'] * 1e3:.1f} | {ratio} | "
                      f"{r['rss_peak'] / 2**20:.0f} | {r['wire_bytes'] / 2**20:.2f} | "
                      f"{counted} | {act:.2f} | {rel} | {pred} |")
+    lines += ["", "Targets (issue 11): step time <= 0.9x PyTorch's composition; activations with "
+              "SP within 10% of 1/tp of tp 1's.", ""]
+    for name, r in rows.items():
+        twin = rows.get(name.replace("sw-", "torch-"))
+        if name.startswith("sw-") and twin:
+            ratio = r["step_s"] / twin["step_s"]
+            lines.append(f"* {name}: step time {ratio:.2f}x PyTorch's: "
+                         f"{'met' if ratio <= 0.9 else 'NOT met'}")
+        world, fw, tp, sp = JOBS[name]
+        if fw == "shardwise" and sp and base:
+            rel = r["activation_bytes"] / (base / tp)
+            lines.append(f"* {name}: activations {rel:.3f} x (tp 1 / tp): "
+                         f"{'met' if abs(rel - 1) <= 0.1 else 'NOT met'}")
+    if meta.get("load"):
+        lines += ["", f"Load average during the run: {meta['load']} (a shared 2-core machine: "
+                  f"step times are noisy; the ratios compare jobs run minutes apart)."]
     return "\n".join(lines) + "\n"
 
 
@@ -246,7 +262,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated job names")
     p.add_argument("--out", default=str(OUT / "tp_bench"))
+    p.add_argument("--from-json", default="", help="re-render the table of an earlier run")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        Path(args.out + ".md").write_text(_markdown(saved["rows"], saved["meta"]))
+        return 0
     netns = _private_netns(sys.argv[1:] if argv is None else list(argv))
     names = [n for n in JOBS if not args.only or n in args.only.split(",")]
     rows = {}
@@ -259,7 +280,8 @@ def main(argv=None) -> int:
         print(f"{name}: {rows[name]['step_s'] * 1e3:.1f} ms, loss {rows[name]['loss']:.4f}, "
               f"activations {rows[name]['activation_bytes'] / 2**20:.2f} MiB", flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "steps": args.steps,
-            "warmup": args.warmup, "netns": netns}
+            "warmup": args.warmup, "netns": netns,
+            "load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     Path(args.out + ".md").write_text(_markdown(rows, meta))
     print(_markdown(rows, meta))

@@ -7,7 +7,7 @@
   placement names; the checkpoint stores every KV head once.
 * ``full_state_dict`` at any degree equals the unsplit model's state dict.
 * Hugging Face safetensors exported from a tp 2 and a tp 4 checkpoint are byte-identical
-  to the export from a tp 1 one.
+  to the export from a tp 1 one, and import into a tp 2 x dp_shard 2 model exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import shardwise
 from shardwise import checkpoint
-from shardwise.checkpoint.export import export_safetensors
+from shardwise.checkpoint.export import export_safetensors, import_safetensors
 from shardwise.checkpoint.metadata import SafeReader
 from shardwise.checkpoint.state import param_names
 from shardwise.models import TransformerBlock, build_model, get_model_config
@@ -119,6 +119,14 @@ def _full(tp: int):
     return shardwise.full_state_dict(model)
 
 
+def _import(path: str, tp: int):
+    """HF safetensors imported into a model parallelised at ``tp`` (each rank reads its
+    piece), gathered back whole."""
+    model, _, _ = _build(1, tp, 3)
+    import_safetensors(path, model)
+    return shardwise.full_state_dict(model)
+
+
 def _save_fresh(path: str, tp: int) -> None:
     model, opt, _ = _build(0, tp, 2)
     checkpoint.save(path, model, opt, step=0)
@@ -141,6 +149,8 @@ def test_full_state_dict_and_hf_export_equal_the_unsplit_model(tmp_path):
         for name in files:
             assert (exports[tp] / name).read_bytes() == (exports[1] / name).read_bytes(), \
                 (tp, name)
+    for full in run_ranks(_import, 4, args=(str(exports[1]), 2)):  # tp 2 x dp_shard 2
+        assert all(torch.equal(full[k], unsplit[k]) for k in unsplit)
     # At tp 4 each KV head lives on two tensor ranks; the checkpoint holds it once.
     md = SafeReader(tmp_path / "tp4").read_metadata().state_dict_metadata
     wk = md["model.layers.0.attention.wk.weight"]

@@ -369,8 +369,16 @@ def _read_local(handle, fqn: str, name: str, file: Path, spec, current, config
                               f"is {full_shape}", path=file, file=file.name, tensor=name)
     if spec is None or len(full_shape) == 0:
         return hf.from_hf(fqn, handle.get_tensor(name), config)
-    start, stop = spec.row_offset, spec.row_offset + spec.local_rows
+    # This rank's piece in global coordinates: the rows (and, for a row-parallel weight, the
+    # columns) its placement gives it, tensor-parallel cuts and ZeRO rows together.
+    bounds = {0: (spec.row_offset, spec.row_offset + spec.local_rows)}
+    if spec.placement is not None:
+        bounds = {d: (a, b) for d, a, b in spec.placement.local_range()}
+    start, stop = bounds.get(0, (0, full_shape[0]))
     lo, hi = hf.hf_rows(fqn, start, stop, config)
     block = sl[lo:hi]
-    local = hf.from_hf(fqn, block, config)[start - lo:stop - lo].clone()
+    local = hf.from_hf(fqn, block, config)[start - lo:stop - lo]
+    if 1 in bounds:
+        local = local[:, bounds[1][0]:bounds[1][1]]
+    local = local.clone()
     return spec.to_dtensor(local)
