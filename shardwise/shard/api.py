@@ -204,7 +204,10 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
             selecting the modules that become units (one all-gather and one reduce-scatter
             each); the rest forms the root unit. Default None (one unit). Ignored at stage 0.
         mesh: None (the world), a ProcessGroup, a 1-D DeviceMesh (shard) or a 2-D DeviceMesh
-            (replicate, shard) for hybrid sharding.
+            (replicate, shard) for hybrid sharding, or a :class:`ParallelMesh` (or a
+            DeviceMesh whose dimension names are its axis names): sharded over
+            ``dp_shard``, replicated over ``dp_replicate``, the other axes (``tp``, ...)
+            left to tensor, pipeline and expert parallelism.
         reshard_after_forward: stage 3 frees gathered parameters after each unit's forward
             (True, default) or keeps them until its backward (False, the ZeRO-2-like middle).
         prefetch: units gathered ahead of the one computing, forward and backward
@@ -238,7 +241,8 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
 
     Raises:
         ValueError: for bad arguments, or parameters the engine cannot shard (non-float,
-            mixed dtypes in one unit, a mix of meta and real tensors), naming them.
+            mixed dtypes in one unit, a mix of meta and real tensors), naming them; data
+            axes that run along the tensor-parallel ranks of ``apply_tp``.
     """
     _validate(module, stage, prefetch, bucket_mb, materialize)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
