@@ -16,7 +16,10 @@ algorithm, the figure the ZeRO paper reasons with, for a group of ``n`` ranks:
 * all-to-all: exactly the bytes addressed to / received from other ranks.
 
 A group of one rank moves nothing. The counters are process-wide telemetry (like the
-``logging`` registry): :func:`reset_comm_stats` zeroes them.
+``logging`` registry): :func:`reset_comm_stats` zeroes them. Besides per kind, they are kept
+per operation: the label's last dotted component (``"layers.0.attention.wo.tp_g_all_reduce"``
+counts under ``"tp_g_all_reduce"``), so tensor- and sequence-parallel collectives
+(``tp_*`` / ``sp_*``) can be told from the engine's ``all_gather`` / ``reduce_scatter``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed import comm_bytes
+from shardwise.distributed.comm_gloo import SumAfterAllToAll, gather_by_sends
 from shardwise.sizes import nbytes as _nbytes
 
 __all__ = [
@@ -67,6 +71,7 @@ class CommStats:
     """Per-kind collective counters of this rank (see [Note: byte accounting])."""
 
     by_kind: dict[str, CollectiveStats] = field(default_factory=dict)
+    by_label: dict[str, CollectiveStats] = field(default_factory=dict)
 
     @property
     def bytes_sent(self) -> int:
@@ -85,6 +90,10 @@ class CommStats:
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {k: vars(v).copy() for k, v in sorted(self.by_kind.items())}
+
+    def label(self, op: str) -> CollectiveStats:
+        """Counters of the collectives whose label ends in ``op`` (e.g. ``"sp_all_gather"``)."""
+        return self.by_label.get(op, CollectiveStats())
 
 
 class _Recorder:
@@ -105,6 +114,11 @@ class _Recorder:
         gid = id(group) if group is not None else 0
         with self.lock:
             s = self.stats.by_kind.setdefault(kind, CollectiveStats())
+            s.calls += 1
+            s.bytes_sent += sent
+            s.bytes_received += received
+            op = label.rsplit(".", 1)[-1] if label else kind
+            s = self.stats.by_label.setdefault(op, CollectiveStats())
             s.calls += 1
             s.bytes_sent += sent
             s.bytes_received += received
@@ -227,41 +241,6 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _AllDone:
-    """One handle for several point-to-point works."""
-
-    def __init__(self, works: list) -> None:
-        self.works = works
-
-    def wait(self, timeout=None) -> bool:
-        for w in self.works:
-            w.wait()
-        self.works = []
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
-def _gather_by_sends(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
-    """[Note: all-gather on Gloo] ``shard`` straight to every peer, each peer's straight into
-    its row of ``output``."""
-    n, me = group_size(group), group_rank(group)
-    rows = output.view(n, -1)
-    rows[me].copy_(shard.reshape(-1))
-    ops = []
-    for r in range(n):
-        if r != me:
-            peer = dist.get_global_rank(group, r) if group is not None else r
-            ops.append(dist.P2POp(dist.isend, shard, peer, group))
-            ops.append(dist.P2POp(dist.irecv, rows[r], peer, group))
-    handle = _AllDone(dist.batch_isend_irecv(ops))
-    if async_op:
-        return handle
-    handle.wait()
-    return None
-
-
 def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None, *,
                            label: str = "", async_op: bool = False):
     """Gather equal ``shard``s of every rank into ``output`` (rank-major), counted.
@@ -283,28 +262,10 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None
             output.copy_(shard.view_as(output))
         return None
     if dist.get_backend(group) == "gloo":
-        return _issue("all_gather", group, label, shard, async_op, _gather_by_sends,
+        return _issue("all_gather", group, label, shard, async_op, gather_by_sends,
                       _wire(output), _wire(shard), group, async_op)
     return _issue("all_gather", group, label, shard, async_op, _ALL_GATHER, _wire(output),
                   _wire(shard), group=group, async_op=async_op)
-
-
-class _SumAfterAllToAll:
-    """Work handle of a reduce-scatter done as all-to-all + local sum (see below)."""
-
-    def __init__(self, work, received: torch.Tensor, output: torch.Tensor, n: int) -> None:
-        self.work, self.received, self.output, self.n = work, received, output, n
-
-    def wait(self, timeout=None) -> bool:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-            torch.sum(self.received.view(self.n, -1), dim=0, out=self.output.view(-1))
-            self.received = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
 
 
 def reduce_scatter_needs_scratch(group=None) -> bool:
@@ -336,7 +297,7 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group=None, 
         received = scratch if scratch is not None else torch.empty_like(full)
         work = _issue("reduce_scatter", group, label, full, True, dist.all_to_all_single,
                       received, full, group=group, async_op=True)
-        handle = _SumAfterAllToAll(work, received, output, n)
+        handle = SumAfterAllToAll(work, received, output, n)
         if not async_op:
             handle.wait()
             return None

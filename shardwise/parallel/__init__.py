@@ -1,5 +1,8 @@
 """shardwise.parallel: tensor, sequence, expert and pipeline parallelism.
 
+Tensor (and sequence) parallelism: :func:`apply_tp`, :func:`vocab_parallel_cross_entropy`
+(see :mod:`shardwise.parallel.tensor`).
+
 Mixture-of-experts balance statistics over the data ranks: :func:`apply_global_balance`.
 
 Pipeline schedules are data (DESIGN.md, principle 4)::
@@ -9,6 +12,7 @@ Pipeline schedules are data (DESIGN.md, principle 4)::
     print(schedule.to_text(), simulate(schedule).bubble)
 """
 
+from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
 from shardwise.parallel.moe_stats import AllReduceStats, apply_global_balance
 from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind,
                                          Schedule, Simulation, build_schedule, critical_path,
@@ -16,6 +20,8 @@ from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, Deadlock
                                          simulate, validate_schedule)
 
 __all__ = [
+    "apply_tp",
+    "vocab_parallel_cross_entropy",
     "AllReduceStats",
     "apply_global_balance",
     "SCHEDULE_NAMES",

@@ -240,6 +240,8 @@ class ShardState:
             self._post_backward(u)
         if self.sync:
             self.launcher.flush()
+            for fn in getattr(self, "after_reduce", ()):  # [Note: partial gradients]
+                fn()
         else:
             self.launcher.order = []
         for u in self.units:

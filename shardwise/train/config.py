@@ -95,10 +95,11 @@ class TrainConfig:
     steps: int = 150
     """Optimizer steps to run."""
     batch_size: int = 4
-    """Sequences per micro-batch on each rank."""
+    """Sequences per micro-batch on each data-parallel rank (the tp ranks of one data rank
+    share them)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (global batch = batch_size * grad_accum
-    * world size sequences)."""
+    * dp_replicate * dp_shard sequences; tp does not multiply it)."""
     seed: int = 0
     """Seed of the model initialisation (identical on every rank)."""
     eval_interval: int = 50
@@ -151,9 +152,15 @@ class ParallelConfig:
     stage: int = 3
     """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 + gradients, 3 + params."""
     dp_replicate: int = 1
-    """Data-parallel replicas (HSDP outer axis); dp_replicate * dp_shard = world size."""
+    """Data-parallel replicas (HSDP outer axis); dp_replicate * dp_shard * tp = world size."""
     dp_shard: int = -1
-    """Ranks each replica is sharded over (-1: world size // dp_replicate)."""
+    """Ranks each replica is sharded over (-1: world size // (dp_replicate * tp))."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks each layer's matrices are split over (Megatron style,
+    consecutive ranks of one node); heads, vocabulary and feed-forward width must divide."""
+    sequence_parallel: bool | None = None
+    """With tp > 1, split norms and residual activations along the sequence between
+    tensor-parallel regions (1/tp of their memory; seq_len must divide). Unset: on if tp > 1."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (stage 3) and gather them again for backward."""
     prefetch: int = 1

@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-__all__ = ["validate", "resolve_world", "check_output_dir"]
+__all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel"]
 
 
 def _positive(v: Any) -> bool:
@@ -65,6 +65,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.stage", lambda v: v in (0, 1, 2, 3), "a ZeRO stage in 0..3"),
     ("parallel.dp_replicate", _positive, "a positive int"),
     ("parallel.dp_shard", lambda v: v == -1 or v > 0, "a positive int or -1 (infer)"),
+    ("parallel.tp", _positive, "a positive int (tensor-parallel degree)"),
     ("parallel.prefetch", _non_negative, "an int >= 0"),
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
     ("parallel.timeout_s", _positive, "a positive number of seconds"),
@@ -114,6 +115,14 @@ def _combinations(config) -> None:
     if config.log.overwrite and resume != "none":
         raise ValueError(f"log.overwrite=true removes the run that checkpoint.resume={resume!r} "
                          "would continue; expected one of the two")
+    if par.sequence_parallel and par.tp == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the "
+                         "activations between tensor-parallel regions), got tp 1")
+    if sequence_parallel(par) and config.data.seq_len % par.tp:
+        raise ValueError(f"data.seq_len={config.data.seq_len} must be divisible by parallel.tp="
+                         f"{par.tp} with sequence parallelism (each tensor rank holds "
+                         f"seq_len / tp positions); set parallel.sequence_parallel=false or "
+                         f"change data.seq_len")
     if off.device != "none" and par.stage == 0:
         raise ValueError(f"offload.device={off.device!r} needs parallel.stage 1, 2 or 3 "
                          f"(sharded masters), got 0")
@@ -132,6 +141,11 @@ def validate(config) -> None:
     _combinations(config)
 
 
+def sequence_parallel(par) -> bool:
+    """Whether a ``[parallel]`` section runs sequence parallelism (unset: when tp > 1)."""
+    return par.tp > 1 if par.sequence_parallel is None else bool(par.sequence_parallel)
+
+
 def resolve_world(config, world_size: int):
     """Fill in ``parallel.dp_shard = -1`` and check the degrees multiply to the world size.
 
@@ -143,19 +157,23 @@ def resolve_world(config, world_size: int):
         The config with ``parallel.dp_shard`` resolved.
 
     Raises:
-        ValueError: if ``dp_replicate * dp_shard != world_size``.
+        ValueError: if ``dp_replicate * dp_shard * tp != world_size``, naming each degree.
     """
     par = config.parallel
-    shard = par.dp_shard
+    shard, others = par.dp_shard, par.dp_replicate * par.tp
+    names = "parallel.dp_replicate" + (" * parallel.tp" if par.tp > 1 else "")
+    degrees = f"{par.dp_replicate}" + (f" * {par.tp}" if par.tp > 1 else "")
     if shard == -1:
-        if world_size % par.dp_replicate != 0:
-            raise ValueError(f"parallel.dp_replicate={par.dp_replicate} does not divide the world "
-                             f"size {world_size}; expected a divisor of {world_size}")
-        shard = world_size // par.dp_replicate
-    if par.dp_replicate * shard != world_size:
-        raise ValueError(f"parallel.dp_replicate * parallel.dp_shard = {par.dp_replicate} * "
-                         f"{shard} = {par.dp_replicate * shard}, expected the world size "
-                         f"{world_size}")
+        if world_size % others != 0:
+            what = f"{names} = {degrees} = {others}" if par.tp > 1 else f"{names}={others}"
+            raise ValueError(f"{what} does not divide the world size {world_size}; expected a "
+                             f"divisor of {world_size}")
+        shard = world_size // others
+    if others * shard != world_size:
+        tp_names, tp_deg = (" * parallel.tp", f" * {par.tp}") if par.tp > 1 else ("", "")
+        raise ValueError(f"parallel.dp_replicate * parallel.dp_shard{tp_names} = "
+                         f"{par.dp_replicate} * {shard}{tp_deg} = {others * shard}, expected "
+                         f"the world size {world_size}")
     hierarchy = config.comm.hierarchy
     if hierarchy and shard % hierarchy:
         raise ValueError(f"comm.hierarchy={hierarchy} must divide parallel.dp_shard={shard} "

@@ -137,7 +137,8 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
             TensorBoard asked for but missing, a bad model name / shape / seq_len, a corpus
             with no or too little text, a bad ``$SHARDWISE_FAULT``, a ``checkpoint.resume``
             that is missing or was saved from another model shape or vocabulary, ``[moe]``
-            settings for a model without MoE layers.
+            settings for a model without MoE layers, heads / vocabulary / widths not
+            divisible by ``parallel.tp``.
     """
     cfg = resolve_world(cfg, world_size)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
@@ -151,8 +152,11 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     check_output_dir(cfg.log.dir)
     from shardwise.train.parallelize import validate_offload  # the engine's directory check
     validate_offload(cfg)
-    data = build_data(cfg, world_size)
-    check_resume(cfg, build_model_config(cfg, data.vocab_size))
+    data = build_data(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
+    model_cfg = build_model_config(cfg, data.vocab_size)
+    from shardwise.train.parallelize import validate_tp  # heads / vocab vs parallel.tp
+    validate_tp(cfg, model_cfg, world_size)
+    check_resume(cfg, model_cfg)
     return cfg, data
 
 
