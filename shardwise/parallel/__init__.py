@@ -3,7 +3,8 @@
 Tensor (and sequence) parallelism: :func:`apply_tp`, :func:`vocab_parallel_cross_entropy`
 (see :mod:`shardwise.parallel.tensor`).
 
-Mixture-of-experts balance statistics over the data ranks: :func:`apply_global_balance`.
+Expert parallelism: :func:`apply_ep` (see :mod:`shardwise.parallel.expert`). Mixture-of-experts
+balance statistics over the data ranks: :func:`apply_global_balance`.
 
 Pipeline schedules are data (DESIGN.md, principle 4)::
 
@@ -13,6 +14,7 @@ Pipeline schedules are data (DESIGN.md, principle 4)::
 """
 
 from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
+from shardwise.parallel.expert import apply_ep, dispatch_bytes, ep_context
 from shardwise.parallel.moe_stats import AllReduceStats, apply_global_balance
 from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind,
                                          Schedule, Simulation, build_schedule, critical_path,
@@ -22,6 +24,9 @@ from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, Deadlock
 __all__ = [
     "apply_tp",
     "vocab_parallel_cross_entropy",
+    "apply_ep",
+    "ep_context",
+    "dispatch_bytes",
     "AllReduceStats",
     "apply_global_balance",
     "SCHEDULE_NAMES",
