@@ -84,15 +84,16 @@ def _lm(logits: torch.Tensor, tokens: torch.Tensor, tp_group) -> torch.Tensor:  
 
 
 def _train(model, opt, batches, cfg, data_rank: int, data_size: int, *, sync, clip,
-           tp_group=None, loss_group=None) -> EPResult:  # noqa: ANN001
+           tp_group=None, loss_group=None, logits_of=None) -> EPResult:  # noqa: ANN001
     per_rank = batches.shape[2] // data_size
+    logits_of = logits_of or (lambda out: out)
     res = EPResult()
     for step in range(cfg.steps):
         total = torch.zeros((), dtype=torch.float64)
         for micro in range(cfg.accum):
             mine = batches[step, micro, data_rank * per_rank:(data_rank + 1) * per_rank]
             with sync(micro == cfg.accum - 1):
-                lm = _lm(model(mine[:, :-1]), mine, tp_group) / cfg.accum
+                lm = _lm(logits_of(model(mine[:, :-1])), mine, tp_group) / cfg.accum
                 aux = moe_aux_loss(model)
                 (lm if aux is None else lm + aux / cfg.accum).backward()
             total += lm.detach().double()
@@ -107,7 +108,8 @@ def _train(model, opt, batches, cfg, data_rank: int, data_size: int, *, sync, cl
 
 
 def ep_reference_run(build_model: Callable[[], nn.Module], batches: torch.Tensor,
-                     cfg: EPConfig, data_size: int) -> EPResult:
+                     cfg: EPConfig, data_size: int, *,
+                     logits_of: Callable | None = None) -> EPResult:
     """One process on the whole global batches, routing ``data_size`` capacity groups."""
     model = set_capacity_groups(build_model(), data_size)
     opt = _optimizer("sgd", model.parameters())
@@ -115,15 +117,17 @@ def ep_reference_run(build_model: Callable[[], nn.Module], batches: torch.Tensor
     def clip() -> torch.Tensor:
         _zero_missing_grads(model)
         return torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip or float("inf"))
-    res = _train(model, opt, batches, cfg, 0, 1, sync=lambda last: _null(), clip=clip)
+    res = _train(model, opt, batches, cfg, 0, 1, sync=lambda last: _null(), clip=clip,
+                 logits_of=logits_of)
     res.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return res
 
 
 def ep_run(build_model: Callable[[], nn.Module], batches: torch.Tensor, cfg: EPConfig, wrap,
-           mesh_cache: dict, *, init_weights=None) -> EPResult:  # noqa: ANN001
+           mesh_cache: dict, *, init_weights=None, logits_of: Callable | None = None,
+           inspect: Callable[[nn.Module], None] | None = None) -> EPResult:  # noqa: ANN001
     """Train ``build_model()`` (a meta-device model with ``cfg.meta``) as ``cfg`` lays it
-    out; call on every rank."""
+    out; call on every rank. ``inspect(model)`` runs between ``apply_ep`` and ``shard``."""
     mesh = ep_mesh(cfg, mesh_cache)
     model = build_model()
     tp_group = None
@@ -131,6 +135,8 @@ def ep_run(build_model: Callable[[], nn.Module], batches: torch.Tensor, cfg: EPC
         apply_tp(model, mesh["tp"], sequence_parallel=True)
         tp_group = mesh.group("tp")
     apply_ep(model, mesh)
+    if inspect is not None:
+        inspect(model)
     if cfg.meta:
         torch.manual_seed(0)
     shardwise.shard(model, stage=cfg.stage, wrap=wrap, mesh=mesh, init_weights=init_weights)
@@ -143,6 +149,6 @@ def ep_run(build_model: Callable[[], nn.Module], batches: torch.Tensor, cfg: EPC
     res = _train(model, opt, batches, cfg, mesh.local_rank("dp"), mesh.size("dp"),
                  sync=lambda last: shardwise.no_sync(model) if not last else _null(),
                  clip=lambda: shardwise.clip_grad_norm_(model, cfg.clip or float("inf")),
-                 tp_group=tp_group, loss_group=mesh.group("dp"))
+                 tp_group=tp_group, loss_group=mesh.group("dp"), logits_of=logits_of)
     res.state = shardwise.full_state_dict(model)
     return res
