@@ -24,6 +24,7 @@ from torch import nn
 
 from shardwise.checkpoint import jsonable
 from shardwise.checkpoint.errors import CheckpointError
+from shardwise.parallel.expert import ep_context
 from shardwise.parallel.tensor import tp_context
 from shardwise.shard.registry import engine_states
 from shardwise.sizes import nbytes
@@ -137,20 +138,23 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def layout_of(model: nn.Module) -> dict[str, Any]:
-    """World size, ZeRO stage, data-parallel and tensor-parallel degrees of a model."""
+    """World size, ZeRO stage, data-parallel, tensor-parallel and expert-parallel degrees of
+    a model."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     ctx = tp_context(model)
     tp = ctx.tp.size if ctx is not None else 1
+    ep_ctx = ep_context(model)
+    ep = ep_ctx.ep.size if ep_ctx is not None else 1
     states = engine_states(model)
     if not states:
         return {"world_size": world, "stage": None, "dp_shard": None, "dp_replicate": None,
-                "tp": tp}
+                "tp": tp, "ep": ep}
     s = states[-1]  # the outermost call (engine_states lists submodules' first)
     g = s.groups
     return {"world_size": world, "stage": getattr(s, "stage", 0), "dp_shard": g.shard_size,
-            "dp_replicate": g.replicate_size, "tp": tp}
+            "dp_replicate": g.replicate_size, "tp": tp, "ep": ep}
 
 
 def model_info(model: nn.Module) -> dict[str, Any]:
