@@ -1,6 +1,7 @@
 """Everything the trainer knows about parallelism, in one place.
 
-The model is built on the meta device and sharded by the ZeRO engine with the run's stage,
+The model is built on the meta device, its blocks optionally activation-checkpointed and
+compiled, and it is sharded by the ZeRO engine with the run's stage,
 mesh, precision, quantised communication and offload; the optimizer is wrapped when
 optimizer state is offloaded; accumulation micro-batches run without gradient
 communication; clipping is over the sharded gradients. The trainer calls these and
@@ -66,14 +67,17 @@ def build_loss_scaler(cfg: Config) -> LossScaler:
 
 
 def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
-    """Build the model on the meta device and shard it with the ZeRO engine.
+    """Build the model on the meta device, checkpoint and compile its blocks as
+    ``train.activation_checkpoint`` and ``train.compile`` ask, and shard it with the ZeRO
+    engine.
 
     Each rank initialises the model one module at a time and keeps only its shard, so no
     rank ever holds the whole model; the weights are bitwise those of eager init with
     ``train.seed`` (see docs/engine.md).
 
     Args:
-        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``).
+        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``,
+            ``train.activation_checkpoint``, ``train.compile``, ``train.compile_backend``).
         model_cfg: the model's :class:`~shardwise.models.LlamaConfig`.
         env: this process's place in the job.
 
@@ -87,7 +91,18 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     par = cfg.parallel
     dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size).resolved()
     mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 else None
+    # The fixed composition order (shared/DESIGN.md), each step leaving a plain nn.Module:
+    # build on meta -> tensor / sequence / expert parallelism (not built yet) -> activation
+    # checkpointing -> compile -> pipeline split (not built yet) -> shard -> materialise
+    # (inside shard). Checkpointing before compile: the compiled graph then holds the
+    # recompute (one graph per block). Compile before shard: compile_blocks replaces each
+    # block's forward, and the engine's hooks, installed by shard on the block's __call__,
+    # run eagerly around the compiled graph ([Note: collectives outside compiled regions]).
     model = build(model_cfg, device="meta")
+    t = cfg.train
+    shardwise.checkpoint_activations(model, t.activation_checkpoint, blocks=TransformerBlock)
+    if t.compile:
+        shardwise.compile_blocks(model, TransformerBlock, backend=t.compile_backend)
     torch.manual_seed(cfg.train.seed)
     model = shardwise.shard(model, stage=par.stage, wrap={TransformerBlock}, mesh=mesh,
                             reshard_after_forward=par.reshard_after_forward,
