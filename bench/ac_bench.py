@@ -14,7 +14,8 @@ acts on the blocks alone), so each process's peak RSS is its own. Figures per po
   the outputs selective checkpointing caches. **of which blocks**: the part created inside
   the transformer blocks, the activations checkpointing acts on.
 * **peak in step**: the most such bytes alive at once during forward + backward (the
-  recompute of one block and the parameters' gradients included).
+  recompute of one block included; the parameters' gradients, the same under every policy,
+  are allocated before the step and not counted).
 * **saved (hooks)**: the bytes an outer ``torch.autograd.graph.saved_tensors_hooks`` sees
   packed for backward, still alive when forward returns. Non-reentrant checkpointing saves
   each block's inputs through such hooks, but installs its own hooks inside the block, and
@@ -23,8 +24,13 @@ acts on the blocks alone), so each process's peak RSS is its own. Figures per po
   why the dispatch-mode figure is the one to read.
 * **peak RSS growth**: the process's peak resident memory during the timed steps minus its
   resident memory before them (the allocator's view; noisy, a second opinion).
-* **step time**: forward + backward + SGD step, median (and best) of the timed steps, after
-  two warm-up steps, tracking off.
+* **step time**: forward + backward + SGD step, median (and best) wall time of the timed
+  steps, after two warm-up steps, tracking off; and the median CPU time the process used per
+  step (all its threads), which other jobs on a shared machine disturb far less than the
+  wall time (though not entirely: threads spin while they wait for cores).
+* **GFLOP per step**: matmul and attention FLOPs of forward + backward counted by
+  ``torch.utils.flop_counter.FlopCounterMode``; what the recompute costs, independent of
+  the machine's load (selective checkpointing takes its saved matmuls from its cache).
 
 Writes ``bench/results/ac_bench.{md,json}``.
 """
@@ -48,6 +54,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
 OUT = Path(__file__).resolve().parent / "results"
 POLICIES = ("none", "selective", "full")
@@ -120,7 +127,12 @@ def measure_memory(model: nn.Module, tokens: torch.Tensor, blocks: tuple[type, .
         ``peak`` (most bytes alive during the step) and ``saved_hooks`` (what an outer
         ``saved_tensors_hooks`` saw packed, unique storages).
     """
-    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # Gradients are the same under every policy: allocated up front and excluded, the peak
+    # is that of activations (and the transient per-parameter gradients before they are
+    # accumulated).
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    exclude = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad)}
     inside = _block_depth(model, blocks)
     packed: dict[int, tuple[StorageWeakRef, int]] = {}
 
@@ -160,17 +172,22 @@ def worker(model_name: str, policy: str, batch: int, seq: int, steps: int) -> di
         _loss(model, tokens).backward()
         opt.zero_grad(set_to_none=True)
     rss0 = _rss_bytes()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = _loss(model, tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    with FlopCounterMode(display=False) as flops:
+        _loss(model, tokens).backward()
+    model.zero_grad(set_to_none=True)
     mem = measure_memory(model, tokens, (TransformerBlock,))
     return {"policy": policy, "step_s": statistics.median(times), "step_min_s": min(times),
+            "step_cpu_s": statistics.median(cpu), "flops": flops.get_total_flops(),
             "rss_growth": peak_rss - rss0,
             "loss": loss.item(), **mem}
 
@@ -210,10 +227,9 @@ def report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]) -> s
         f"{args.seq} --rounds {args.rounds}`. Columns: see the docstring of bench/ac_bench.py.",
         "",
         "| policy | held after forward (MiB) | of which blocks (MiB) | blocks vs none | "
-        "peak in step (MiB) | saved (hooks, MiB) | peak RSS growth (MiB) | step time, median "
-        "(best) (s) | "
-        "loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "peak in step (MiB) | saved (hooks, MiB) | peak RSS growth (MiB) | step wall time, "
+        "median (best) (s) | step CPU time (s) | GFLOP per step | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for policy in POLICIES:
         rs = rows[policy]
@@ -226,6 +242,8 @@ def report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]) -> s
             f"{_range([r['rss_growth'] for r in rs], _mib)} | "
             f"{_range([r['step_s'] for r in rs], lambda v: f'{v:.2f}')} "
             f"({_range([r['step_min_s'] for r in rs], lambda v: f'{v:.2f}')}) | "
+            f"{_range([r['step_cpu_s'] for r in rs], lambda v: f'{v:.2f}')} | "
+            f"{_range([r['flops'] for r in rs], lambda v: f'{v / 1e9:.1f}')} | "
             f"{_range([r['loss'] for r in rs], lambda v: f'{v:.6f}')} |")
     return "\n".join(lines) + "\n"
 

@@ -263,3 +263,19 @@ def test_refusal_does_not_fire_outside_compiled_regions():
 
     torch.compile(probe, backend="eager")(torch.zeros(2))
     assert seen == [True]
+
+
+def _gpu_check_on_cpu():
+    from bench.compile_check import compile_check, format_rows
+
+    rows = compile_check("aot_eager", (3,), dim=64, layers=2, batch=2, seq=16, steps=3,
+                         ac=("full",))
+    return format_rows(rows, 1e-5)
+
+
+def test_the_gpu_check_script_runs_here():
+    """bench/compile_check.py (what bench/gpu_check.sh runs with inductor on CUDA), on Gloo."""
+    table, ok = run_ranks(_gpu_check_on_cpu, world_size=2, timeout_s=300)[0]
+    assert ok, table
+    assert "| 3 | none | aot_eager |" in table
+    assert "| 3 | full | aot_eager |" in table

@@ -48,8 +48,8 @@ def refuse_in_compiled_region(what: str) -> None:
         what: names the caller, e.g. ``"the sharding hooks of unit 'layers.0'"``.
 
     Raises:
-        ValueError: inside ``torch.compile`` (see [Note: collectives outside compiled
-            regions]).
+        ValueError: inside ``torch.compile`` (see
+            [Note: collectives outside compiled regions]).
     """
     if in_compiled_region():
         raise ValueError(

@@ -6,8 +6,9 @@ predicate ``(name, module) -> bool``. Only the outermost matches count: a match 
 another match is part of that block. Both :func:`~shardwise.parallel.checkpoint_activations`
 and :func:`~shardwise.parallel.compile_blocks` replace the block's ``forward`` attribute
 (never ``_call_impl``), so hooks registered on the block -- the sharding engine's gathers
-and reductions among them -- keep running eagerly around it ([Note: collectives outside
-compiled regions]), and ``named_parameters()`` keeps its names.
+and reductions among them -- keep running eagerly around it (see
+[Note: collectives outside compiled regions] in shardwise/distributed/compiled.py), and
+``named_parameters()`` keeps its names.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Each block's ``forward`` is compiled with ``fullgraph=True`` (a graph break is a
 a silent fallback), so a block is one graph. The block's ``__call__`` stays eager: the
 engine's pre-forward hook gathers the unit's parameters and registers the full ones, the
 compiled graph runs on them, and the post-forward hook frees them; the reduce-scatters run
-from autograd hooks, outside the compiled backward too ([Note: collectives outside compiled
-regions]).
+from autograd hooks, outside the compiled backward too (see
+[Note: collectives outside compiled regions] in shardwise/distributed/compiled.py).
 
 [Note: no recompiles] Dynamo guards on what a graph reads: tensor shapes, dtypes, strides and
 ``requires_grad``, grad mode, module attributes. The engine keeps those fixed from step to
@@ -46,7 +46,7 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def _refuse_collectives(name: str, block: nn.Module, sharded_units: list[str]) -> None:
-    """[Note: collectives outside compiled regions]: nothing in the block may communicate."""
+    """Nothing in the block may communicate ([Note: collectives outside compiled regions])."""
     where = name or "<root>"
     if sharded_units:
         raise ValueError(
