@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback  # C; imports no Dynamo
 
 __all__ = ["in_compiled_region", "refuse_in_compiled_region", "refusal_in"]
 
@@ -36,8 +37,6 @@ def in_compiled_region() -> bool:
     compiled frame (``torch._dynamo.disable`` regions excepted)."""
     if torch.compiler.is_compiling():
         return True
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback  # C, no Dynamo import
-
     return get_eval_frame_callback() not in (None, False)
 
 
