@@ -59,6 +59,7 @@ import enum
 import torch
 from torch import nn
 
+from shardwise.distributed.compiled import refuse_in_compiled_region
 from shardwise.distributed.mesh import ShardGroups
 from shardwise.shard.hooks import (OrderedLauncher, in_backward, queue_end_of_backward,
                                    register_output_hooks)
@@ -120,6 +121,8 @@ class ShardState:
     # ---------------------------------------------------------------- forward
     def _make_pre_forward(self, u: Unit):
         def hook(module, args):
+            # [Note: collectives outside compiled regions]: the hooks below gather.
+            refuse_in_compiled_region(f"the sharding hooks of unit {u.label!r}")
             if in_backward():  # activation-checkpoint recompute: u is (being) gathered
                 u.unshard()
                 u.swap_in()

@@ -1,9 +1,10 @@
 """Everything the trainer knows about parallelism, in one place.
 
 Composition order (DESIGN.md, "N-D layouts"): the model is built on the meta device ->
-``apply_tp`` (tensor + sequence parallelism over the mesh's ``tp`` axis) -> sharded by the
-ZeRO engine over the data axes with the run's stage, precision, quantised communication
-and offload, which materialises it module by module. The optimizer is wrapped when
+``apply_tp`` (tensor + sequence parallelism over the mesh's ``tp`` axis) -> activation
+checkpointing -> compile -> sharded by the ZeRO engine over the data axes with the run's
+stage, precision, quantised communication and offload, which materialises it module by
+module. The optimizer is wrapped when
 optimizer state is offloaded; accumulation micro-batches run without gradient
 communication; clipping is over the sharded gradients; the loss is vocab-parallel under
 tensor parallelism. The trainer calls these and nothing else of the engine.
@@ -92,15 +93,17 @@ def data_rank(cfg: Config, env: dist_env.DistEnv) -> tuple[int, int]:
 
 
 def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
-    """Build the model on the meta device, apply tensor parallelism, and shard it with the
-    ZeRO engine (the composition order of the module doc).
+    """Build the model on the meta device, apply tensor parallelism, checkpoint and compile
+    its blocks as ``train.activation_checkpoint`` and ``train.compile`` ask, and shard it
+    with the ZeRO engine (the composition order of the module doc).
 
     Each rank initialises the model one module at a time and keeps only its shard, so no
     rank ever holds the whole model; the weights are bitwise those of eager init with
     ``train.seed`` at any layout (see docs/engine.md).
 
     Args:
-        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``).
+        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``,
+            ``train.activation_checkpoint``, ``train.compile``, ``train.compile_backend``).
         model_cfg: the model's :class:`~shardwise.models.LlamaConfig`.
         env: this process's place in the job.
 
@@ -114,9 +117,21 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     par = cfg.parallel
     dims = parallel_dims(cfg, env.world_size)
     mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 or dims.tp > 1 else None
+    # The fixed composition order (shared/DESIGN.md), each step leaving a plain nn.Module:
+    # build on meta -> tensor / sequence parallelism -> expert parallelism (not built yet)
+    # -> activation checkpointing -> compile -> pipeline split (not built yet) -> shard ->
+    # materialise (inside shard). Checkpointing before compile: the compiled graph then
+    # holds the recompute (one graph per block). Compile before shard: compile_blocks
+    # replaces each block's forward, and the engine's hooks, installed by shard on the
+    # block's __call__, run eagerly around the compiled graph
+    # ([Note: collectives outside compiled regions]).
     model = build(model_cfg, device="meta")
     if dims.tp > 1:  # before sharding: the engine shards each tensor rank's pieces
         shardwise.apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
+    t = cfg.train
+    shardwise.checkpoint_activations(model, t.activation_checkpoint, blocks=TransformerBlock)
+    if t.compile:
+        shardwise.compile_blocks(model, TransformerBlock, backend=t.compile_backend)
     torch.manual_seed(cfg.train.seed)
     model = shardwise.shard(model, stage=par.stage, wrap={TransformerBlock}, mesh=mesh,
                             reshard_after_forward=par.reshard_after_forward,
