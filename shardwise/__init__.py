@@ -9,12 +9,16 @@ parallelism, offload, low precision).
     model = shardwise.shard(model, stage=3, wrap={Block}, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     loss.backward(); shardwise.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
+
+Before ``shard``, in this order: ``shardwise.checkpoint_activations(model, policy="full")``
+and ``shardwise.compile_blocks(model)`` (docs/compile.md).
 """
 
 from shardwise import distributed
 from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
 from shardwise.distributed.parallel_dims import ParallelDims, ParallelMesh
 from shardwise.distributed.placement import Placement, placement_of
+from shardwise.parallel import checkpoint_activations, compile_blocks
 from shardwise.parallel.expert import apply_ep
 from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
 from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
@@ -38,6 +42,8 @@ __all__ = [
     "ParallelMesh",
     "Placement",
     "placement_of",
+    "checkpoint_activations",
+    "compile_blocks",
     "no_sync",
     "set_gradient_sync",
     "set_reshard_after_forward",

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from shardwise.distributed import comm_bytes
 from shardwise.distributed.comm_gloo import SumAfterAllToAll, gather_by_sends
+from shardwise.distributed.compiled import refuse_in_compiled_region
 from shardwise.sizes import nbytes as _nbytes
 
 __all__ = [
@@ -158,7 +159,12 @@ def set_tracker(tracker) -> None:
 
 
 def _issue(kind: str, pg, label: str, tensor, is_async: bool, fn, /, *args, **kwargs):
-    """Call the c10d collective ``fn``, through the watchdog's tracker when one runs."""
+    """Call the c10d collective ``fn``, through the watchdog's tracker when one runs.
+
+    Refused inside a region torch.compile is tracing ([Note: collectives outside compiled
+    regions] in compiled.py): every collective of the library passes here.
+    """
+    refuse_in_compiled_region(f"the collective {label!r} ({kind})")
     tracker = _RECORDER.tracker
     if tracker is None:
         return fn(*args, **kwargs)

@@ -6,6 +6,13 @@ Tensor (and sequence) parallelism: :func:`apply_tp`, :func:`vocab_parallel_cross
 Expert parallelism: :func:`apply_ep` (see :mod:`shardwise.parallel.expert`). Mixture-of-experts
 balance statistics over the data ranks: :func:`apply_global_balance`.
 
+Activation checkpointing and ``torch.compile`` of a model's blocks, applied in this order
+before ``shard`` (docs/compile.md)::
+
+    from shardwise.parallel import checkpoint_activations, compile_blocks
+    checkpoint_activations(model, policy="selective")   # "full", "selective" or "none"
+    compile_blocks(model, backend="inductor")           # engine hooks stay outside the graphs
+
 Pipeline schedules are data (DESIGN.md, principle 4)::
 
     from shardwise.parallel import build_schedule, simulate
@@ -15,6 +22,10 @@ Pipeline schedules are data (DESIGN.md, principle 4)::
 
 from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
 from shardwise.parallel.expert import apply_ep, dispatch_bytes, ep_context
+from shardwise.parallel.blocks import DEFAULT_BLOCKS, select_blocks
+from shardwise.parallel.checkpointing import (AC_POLICIES, SELECTIVE_SAVE_OPS,
+                                              checkpoint_activations, checkpointed_blocks)
+from shardwise.parallel.compile import compile_blocks, compiled_blocks
 from shardwise.parallel.moe_stats import AllReduceStats, apply_global_balance
 from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind,
                                          Schedule, Simulation, build_schedule, critical_path,
@@ -27,6 +38,14 @@ __all__ = [
     "apply_ep",
     "ep_context",
     "dispatch_bytes",
+    "checkpoint_activations",
+    "checkpointed_blocks",
+    "AC_POLICIES",
+    "SELECTIVE_SAVE_OPS",
+    "compile_blocks",
+    "compiled_blocks",
+    "select_blocks",
+    "DEFAULT_BLOCKS",
     "AllReduceStats",
     "apply_global_balance",
     "SCHEDULE_NAMES",

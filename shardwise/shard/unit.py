@@ -213,7 +213,7 @@ class Unit(GradientReducer):
         if st.nbytes() == 0:
             if _CAN_SWAP and self.device.type == "cpu":  # [Note: freeing gathered parameters]
                 self._full_donor = POOL.take(self.layout.full_numel, self.compute_dtype,
-                                             self.device)
+                                             self.device, exact=True)
                 st._swap_data_ptr_(self._full_donor.untyped_storage())
             else:
                 st.resize_(self.layout.full_numel * self.full_buf.element_size())

@@ -111,6 +111,16 @@ class TrainConfig:
     nonfinite: str = "stop"
     """A nan/inf loss or gradient before the optimizer step: "stop" (fail naming the first
     offending parameter and the step) or "skip" (drop the update, log it, continue)."""
+    activation_checkpoint: str = "none"
+    """Recompute activations in backward instead of keeping them: "none", "full" (each
+    transformer block keeps only its input) or "selective" (blocks also keep matmul and
+    attention outputs; norms, RoPE and activations are recomputed). Dense models only."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (one graph per block; the sharding
+    engine's communication stays outside the graphs). Dense models only."""
+    compile_backend: str = "inductor"
+    """torch.compile backend when compile is true: "inductor" (generated kernels; needs a C++
+    compiler on CPU, Triton on GPU), "aot_eager" (traced, no code generation) or "eager"."""
     sync_debug: str = "off"
     """On CUDA, torch.cuda.set_sync_debug_mode around each step's forward, backward, norm,
     clipping and optimizer step (not the step's one statistics read): "off", "warn" or

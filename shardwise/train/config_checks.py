@@ -5,6 +5,7 @@ expected (see docs/configuration.md)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import socket
@@ -12,7 +13,13 @@ import typing
 from pathlib import Path
 from typing import Any
 
-__all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel"]
+__all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel",
+           "check_model_combinations", "AC_POLICIES", "COMPILE_BACKENDS"]
+
+# Kept equal to shardwise.parallel.AC_POLICIES by tests/test_activation_checkpoint.py (this
+# module stays free of torch imports: the command line loads configs before torch).
+AC_POLICIES = ("none", "full", "selective")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def _positive(v: Any) -> bool:
@@ -53,6 +60,9 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("train.log_interval", _positive, "a positive int"),
     ("train.nonfinite", lambda v: v in ("stop", "skip"), "'stop' or 'skip'"),
     ("train.sync_debug", lambda v: v in ("off", "warn", "error"), "'off', 'warn' or 'error'"),
+    ("train.activation_checkpoint", lambda v: v in AC_POLICIES, "'none', 'full' or 'selective'"),
+    ("train.compile_backend", lambda v: v in COMPILE_BACKENDS,
+     "'inductor', 'aot_eager' or 'eager'"),
     ("optim.lr", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
     ("optim.betas", lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     ("optim.eps", _positive, "a positive number"),
@@ -142,13 +152,44 @@ def validate(config) -> None:
     for key, ok, expected in _RULES:
         value = _get(config, key)
         if not ok(value):
-            raise ValueError(f"{key} must be {expected}, got {value!r}")
+            raise ValueError(f"{key} must be {expected}, got {value!r}{_suggest(key, value)}")
     _combinations(config)
 
 
 def sequence_parallel(par) -> bool:
     """Whether a ``[parallel]`` section runs sequence parallelism (unset: when tp > 1)."""
     return par.tp > 1 if par.sequence_parallel is None else bool(par.sequence_parallel)
+
+
+_CHOICES = {"train.activation_checkpoint": AC_POLICIES, "train.compile_backend": COMPILE_BACKENDS}
+
+
+def _suggest(key: str, value: Any) -> str:
+    """`` (did you mean 'selective'?)`` for a near miss of a key with named choices."""
+    close = difflib.get_close_matches(str(value), _CHOICES.get(key, ()), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_model_combinations(config, model_cfg) -> None:
+    """Checks that need the model's shape (its :class:`~shardwise.models.LlamaConfig`).
+
+    Raises:
+        ValueError: ``train.compile`` or ``train.activation_checkpoint`` with an MoE model
+            (routing with data-dependent shapes and balance statistics in forward).
+    """
+    t = config.train
+    asked = [f"train.compile={str(t.compile).lower()}" if t.compile else "",
+             f"train.activation_checkpoint={t.activation_checkpoint!r}"
+             if t.activation_checkpoint != "none" else ""]
+    asked = [a for a in asked if a]
+    if asked and model_cfg.num_experts > 0:
+        raise ValueError(f"{' and '.join(asked)} need a dense model; model "
+                         f"{config.model.name!r} has MoE layers (num_experts="
+                         f"{model_cfg.num_experts}), whose routing has data-dependent shapes "
+                         "and whose balance statistics are all-reduced in forward (no "
+                         "compiled graph, and a recompute would count them twice); expected "
+                         "a dense model or the defaults (compile false, activation_checkpoint "
+                         "'none')")
 
 
 def resolve_world(config, world_size: int):

@@ -2,13 +2,13 @@
 
 Composition order (DESIGN.md, "N-D layouts"): the model is built on the meta device ->
 ``apply_tp`` (tensor + sequence parallelism over the mesh's ``tp`` axis) -> ``apply_ep``
-(MoE experts split over ``ep``, their tokens dispatched by all-to-all) -> sharded by the
-ZeRO engine over the data axes (experts over ``edp``) with the run's stage, precision,
-quantised communication and offload, which materialises it module by module. The
-optimizer is wrapped when optimizer state is offloaded; accumulation micro-batches run
-without gradient communication; clipping is over the sharded gradients; the loss is
-vocab-parallel under tensor parallelism. The trainer calls these and nothing else of the
-engine.
+(MoE experts split over ``ep``, their tokens dispatched by all-to-all) -> activation
+checkpointing -> compile -> sharded by the ZeRO engine over the data axes (experts over
+``edp``) with the run's stage, precision, quantised communication and offload, which
+materialises it module by module. The optimizer is wrapped when optimizer state is
+offloaded; accumulation micro-batches run without gradient communication; clipping is over
+the sharded gradients; the loss is vocab-parallel under tensor parallelism. The trainer
+calls these and nothing else of the engine.
 
 Batch semantics (every layout): ``train.batch_size`` sequences per data-parallel rank per
 micro-batch; the global batch is ``batch_size x grad_accum x dp_replicate x dp_shard``; the
@@ -96,15 +96,17 @@ def data_rank(cfg: Config, env: dist_env.DistEnv) -> tuple[int, int]:
 
 
 def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
-    """Build the model on the meta device, apply tensor parallelism, and shard it with the
-    ZeRO engine (the composition order of the module doc).
+    """Build the model on the meta device, apply tensor parallelism, checkpoint and compile
+    its blocks as ``train.activation_checkpoint`` and ``train.compile`` ask, and shard it
+    with the ZeRO engine (the composition order of the module doc).
 
     Each rank initialises the model one module at a time and keeps only its shard, so no
     rank ever holds the whole model; the weights are bitwise those of eager init with
     ``train.seed`` at any layout (see docs/engine.md).
 
     Args:
-        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``).
+        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``,
+            ``train.activation_checkpoint``, ``train.compile``, ``train.compile_backend``).
         model_cfg: the model's :class:`~shardwise.models.LlamaConfig`.
         env: this process's place in the job.
 
@@ -120,11 +122,23 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     dims = parallel_dims(cfg, env.world_size)
     mesh = (dims.build_mesh(env.device.type)
             if dims.dp_replicate > 1 or dims.tp > 1 or dims.ep > 1 else None)
+    # The fixed composition order (shared/DESIGN.md), each step leaving a plain nn.Module:
+    # build on meta -> tensor / sequence parallelism -> expert parallelism -> activation
+    # checkpointing -> compile -> pipeline split (not built yet) -> shard -> materialise
+    # (inside shard). EP after TP: each tensor rank dispatches its own sequence shard.
+    # Checkpointing before compile: the compiled graph then holds the recompute (one graph
+    # per block). Compile before shard: compile_blocks replaces each block's forward, and
+    # the engine's hooks, installed by shard on the block's __call__, run eagerly around
+    # the compiled graph ([Note: collectives outside compiled regions]).
     model = build(model_cfg, device="meta")
     if dims.tp > 1:  # before sharding: the engine shards each tensor rank's pieces
         shardwise.apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
-    if dims.ep > 1:  # after TP (each tensor rank dispatches its sequence shard), before ZeRO
+    if dims.ep > 1:  # after TP, before ZeRO (experts sharded over edp)
         shardwise.apply_ep(model, mesh)
+    t = cfg.train
+    shardwise.checkpoint_activations(model, t.activation_checkpoint, blocks=TransformerBlock)
+    if t.compile:
+        shardwise.compile_blocks(model, TransformerBlock, backend=t.compile_backend)
     torch.manual_seed(cfg.train.seed)
     model = shardwise.shard(model, stage=par.stage, wrap={TransformerBlock}, mesh=mesh,
                             reshard_after_forward=par.reshard_after_forward,

@@ -17,6 +17,7 @@ import torch
 from shardwise.train import config_io
 from shardwise.train.compat import check_fault_spec, check_resume
 from shardwise.train.config import Config, check_output_dir, resolve_world, to_toml
+from shardwise.train.config_checks import check_model_combinations
 from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
@@ -139,13 +140,15 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
             that is missing or was saved from another model shape or vocabulary, ``[moe]``
             settings for a model without MoE layers, heads / vocabulary / widths not
             divisible by ``parallel.tp``, ``parallel.ep`` for a dense model or not dividing
-            the number of experts.
+            the number of experts, compile or activation checkpointing with an MoE model.
     """
     cfg = resolve_world(cfg, world_size)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
                          "expected 'gloo' or 'auto'")
-    check_moe(cfg, build_model_config(cfg))  # cheap shape / seq_len / [moe] checks first
+    model_cfg = build_model_config(cfg)  # cheap shape / seq_len / [moe] checks first
+    check_moe(cfg, model_cfg)
+    check_model_combinations(cfg, model_cfg)
     check_fault_spec()
     if cfg.log.tensorboard:
         require_tensorboard()

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise.distributed.mesh import ParallelMesh
 from shardwise.distributed.placement import Axis, Placement, placement_of, set_placement
 from shardwise.models.experts import GroupedExperts
+from shardwise.parallel.blocks import FORWARD_COLLECTIVES_ATTR
 from shardwise.parallel.expert.dispatch import ExpertGroup, dispatch_compute_combine
 from shardwise.parallel.expert.hf import FusedExpertsEP
 from shardwise.parallel.tensor.api import tp_context
@@ -194,6 +195,8 @@ def apply_ep(model: nn.Module, ep_mesh, edp_mesh=None) -> nn.Module:  # noqa: AN
             if p is not None:
                 _cut(name, m, attr, ep, edp)
         m._shardwise_ep = ExpertGroup(ep, e, name)
+        # compile_blocks refuses a block holding it: the all-to-alls run in the forward
+        setattr(m, FORWARD_COLLECTIVES_ATTR, "expert-parallel dispatch / combine all-to-alls")
         m.__class__ = _ep_class(FusedExpertsEP if fused else GroupedExpertsEP, type(m))
         if fused:  # Hugging Face's forward routes over self.num_experts local experts
             m.num_experts = e // ep.size
