@@ -1,10 +1,11 @@
 """Expert-parallel dispatch and combine ([Note: expert dispatch]): with random routings on 4
 Gloo ranks (ep 2 and ep 4; experts that receive no token from some rank, ranks that route
-nothing, every token to one expert), dispatch -> compute -> combine returns every row's
-result in order, rows reach the experts they were routed to, the backward is exact (bitwise
-the gradient the rows would get on one process), and the bytes ``comm_stats`` counts equal
-:func:`dispatch_bytes` from the counts. Plus the capacity groups of the single-process
-reference (a property test against one capacity per group).
+nothing, every token to one expert, a rank whose experts receive nothing and whose compute
+returns an output not connected to the rows), dispatch -> compute -> combine returns every
+row's result in order, rows reach the experts they were routed to, the backward is exact
+(bitwise the gradient the rows would get on one process), and the bytes ``comm_stats``
+counts equal :func:`dispatch_bytes` from the counts. Plus the capacity groups of the
+single-process reference (a property test against one capacity per group).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from shardwise.parallel.expert import EP_LABELS, ExpertGroup, dispatch_bytes, \
 from shardwise.testing import run_ranks
 
 WORLD, DIM, SEEDS = 4, 6, 12
-PATTERNS = ("random", "sparse", "one_expert", "nothing_here", "all_remote")
+PATTERNS = ("random", "sparse", "one_expert", "nothing_here", "all_remote", "idle_owner")
 
 
 def _counts(pattern: str, e: int, gen: torch.Generator, rank: int, ep: int) -> torch.Tensor:
@@ -40,6 +41,8 @@ def _counts(pattern: str, e: int, gen: torch.Generator, rank: int, ep: int) -> t
         local = e // ep
         own = rank % ep
         counts[own * local:(own + 1) * local] = 0
+    elif pattern == "idle_owner":  # ep rank 0's experts receive nothing from anyone
+        counts[:e // ep] = 0
     return counts
 
 
@@ -53,6 +56,8 @@ def _case(g: ExpertGroup, counts: torch.Tensor, gen: torch.Generator) -> dict:
 
     def compute(rows, local_counts):
         seen["local"] = local_counts.clone()
+        if rows.shape[0] == 0:  # as expert_ffn: an output that does not depend on the rows
+            return rows.new_zeros(0, rows.shape[1])
         eid = torch.repeat_interleave(torch.arange(local_counts.numel()), local_counts) + g.first
         return rows * (eid + 1).to(rows.dtype).unsqueeze(1)  # tags every row with its expert
 

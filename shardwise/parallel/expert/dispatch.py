@@ -31,6 +31,13 @@ and the counts exchange ``(ep - 1) * E / ep * 8`` bytes each way.
 :func:`dispatch_bytes` computes it from the per-rank counts; ``comm_stats`` counts the
 collectives under the labels ``ep_counts``, ``ep_dispatch``, ``ep_combine``,
 ``ep_dispatch_grad`` and ``ep_combine_grad``.
+
+[Note: an idle expert rank] A rank whose experts receive no row this forward computes on
+zero rows, and an experts forward may then return a tensor that does not depend on them
+(``expert_ffn`` keeps only its weights in the graph). Autograd would then never reach the
+dispatch's backward on that rank while its peers wait in theirs: a collective mismatch.
+Adding the (empty) rows' sum keeps the dispatch in the graph, so every rank runs both
+backward all-to-alls in the same order.
 """
 
 from __future__ import annotations
@@ -148,6 +155,8 @@ def dispatch_compute_combine(x: torch.Tensor, counts: torch.Tensor, g: ExpertGro
     if perm is not None:
         rows = rows[perm]  # (R, C) by expert, then source
     out = compute(rows, received.sum(0))
+    if rows.shape[0] == 0:  # [Note: an idle expert rank]
+        out = out + rows.sum()
     if perm is not None:
         out = out[torch.argsort(perm)]  # back to (source, expert)
     return AllToAll.apply(out, recv, send, group, f"{label}.ep_combine",
