@@ -1,7 +1,7 @@
 """Mixture of experts on 4 CPU ranks: shardwise expert parallelism against a dense model of
 the same active parameters and against DeepSpeed-MoE, plus a load-balance study.
 
-    python bench/moe_bench.py                   # ~10 minutes on a loaded 2-core machine
+    python bench/moe_bench.py                   # ~5 minutes on a loaded 2-core machine
     python bench/moe_bench.py --rounds 1 --balance-steps 50 --only sw-ep4,dense
     python bench/moe_bench.py --from-json bench/results/moe_bench.json   # re-render
 
