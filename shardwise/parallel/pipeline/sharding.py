@@ -19,6 +19,13 @@ that are dropped at once. Every rank thus draws the same random numbers in the s
 model's values, whatever the pp degree or the placement (so pp 1 and pp 4 start from the same
 weights, bitwise). The cost is computing the init of the whole model on every rank, one
 module at a time (no more memory than the largest module).
+
+[Note: piece identity] Every parameter all-gather carries the number of the ``shard`` call
+that made its unit ([Note: gather identity] in identity.py), counted per process and
+expected to name the same module on every rank. Pipeline ranks shard different pieces, so
+each rank also takes (and leaves unused) the number of every piece it does not hold: the
+k-th number is the k-th piece of the unsplit model on every rank of the job, and ranks that
+later share a data group (another layout in the same process) still agree.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 from shardwise.parallel.pipeline.split import PipelinePart
 from shardwise.shard.api import shard
+from shardwise.shard.identity import next_state_id
 from shardwise.shard.materialize import materialize
 
 __all__ = ["shard_stages"]
@@ -61,12 +69,16 @@ def shard_stages(part: PipelinePart, *, stage: int = 3, init_weights=None,
         if here:
             shard(module, stage=stage, mesh=mesh, init_weights=init_weights, device=device,
                   **shard_kwargs)
-        elif module is not None and any(p.is_meta for p in module.parameters()):
+            continue
+        next_state_id()  # [Note: piece identity]
+        if module is not None and any(p.is_meta for p in module.parameters()):
             # Another rank's piece: the same draws, into scratch ([Note: pipeline init]).
             materialize(module, target, init_weights, lambda param, full: None)
     _materialize_rest(part, target, init_weights)
     if part.mirror is not None:
         shard(part.mirror, stage=stage, mesh=mesh, device=device, **shard_kwargs)
+    elif part.tied:
+        next_state_id()
     part.release_pieces()
     return part
 
