@@ -197,23 +197,22 @@ class PipelineExecutor:
         run = _Run(xs, ts, train)
         wd = watchdog.active()
         times: list[ActionTime] = []
-        try:
-            for i, step in enumerate(prog.steps):
-                text = " ".join(map(str, step)) if step[0].is_comm else step[0].describe()
-                if wd is not None:
-                    wd.context["pp action"] = text
-                start = time.perf_counter()
-                if step[0].is_comm:
-                    self.mailbox.run_batch(step)
-                else:
-                    self._compute(step[0], run, prog, i)
-                if self.record_times:
-                    times.append(ActionTime(text, step[0].is_compute, start,
-                                            time.perf_counter()))
-            self.mailbox.finish()
-        finally:
-            if wd is not None:
-                wd.context.pop("pp action", None)
+        for i, step in enumerate(prog.steps):
+            text = " ".join(map(str, step)) if step[0].is_comm else step[0].describe()
+            if wd is not None:  # left in place if the action raises: the report names it
+                wd.context["pp action"] = text
+            start = time.perf_counter()
+            if step[0].is_comm:
+                self.mailbox.run_batch(step)
+            else:
+                self._compute(step[0], run, prog, i)
+            if self.record_times:
+                times.append(ActionTime(text, step[0].is_compute, start, time.perf_counter()))
+        if wd is not None:
+            wd.context["pp action"] = "end of step"
+        self.mailbox.finish()
+        if wd is not None:
+            wd.context.pop("pp action", None)
         if train:
             self.ties.reduce_grads()
         self.last_times = times
