@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from shardwise.distributed import watchdog as wdm
 from shardwise.models import LlamaConfig, build_model
-from shardwise.parallel.pipeline import (PipelineExecutor, build_schedule, split_stages)
+from shardwise.parallel.pipeline import PipelineExecutor, build_schedule, split_stages
 from shardwise.testing import run_ranks
 
 T = 2.0
@@ -74,9 +74,9 @@ def test_a_rank_hanging_inside_an_action_leaves_its_peer_waiting_on_a_named_mess
     seconds, report = results[0]
     assert results[1][1] == report
     head = report.splitlines()[0]
-    assert head.startswith("shardwise watchdog: recv 'pp.0RECV_B2' float32[2, 4, 16] "
-                           "(point-to-point with rank 1) did not complete within 2 s on rank 0 "
-                           "at pp action 0SEND_F3 0RECV_B2: rank 1 is not waiting for any message or "
-                           "collective at pp action 1F2 (forward of stage 1, micro-batch 2)"), head
+    assert head == ("shardwise watchdog: recv 'pp.0RECV_B2' float32[2, 4, 16] (point-to-point "
+                    "with rank 1) did not complete within 2 s on rank 0 at pp action 0SEND_F3 "
+                    "0RECV_B2: rank 1 is not waiting for any message or collective at pp action "
+                    "1F2 (forward of stage 1, micro-batch 2)"), head
     assert "rank 0 (host" in report and "waiting" in report
     assert T < seconds < T + 8
