@@ -12,6 +12,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from shardwise.train.pipeline import check_pipeline_config, pipeline_world
+
 __all__ = ["validate", "resolve_world", "check_output_dir"]
 
 
@@ -69,6 +71,11 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
     ("parallel.timeout_s", _positive, "a positive number of seconds"),
     ("parallel.watchdog", lambda v: v in ("on", "debug", "off"), "'on', 'debug' or 'off'"),
+    ("parallel.pp", _positive, "a positive int (pipeline ranks)"),
+    ("parallel.pp_microbatches", _non_negative, "an int >= 0 (0: the schedule's fewest)"),
+    ("parallel.pp_virtual", _non_negative, "an int >= 0 (0: the schedule's own)"),
+    ("parallel.pp_layers_per_stage", lambda v: all(c > 0 for c in v),
+     "positive layer counts, one per stage (e.g. 3,2,2)"),
     ("precision.param_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
     ("precision.reduce_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
     ("precision.loss_scale", _positive, "a positive number"),
@@ -117,6 +124,7 @@ def _combinations(config) -> None:
     if off.device != "none" and par.stage == 0:
         raise ValueError(f"offload.device={off.device!r} needs parallel.stage 1, 2 or 3 "
                          f"(sharded masters), got 0")
+    check_pipeline_config(config)
 
 
 def validate(config) -> None:
@@ -146,6 +154,7 @@ def resolve_world(config, world_size: int):
         ValueError: if ``dp_replicate * dp_shard != world_size``.
     """
     par = config.parallel
+    world_size = pipeline_world(config, world_size)  # the data ranks: pp splits the world
     shard = par.dp_shard
     if shard == -1:
         if world_size % par.dp_replicate != 0:
@@ -153,9 +162,10 @@ def resolve_world(config, world_size: int):
                              f"size {world_size}; expected a divisor of {world_size}")
         shard = world_size // par.dp_replicate
     if par.dp_replicate * shard != world_size:
+        pp = f" / parallel.pp={par.pp}" if par.pp > 1 else ""
         raise ValueError(f"parallel.dp_replicate * parallel.dp_shard = {par.dp_replicate} * "
                          f"{shard} = {par.dp_replicate * shard}, expected the world size "
-                         f"{world_size}")
+                         f"{world_size}{pp}")
     hierarchy = config.comm.hierarchy
     if hierarchy and shard % hierarchy:
         raise ValueError(f"comm.hierarchy={hierarchy} must divide parallel.dp_shard={shard} "

@@ -24,6 +24,7 @@ from shardwise.distributed.mesh import ParallelDims
 from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
 from shardwise.train.moe import apply_moe
+from shardwise.train.pipeline import build_pipeline_model
 
 __all__ = ["build_mixed_precision", "build_comm_quant", "build_offload", "validate_offload",
            "build_loss_scaler", "build_parallel_model", "wrap_optimizer", "no_sync",
@@ -79,12 +80,18 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
 
     Returns:
         The sharded model (parameter names unchanged); its MoE layers, if any, have the
-        ``[moe]`` settings and reduce their balance statistics over all ranks.
+        ``[moe]`` settings and reduce their balance statistics over all ranks. With
+        ``parallel.pp > 1``, this rank's pipeline part, its executor attached
+        (:mod:`shardwise.train.pipeline`).
     """
     from shardwise.models import TransformerBlock, init_module_weights
     from shardwise.models import build_model as build
 
     par = cfg.parallel
+    if par.pp > 1:  # split into stages, each piece sharded over its stage's data ranks
+        return build_pipeline_model(cfg, model_cfg, env, dict(
+            reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch,
+            mixed_precision=build_mixed_precision(cfg), comm=build_comm_quant(cfg)))
     dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size).resolved()
     mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 else None
     model = build(model_cfg, device="meta")

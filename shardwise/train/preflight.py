@@ -20,6 +20,7 @@ from shardwise.train.config import Config, check_output_dir, resolve_world, to_t
 from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
+from shardwise.train.pipeline import check_pipeline_model
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
            "announce"]
@@ -137,13 +138,14 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
             TensorBoard asked for but missing, a bad model name / shape / seq_len, a corpus
             with no or too little text, a bad ``$SHARDWISE_FAULT``, a ``checkpoint.resume``
             that is missing or was saved from another model shape or vocabulary, ``[moe]``
-            settings for a model without MoE layers.
+            settings for a model without MoE layers, a pipeline split the model cannot take.
     """
     cfg = resolve_world(cfg, world_size)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
                          "expected 'gloo' or 'auto'")
     check_moe(cfg, build_model_config(cfg))  # cheap shape / seq_len / [moe] checks first
+    check_pipeline_model(cfg, build_model_config(cfg))
     check_fault_spec()
     if cfg.log.tensorboard:
         require_tensorboard()
@@ -159,7 +161,7 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
 def config_lines(cfg: Config) -> list[str]:
     """What the start of a run prints about its config: the keys that differ from the
     defaults (the defaults resolved for the same world size), and where the full file is."""
-    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.parallel.pp
     base = resolve_world(Config(), world) if world > 0 else Config()
     changed = config_io.differences(cfg, base)
     path = Path(cfg.log.dir) / "config.toml"
