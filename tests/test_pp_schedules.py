@@ -387,5 +387,5 @@ def test_docs_pipeline_examples_run(tmp_path, monkeypatch, capsys):
     for block in blocks:
         exec(compile(block, "docs/parallelism.md", "exec"), {})
     out = capsys.readouterr().out
-    shown = re.search(r"```\n(schedule 'csv' .*?)\n```", section, re.S).group(1)
+    shown = re.search(r"```(?:text)?\n(schedule 'csv' .*?)\n```", section, re.S).group(1)
     assert shown in out  # the error quoted in the docs is the one users get
