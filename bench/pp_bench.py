@@ -9,9 +9,10 @@ For every schedule both runtimes have (gpipe, 1f1b, interleaved_1f1b, looped_bfs
 dualpipev; zb1 against torch's ScheduleInterleavedZeroBubble, which runs ZB-H1's order with
 one stage per rank) the same Llama stages (``split_stages`` of one ``build_model``, no ZeRO:
 torch's runtime has none) run forward and backward on the same batches, one Gloo rank per
-core (``--threads`` intra-op threads each). Per round, ``--steps`` timed steps of ours then
-of torch's (alternating, so machine load hits both alike); a step's time is the slowest
-rank's, between two barriers. Reported: the median of each round and the ratio range.
+core (``--threads`` intra-op threads each). Per round, ``--steps`` timed steps of each,
+interleaved step by step (ours then torch's, then torch's then ours, ...), so that machine
+load hits both alike; a step's time is the slowest rank's, between two barriers. Reported:
+the median of each round and the range of the per-round ratio.
 
 Bubble, three ways, all idle rank-time / (p x step time) as in simulate.py:
 
@@ -133,14 +134,15 @@ def _bench_schedule(name: str, pp: int, microbatches: int, steps: int, rounds: i
     times: dict[str, list[list[float]]] = {k: [] for k in runs}
     traces = []
     for _ in range(rounds):
-        for key, fn in runs.items():
-            per = []
-            for _ in range(steps):
-                per.append(_timed(fn))
+        per: dict[str, list[float]] = {k: [] for k in runs}
+        for i in range(steps):  # alternate which runtime goes first: load hits both alike
+            for key in (list(runs) if i % 2 == 0 else list(reversed(runs))):
+                per[key].append(_timed(runs[key]))
                 part.zero_grad(set_to_none=True)
                 if key == "ours":
                     traces.append([(t.text, t.compute, t.start, t.end) for t in ours.last_times])
-            times[key].append(per)
+        for key in runs:
+            times[key].append(per[key])
     return {"times": times, "traces": traces, "torch_error": error,
             "stages": [st.index for st in part.stages]}
 

@@ -6,9 +6,10 @@
 
 Each piece this rank holds (the embedding, every block, the norm, the head) becomes its own
 ``shardwise.shard`` call over the stage's data axes (``part.groups.data_mesh``), the way
-FSDP2 is applied per block: a stage is a few of them, and the executor drives them together
-with the engine's per-micro-batch controls on the :class:`StageModule` that holds them. The
-pieces are children of the part, so the engine's state dicts, ``clip_grad_norm_`` and
+FSDP2 is applied per block (a block's attention and feed-forward are units inside it): a
+stage is a few of them, and the executor drives them together with the engine's
+per-micro-batch controls on the :class:`StageModule` that holds them. The pieces are
+children of the part, so the engine's state dicts, ``clip_grad_norm_`` and
 ``memory_report`` see them under the unsplit model's names.
 
 [Note: pipeline init] A meta model is materialised module by module, as the engine does for
@@ -32,12 +33,21 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.models.layers import FeedForward
+from shardwise.models.llama import Attention
+from shardwise.models.mla import LatentAttention
+from shardwise.models.moe import MoE
 from shardwise.parallel.pipeline.split import PipelinePart
 from shardwise.shard.api import shard
 from shardwise.shard.identity import next_state_id
 from shardwise.shard.materialize import materialize
 
 __all__ = ["shard_stages"]
+
+# A block's attention and feed-forward are units of their own inside its piece: at stage 3
+# the engine frees them after their forward and gathers them again in backward (the piece's
+# root, the two norms, stays gathered), which is what lets keep_gathered=False save memory.
+_INNER_UNITS = (Attention, LatentAttention, FeedForward, MoE)
 
 
 def shard_stages(part: PipelinePart, *, stage: int = 3, init_weights=None,
@@ -68,7 +78,7 @@ def shard_stages(part: PipelinePart, *, stage: int = 3, init_weights=None,
     for _, module, here in part.pieces:
         if here:
             shard(module, stage=stage, mesh=mesh, init_weights=init_weights, device=device,
-                  **shard_kwargs)
+                  wrap=_INNER_UNITS, **shard_kwargs)
             continue
         next_state_id()  # [Note: piece identity]
         if module is not None and any(p.is_meta for p in module.parameters()):
