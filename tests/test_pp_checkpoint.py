@@ -106,7 +106,7 @@ def _union(results: list[dict], key: str) -> dict:
 
 
 def test_save_at_pp2_dp2_loads_exactly_at_pp1_dp4_and_pp4_dp1(tmp_path):
-    results = run_ranks(_matrix, 4, args=(str(tmp_path / "ckpt"),), timeout_s=300)
+    results = run_ranks(_matrix, 4, args=(str(tmp_path / "ckpt"),), timeout_s=300, threads=1)
     saved, reference = _union(results, "saved"), _union(results, "reference")
     assert set(saved) == set(build_model(CFG, device="meta").state_dict())  # unsplit names
     for name in ("pp1xdp4", "pp4xdp1"):

@@ -98,6 +98,8 @@ def _batches(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 @lru_cache(maxsize=None)
 def reference(batch: int, tied: bool) -> tuple[list, list, dict]:
     """One process, the whole batch: per-step losses, gradient norms, final weights."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: intra-op threads only spin
     model = build_model(TIED if tied else CFG, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     xs, ys = _batches(batch)
@@ -109,6 +111,7 @@ def reference(batch: int, tied: bool) -> tuple[list, list, dict]:
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
+    torch.set_num_threads(threads)
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -152,7 +155,7 @@ def _run_cases(cases: list[Case]) -> dict[str, dict]:
 def results(request):
     world = request.param
     cases = [c for pp in (2, 3, 4) for c in grid(pp) + EXTRA[pp] if c.pp * c.dp == world]
-    out = run_ranks(_run_cases, world, args=(cases,), timeout_s=600)
+    out = run_ranks(_run_cases, world, args=(cases,), timeout_s=600, threads=1)
     return cases, out
 
 

@@ -75,7 +75,8 @@ def _train(cfg, data):
 def _run(log_dir: Path, world: int, **over: str) -> list[dict]:
     cfg = load_config(None, {**TINY, "log.dir": str(log_dir), **over})
     cfg, data = preflight(cfg, world_size=world)
-    run_ranks(_train, world, args=(cfg, data), timeout_s=240)
+    run_ranks(_train, world, args=(cfg, data), timeout_s=240, threads=1,
+              env={"OMP_NUM_THREADS": "1"})  # a tiny model: extra threads only spin
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
