@@ -165,7 +165,8 @@ def compile_parity(device: str) -> tuple[str, str, str]:
     if not script.exists():
         return ("inductor parity, stages 0-3", "skipped", "bench/compile_check.py not built")
     run = subprocess.run([sys.executable, str(script), "--backend", "inductor", "--device",
-                          device], cwd=ROOT, capture_output=True, text=True)
+                          device, "--ac", "full,selective"], cwd=ROOT, capture_output=True,
+                         text=True)
     last = (run.stdout or run.stderr).strip().splitlines()[-1:] or ["no output"]
     return ("inductor parity, stages 0-3", last[0][:60], "ok" if run.returncode == 0 else "FAIL")
 

@@ -1,14 +1,24 @@
-"""shardwise: PyTorch-native distributed training (ZeRO-1/2/3, offload, low precision).
+"""shardwise: PyTorch-native distributed training (ZeRO-1/2/3, tensor / sequence parallelism,
+offload, low precision).
 
     import shardwise
     env = shardwise.distributed.init()                 # torchrun, SLURM or one process
-    model = shardwise.shard(model, stage=3, wrap={Block})
+    mesh = shardwise.ParallelDims(world_size=env.world_size, tp=2).build_mesh()
+    model = shardwise.apply_tp(model, mesh["tp"])      # optional: Megatron TP + SP
+    model = shardwise.shard(model, stage=3, wrap={Block}, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     loss.backward(); shardwise.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
+
+Before ``shard``, in this order: ``shardwise.checkpoint_activations(model, policy="full")``
+and ``shardwise.compile_blocks(model)`` (docs/compile.md).
 """
 
 from shardwise import distributed
 from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
+from shardwise.distributed.parallel_dims import ParallelDims, ParallelMesh
+from shardwise.distributed.placement import Placement, placement_of
+from shardwise.parallel import checkpoint_activations, compile_blocks
+from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
 from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
                              NonFiniteReport, Offload, OffloadedOptimizer, clip_grad_norm_,
                              clip_grads_with_norm_, empty_cache, find_nonfinite_grads,
@@ -23,6 +33,14 @@ __all__ = [
     "__version__",
     "distributed",
     "shard",
+    "apply_tp",
+    "vocab_parallel_cross_entropy",
+    "ParallelDims",
+    "ParallelMesh",
+    "Placement",
+    "placement_of",
+    "checkpoint_activations",
+    "compile_blocks",
     "no_sync",
     "set_gradient_sync",
     "set_reshard_after_forward",

@@ -5,7 +5,7 @@
   ``train.batch_size``, fewer layers than pp x virtual stages, a bad per-stage list, a
   virtual the schedule cannot run, a pp that does not divide the world;
 * pp 2 (ZB-H1, ZeRO 3) trains and validates like pp 1: the same losses, gradient norms and
-  validation losses;
+  validation losses, with activation checkpointing too;
 * ``--checkpoint.resume auto`` across pp: a checkpoint saved at pp 2 resumes at pp 1 and at
   pp 4 (1F1B) and continues as the uninterrupted pp 1 run does.
 """
@@ -52,6 +52,7 @@ PP2 = {"parallel.pp": "2", "parallel.pp_schedule": "zb1", "parallel.pp_microbatc
      "parallel.pp_virtual: schedule 'zbv' runs exactly 2 stages per rank; got virtual=3"),
     ({"parallel.pp": "3"}, 4, "parallel.pp=3 must divide the world size 4"),
     ({"train.grad_accum": "2"}, 2, "parallel.pp=2 does not run with train.grad_accum=2"),
+    ({"parallel.tp": "2"}, 4, "parallel.pp=2 does not run with parallel.tp=2"),
 ])
 def test_refused_before_launch_naming_the_key(over, world, message, tmp_path):
     values = {**TINY, **PP2, "parallel.pp_schedule": "1f1b", "log.dir": str(tmp_path), **over}
@@ -105,6 +106,14 @@ def test_pp2_trains_and_validates_like_pp1(pp1, pp2):
     assert _close(_losses(records, "grad_norm"), _losses(pp1, "grad_norm"), 1e-5)
     assert _close(_losses(records, "val_loss"), _losses(pp1, "val_loss"), 1e-5)
     assert sorted(_losses(records, "val_loss")) == [2, 4]
+
+
+def test_pp2_with_activation_checkpointing_matches_pp1(pp1, tmp_path):
+    """Checkpointing wraps the blocks of each rank's stages (before sharding): the recompute
+    re-gathers the stage-3 units inside the block and the numbers stay those of pp 1."""
+    records = _run(tmp_path, 2, **PP2, **{"train.activation_checkpoint": "full"})
+    assert _close(_losses(records), _losses(pp1), 1e-5)
+    assert _close(_losses(records, "grad_norm"), _losses(pp1, "grad_norm"), 1e-5)
 
 
 def test_resume_auto_across_pp(pp1, pp2, tmp_path):

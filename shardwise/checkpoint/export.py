@@ -104,12 +104,21 @@ def _plan_shards(entries: list[tuple[str, torch.dtype, tuple]], max_bytes: int) 
     return shards
 
 
+def _natural(name: str) -> list:
+    """Sort key: "layers.10" after "layers.9"."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
 def _model_entries(src: Path, md) -> tuple[list[tuple[str, torch.dtype, tuple]], dict,
                                             list[str]]:
     """``[(hf name, dtype, shape)]`` of the model tensors in DCP's index, hf name -> (our
     name, expert index or None), and our routing biases (which have no HF name)."""
     entries, ours, biases = [], {}, []
-    for key, tmd in md.state_dict_metadata.items():
+    # DCP's index lists tensors in the order the ranks' plans were merged, which depends on
+    # the layout (copies are saved by one rank); a natural sort of the names makes the file
+    # the same from every layout.
+    for key in sorted(md.state_dict_metadata, key=_natural):
+        tmd = md.state_dict_metadata[key]
         if not key.startswith("model."):
             continue
         fqn = key[len("model."):]
@@ -360,8 +369,16 @@ def _read_local(handle, fqn: str, name: str, file: Path, spec, current, config
                               f"is {full_shape}", path=file, file=file.name, tensor=name)
     if spec is None or len(full_shape) == 0:
         return hf.from_hf(fqn, handle.get_tensor(name), config)
-    start, stop = spec.row_offset, spec.row_offset + spec.local_rows
+    # This rank's piece in global coordinates: the rows (and, for a row-parallel weight, the
+    # columns) its placement gives it, tensor-parallel cuts and ZeRO rows together.
+    bounds = {0: (spec.row_offset, spec.row_offset + spec.local_rows)}
+    if spec.placement is not None:
+        bounds = {d: (a, b) for d, a, b in spec.placement.local_range()}
+    start, stop = bounds.get(0, (0, full_shape[0]))
     lo, hi = hf.hf_rows(fqn, start, stop, config)
     block = sl[lo:hi]
-    local = hf.from_hf(fqn, block, config)[start - lo:stop - lo].clone()
+    local = hf.from_hf(fqn, block, config)[start - lo:stop - lo]
+    if 1 in bounds:
+        local = local[:, bounds[1][0]:bounds[1][1]]
+    local = local.clone()
     return spec.to_dtensor(local)

@@ -36,8 +36,9 @@ def resume_or_import(ckpt: Any, model: nn.Module, optimizer: torch.optim.Optimiz
     info = ckpt.load(resume, model, optimizer, extra=stateful)
     if info is not None:
         saved = info.layout
-        how = (f" (resharded from {saved['world_size']} rank(s), stage {saved['stage']}; RNG "
-               f"states not restored)" if info.resharded else "")
+        tp = f", tp {saved['tp']}" if saved.get("tp", 1) > 1 else ""
+        how = (f" (resharded from {saved['world_size']} rank(s), stage {saved['stage']}{tp}; "
+               f"RNG states not restored)" if info.resharded else "")
         return info.step, f"resumed from {info.path} at step {info.step}{how}"
     if import_path:
         from shardwise.checkpoint.export import import_safetensors

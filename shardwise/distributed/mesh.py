@@ -1,8 +1,10 @@
-"""Meshes and process groups for data parallelism.
+"""Process groups for data parallelism.
 
-:class:`ParallelDims` turns degrees into a named :class:`DeviceMesh`; :func:`resolve_groups`
-turns whatever a user passes as ``mesh`` to :func:`shardwise.shard` (nothing, a process
-group, a 1-D or a 2-D ``(replicate, shard)`` DeviceMesh) into the groups the engine uses.
+:class:`ParallelDims` (in parallel_dims.py) turns degrees into a :class:`ParallelMesh` that
+answers every axis by name; :func:`resolve_groups` turns whatever a user passes as ``mesh``
+to :func:`shardwise.shard` (nothing, a process group, a ParallelMesh, a DeviceMesh whose
+dimension names are ParallelDims names, or an unnamed 1-D / 2-D ``(replicate, shard)``
+DeviceMesh) into the groups the engine uses.
 
 [Note: two groups per shard axis] All-gathers and reduce-scatters go to two different
 process groups over the same ranks. Collectives on one group must be issued in the same
@@ -19,51 +21,12 @@ import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "ShardGroups", "NodeGroup", "resolve_groups", "replicated_groups",
-           "node_group"]
+from shardwise.distributed.parallel_dims import AXIS_NAMES, ParallelDims, ParallelMesh
 
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Data-parallel degrees of a job.
-
-    Attributes:
-        dp_replicate: replicas (hybrid sharding: all-reduce across them); default 1.
-        dp_shard: ranks a model is sharded over; -1 infers ``world_size // dp_replicate``.
-        world_size: number of ranks in the job.
-    """
-
-    dp_replicate: int
-    dp_shard: int
-    world_size: int
-
-    def resolved(self) -> "ParallelDims":
-        """Degrees with -1 inferred; raises ValueError when they do not fit the world."""
-        if self.dp_replicate < 1:
-            raise ValueError(f"dp_replicate must be >= 1, got {self.dp_replicate}")
-        shard = self.dp_shard
-        if shard == -1:
-            if self.world_size % self.dp_replicate:
-                raise ValueError(f"dp_replicate={self.dp_replicate} does not divide the world "
-                                 f"size {self.world_size}")
-            shard = self.world_size // self.dp_replicate
-        if shard < 1:
-            raise ValueError(f"dp_shard must be >= 1 or -1 (infer), got {self.dp_shard}")
-        if shard * self.dp_replicate != self.world_size:
-            raise ValueError(f"dp_replicate * dp_shard = {self.dp_replicate} * {shard} = "
-                             f"{self.dp_replicate * shard}, expected the world size "
-                             f"{self.world_size}")
-        return ParallelDims(self.dp_replicate, shard, self.world_size)
-
-    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """A 1-D ("dp_shard",) mesh, or 2-D ("dp_replicate", "dp_shard") when replicating."""
-        d = self.resolved()
-        if d.dp_replicate == 1:
-            return init_device_mesh(device_type, (d.dp_shard,), mesh_dim_names=("dp_shard",))
-        return init_device_mesh(device_type, (d.dp_replicate, d.dp_shard),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
+__all__ = ["ParallelDims", "ParallelMesh", "ShardGroups", "NodeGroup", "resolve_groups",
+           "replicated_groups", "node_group"]
 
 
 @dataclass
@@ -77,6 +40,7 @@ class ShardGroups:
     shard_size: int
     replicate_size: int
     device_mesh: DeviceMesh | None
+    dp: dist.ProcessGroup | None = None  # every data rank (replicate x shard), when known
 
     @property
     def dp_size(self) -> int:
@@ -134,50 +98,126 @@ def node_group(groups: ShardGroups, size: int) -> NodeGroup:
 
 def replicated_groups(groups: ShardGroups) -> ShardGroups:
     """The same data-parallel ranks with nothing sharded: every rank a one-rank shard group,
-    all of them replicas (stage 0 expressed as units: gradients all-reduced over the world)."""
+    all of them replicas (stage 0 expressed as units: gradients all-reduced over the data
+    ranks)."""
     if groups.dp_size == 1 or not dist.is_initialized():
         return ShardGroups(None, None, None, 0, 1, 1, None)
     if groups.replicate is None:
         replicate = groups.shard
+    elif groups.dp is not None:
+        replicate = groups.dp
     else:  # hybrid mesh: the replicas of every shard, i.e. all of its ranks
         replicate = dist.group.WORLD if groups.dp_size == dist.get_world_size() else None
         if replicate is None:
             raise ValueError("stage 0 with mixed precision over a partial hybrid mesh is not "
-                             "supported; pass a 1-D mesh")
+                             "supported; pass a 1-D mesh or a ParallelMesh")
     return ShardGroups(None, None, replicate, 0, 1, groups.dp_size, None)
 
 
+def _named_axes(mesh: DeviceMesh) -> tuple[str, ...] | None:
+    """The dimension names of ``mesh`` when every one is a ParallelDims axis name."""
+    names = mesh.mesh_dim_names
+    if names and all(n in AXIS_NAMES for n in names):
+        return tuple(names)
+    return None
+
+
+def _from_device_mesh(mesh: DeviceMesh):
+    """(shard group, replicate group) of a DeviceMesh: by name when its dimension names are
+    ParallelDims names ([Note: rank order] in parallel_dims.py), else positionally."""
+    names = _named_axes(mesh)
+    if names is not None:
+        shard = mesh.get_group("dp_shard") if "dp_shard" in names else None
+        replicate = mesh.get_group("dp_replicate") if "dp_replicate" in names else None
+        if shard is None:  # no data sharding axis: a one-rank shard group
+            shard = _self_group()
+        return shard, replicate
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(f"mesh must be 1-D (shard), 2-D (replicate, shard) or have dimension "
+                     f"names among {AXIS_NAMES}; got a {mesh.ndim}-D DeviceMesh with shape "
+                     f"{tuple(mesh.shape)} and names {mesh.mesh_dim_names}")
+
+
+_SELF: dict = {}
+
+
+def _self_group() -> dist.ProcessGroup:
+    """A group of this rank alone (every rank creates every one-rank group, in order)."""
+    key = (id(dist.distributed_c10d._get_default_group()),)
+    if key not in _SELF:
+        mine = None
+        for r in range(dist.get_world_size()):
+            g = dist.new_group([r])
+            mine = g if r == dist.get_rank() else mine
+        _SELF[key] = mine
+    return _SELF[key]
+
+
 def resolve_groups(mesh, device_type: str = "cpu") -> ShardGroups:
-    """Interpret ``mesh`` (None, ProcessGroup, 1-D or 2-D DeviceMesh) as shard groups.
+    """Interpret ``mesh`` as shard groups: None (the world), a ProcessGroup (shard over it),
+    a :class:`ParallelMesh` or a DeviceMesh whose dimension names are ParallelDims names
+    (shard over ``dp_shard``, replicate over ``dp_replicate``; other axes are left to
+    tensor, pipeline and expert parallelism), or an unnamed 1-D (shard) / 2-D (replicate,
+    shard) DeviceMesh.
 
     Raises:
-        ValueError: for a mesh of more than two dimensions or an unsupported type.
+        ValueError: for a mesh of another shape or names, or an unsupported type.
     """
     if not dist.is_initialized():
         if mesh is not None:
             raise ValueError("a mesh was given but torch.distributed is not initialised; call "
                              "shardwise.distributed.init() first")
         return ShardGroups(None, None, None, 0, 1, 1, None)
-    replicate = None
+    replicate, dp = None, None
     if mesh is None:
         shard = dist.group.WORLD
         device_mesh = DeviceMesh.from_group(shard, device_type)
     elif isinstance(mesh, dist.ProcessGroup):
         shard = mesh
         device_mesh = DeviceMesh.from_group(shard, device_type)
+    elif isinstance(mesh, ParallelMesh):
+        shard, dp = mesh.group("dp_shard"), mesh.group("dp")
+        replicate = mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
+        device_mesh = mesh["dp_replicate", "dp_shard"] if replicate is not None \
+            else mesh["dp_shard"]
     elif isinstance(mesh, DeviceMesh):
-        if mesh.ndim == 1:
-            shard = mesh.get_group(0)
-        elif mesh.ndim == 2:
-            replicate, shard = mesh.get_group(0), mesh.get_group(1)
-        else:
-            raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got a "
-                             f"{mesh.ndim}-D DeviceMesh with shape {tuple(mesh.shape)}")
+        shard, replicate = _from_device_mesh(mesh)
         device_mesh = mesh
     else:
-        raise ValueError(f"mesh must be None, a ProcessGroup or a DeviceMesh, got "
-                         f"{type(mesh).__name__}")
+        raise ValueError(f"mesh must be None, a ProcessGroup, a ParallelMesh or a DeviceMesh, "
+                         f"got {type(mesh).__name__}")
     gather = _sibling_group(shard) if dist.get_world_size(shard) > 1 else shard
     rep_size = dist.get_world_size(replicate) if replicate is not None else 1
     return ShardGroups(shard, gather, replicate if rep_size > 1 else None,
-                       dist.get_rank(shard), dist.get_world_size(shard), rep_size, device_mesh)
+                       dist.get_rank(shard), dist.get_world_size(shard), rep_size, device_mesh,
+                       dp)
+
+
+def split_axis(ranks: list[int], outer: int) -> tuple[list[int], object, list[int], object]:
+    """Split one axis (``ranks``, this rank's group along it, in order) into ``outer`` x
+    ``len(ranks) // outer``, the inner part fastest varying: this rank's ``(outer ranks,
+    outer group, inner ranks, inner group)``.
+
+    Used for grouped-query attention with fewer KV heads than tensor ranks: the ranks of
+    one inner group hold copies of the same KV head, the outer group one rank per head.
+    Only the axis's members create the groups (every rank makes the same two calls, so
+    c10d's group names agree).
+
+    Raises:
+        ValueError: when ``outer`` does not divide the axis size.
+    """
+    n = len(ranks)
+    if outer < 1 or n % outer:
+        raise ValueError(f"cannot split an axis of {n} ranks into {outer} parts")
+    inner = n // outer
+    me = ranks.index(dist.get_rank())
+    inner_ranks = ranks[(me // inner) * inner:(me // inner + 1) * inner]
+    outer_ranks = ranks[me % inner::inner]
+    groups = []
+    for rs in (outer_ranks, inner_ranks):
+        groups.append(dist.new_group(rs, use_local_synchronization=True) if len(rs) > 1
+                      else _self_group())
+    return outer_ranks, groups[0], inner_ranks, groups[1]

@@ -137,11 +137,8 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
     if trailer is not None:
         send[packed:].copy_(trailer.view(torch.uint8))
     recv = POOL.take(n * row, torch.uint8, shard.device)
-    scratch = (POOL.take(n * row, torch.uint8, shard.device)
-               if comm.all_gather_needs_scratch(group) else None)
-    pending = comm.all_gather_into_tensor(recv, send, group, label=label, async_op=True,
-                                          scratch=scratch)
-    handle = QuantizedWork(pending, lambda: None, send, recv, scratch)
+    pending = comm.all_gather_into_tensor(recv, send, group, label=label, async_op=True)
+    handle = QuantizedWork(pending, lambda: None, send, recv)
 
     def decode() -> None:
         rows = recv.view(n, row)
@@ -150,7 +147,7 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
         dequantize(unpack(rows[:, :packed], m, quant_kind, block_size), out=output, work=work32)
         if trailer is not None:
             handle.trailers = rows[:, packed:].clone()  # n * len(trailer) bytes
-        for buf in (send, recv, scratch, work32):
+        for buf in (send, recv, work32):
             POOL.give(buf)
 
     handle._finish = decode

@@ -82,12 +82,15 @@ class Attention(nn.Module):
         self.wo = _linear(config.n_heads * hd, config.dim, std / math.sqrt(2 * config.n_layers))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # Head counts come from the projections' widths (-1), not the config, so a
-        # tensor-parallel column split of wq/wk/wv (fewer local heads) needs no change here.
-        q = self.wq(x).view(b, t, -1, self.head_dim)  # (B, T, H, hd)
-        k = self.wk(x).view(b, t, -1, self.head_dim)  # (B, T, KV, hd)
-        v = self.wv(x).view(b, t, -1, self.head_dim)  # (B, T, KV, hd)
+        # Head counts come from the projections' widths (-1), not the config, and the batch
+        # and sequence sizes from their outputs, not from x: a tensor-parallel column split
+        # of wq/wk/wv (fewer local heads; under sequence parallelism x holds a piece of the
+        # sequence that the projections gather) needs no change here.
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, t = q.shape[:2]
+        q = q.view(b, t, -1, self.head_dim)  # (B, T, H, hd)
+        k = k.view(b, t, -1, self.head_dim)  # (B, T, KV, hd)
+        v = v.view(b, t, -1, self.head_dim)  # (B, T, KV, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, hd)
         n_rep = q.shape[1] // k.shape[1]

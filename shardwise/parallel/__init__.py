@@ -1,6 +1,16 @@
 """shardwise.parallel: tensor, sequence, expert and pipeline parallelism.
 
+Tensor (and sequence) parallelism: :func:`apply_tp`, :func:`vocab_parallel_cross_entropy`
+(see :mod:`shardwise.parallel.tensor`).
+
 Mixture-of-experts balance statistics over the data ranks: :func:`apply_global_balance`.
+
+Activation checkpointing and ``torch.compile`` of a model's blocks, applied in this order
+before ``shard`` (docs/compile.md)::
+
+    from shardwise.parallel import checkpoint_activations, compile_blocks
+    checkpoint_activations(model, policy="selective")   # "full", "selective" or "none"
+    compile_blocks(model, backend="inductor")           # engine hooks stay outside the graphs
 
 Pipeline schedules are data (DESIGN.md, principle 4)::
 
@@ -12,6 +22,11 @@ and the executor runs the same schedule on real ranks (``split_stages``, ``shard
 ``PipelineExecutor``; see docs/parallelism.md).
 """
 
+from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
+from shardwise.parallel.blocks import DEFAULT_BLOCKS, select_blocks
+from shardwise.parallel.checkpointing import (AC_POLICIES, SELECTIVE_SAVE_OPS,
+                                              checkpoint_activations, checkpointed_blocks)
+from shardwise.parallel.compile import compile_blocks, compiled_blocks
 from shardwise.parallel.moe_stats import AllReduceStats, apply_global_balance
 from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind,
                                          PipelineExecutor, PipelinePart, Schedule, Simulation,
@@ -22,6 +37,16 @@ from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, Deadlock
                                          validate_schedule)
 
 __all__ = [
+    "apply_tp",
+    "vocab_parallel_cross_entropy",
+    "checkpoint_activations",
+    "checkpointed_blocks",
+    "AC_POLICIES",
+    "SELECTIVE_SAVE_OPS",
+    "compile_blocks",
+    "compiled_blocks",
+    "select_blocks",
+    "DEFAULT_BLOCKS",
     "AllReduceStats",
     "apply_global_balance",
     "SCHEDULE_NAMES",

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from shardwise.distributed import comm
+from shardwise.distributed.compiled import refuse_in_compiled_region
 from shardwise.models.moe import moe_layers, set_stats_reducer
+from shardwise.parallel.blocks import FORWARD_COLLECTIVES_ATTR
 
 __all__ = ["apply_global_balance", "AllReduceStats"]
 
@@ -35,6 +37,7 @@ class AllReduceStats:
         self.group = group
 
     def __call__(self, stats: torch.Tensor) -> torch.Tensor:
+        refuse_in_compiled_region("MoE balance statistics (moe.stats all-reduce)")
         out = stats.clone()
         comm.all_reduce(out, self.group, label="moe.stats")
         return out
@@ -57,6 +60,9 @@ def apply_global_balance(model: nn.Module, group=None) -> nn.Module:  # noqa: AN
     Returns:
         ``model``, modified in place.
     """
-    if moe_layers(model):
+    layers = moe_layers(model)
+    if layers:
         set_stats_reducer(model, AllReduceStats(group))
+        for _, layer in layers:  # compile_blocks refuses blocks that hold one
+            setattr(layer, FORWARD_COLLECTIVES_ATTR, "MoE balance statistics all-reduce")
     return model

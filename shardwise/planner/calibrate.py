@@ -156,8 +156,12 @@ def fit_alpha_beta(points: list[tuple[int, float, float]]) -> tuple[float, float
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int,
                        queue) -> None:
     import torch.distributed as dist
+
+    from shardwise.distributed import comm, comm_objects
+    from shardwise.distributed.env import quiet_flight_recorder
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    quiet_flight_recorder("gloo")  # as shardwise.distributed.init() runs the engine's groups
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = []
     for nbytes in sizes:
@@ -167,17 +171,15 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
         shard = torch.ones(numel)
 
         def ar(t=t):
-            dist.all_reduce(t)
+            comm.all_reduce(t, label="calibrate.all_reduce")
 
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-        def ag(out=out, shard=shard, gather=gather):
-            gather(out, shard)
+        def ag(out=out, shard=shard):  # the engine's own all-gather (sends on Gloo)
+            comm.all_gather_into_tensor(out, shard, label="calibrate.all_gather")
 
         # A fixed number of calls: every rank must issue the same collectives.
-        dist.barrier()
+        comm_objects.barrier(label="calibrate")
         rows.append(("all_reduce", numel * 4, _time(ar, repeats, min_seconds=0.0)))
-        dist.barrier()
+        comm_objects.barrier(label="calibrate")
         rows.append(("all_gather", numel * 4, _time(ag, repeats, min_seconds=0.0)))
     if rank == 0:
         queue.put(rows)

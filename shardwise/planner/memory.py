@@ -16,9 +16,9 @@ padding of uneven rows is counted exactly as ``Unit`` allocates it:
 * unsharded: gathered parameters in the compute dtype, kept between steps at stages 1 and 2
   (and at stage 0 with a compute dtype, units over one-rank groups); at stage 3 the root
   unit (not freed after forward) plus the unit computing and ``prefetch`` gathered ahead;
-* full grads: whole gradients outside the shards: stage 1 keeps them allocated between
-  steps, and accumulation without synchronisation (``no_sync``, pipeline micro-batches)
-  holds them until the last micro-batch.
+* full grads: whole gradients outside the shards: stage 1 holds them until the end of
+  backward ([Note: stage 1 vs 2] in shard/state.py; counted in the peak), and accumulation
+  without synchronisation (``no_sync``, pipeline micro-batches) until the last micro-batch.
 
 tests/test_planner_memory.py builds models with ``shardwise.shard`` on Gloo ranks and checks
 params, grads and optimizer bytes against ``shardwise.memory_report`` exactly.

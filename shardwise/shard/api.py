@@ -33,11 +33,12 @@ from shardwise.shard.precision import MixedPrecision, cast_floating
 from shardwise.shard.offload.config import Offload
 from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.offload import guard_unwrapped_steps
-from shardwise.shard.registry import attach_state, engine_states, is_sharded
+from shardwise.shard.placed import PartialGrads, record_data_axes
+from shardwise.shard.registry import attach_state, engine_states, extra_trackers, is_sharded
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
 from shardwise.shard.streams import CommStreams
-from shardwise.shard.state_dict import register_state_dict_hooks
+from shardwise.shard.state_dict import placement_has_model_axes, register_state_dict_hooks
 from shardwise.shard.unit import Unit
 
 __all__ = ["shard", "no_sync", "memory_report", "engine_states"]
@@ -206,7 +207,10 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
             selecting the modules that become units (one all-gather and one reduce-scatter
             each); the rest forms the root unit. Default None (one unit). Ignored at stage 0.
         mesh: None (the world), a ProcessGroup, a 1-D DeviceMesh (shard) or a 2-D DeviceMesh
-            (replicate, shard) for hybrid sharding.
+            (replicate, shard) for hybrid sharding, or a :class:`ParallelMesh` (or a
+            DeviceMesh whose dimension names are its axis names): sharded over
+            ``dp_shard``, replicated over ``dp_replicate``, the other axes (``tp``, ...)
+            left to tensor, pipeline and expert parallelism.
         reshard_after_forward: stage 3 frees gathered parameters after each unit's forward
             (True, default) or keeps them until its backward (False, the ZeRO-2-like middle).
         prefetch: units gathered ahead of the one computing, forward and backward
@@ -240,7 +244,8 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
 
     Raises:
         ValueError: for bad arguments, or parameters the engine cannot shard (non-float,
-            mixed dtypes in one unit, a mix of meta and real tensors), naming them.
+            mixed dtypes in one unit, a mix of meta and real tensors), naming them; data
+            axes that run along the tensor-parallel ranks of ``apply_tp``.
     """
     _validate(module, stage, prefetch, bucket_mb, materialize)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -270,9 +275,14 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     tracker = MemoryTracker()
     if stage == 0 and as_units:
         groups = replicated_groups(groups)
+    params = [e.param for p in plans for e in p.entries]
+    record_data_axes(params, groups, sharded=as_units)  # [Note: placement is data]
     if stage == 0 and not as_units:
         state = _replicate(module, plans[0].entries, groups, bucket_mb, tracker, init_weights,
                            sync_module_states, target)
+        state.entries = plans[0].entries  # names of its parameters, for the state dict
+        if any(placement_has_model_axes(p) for p in params):
+            register_state_dict_hooks(module, state)
     else:
         units = _build_units(module, plans, groups, stage, tracker, init_weights,
                              sync_module_states, materialize, mixed_precision, target, comm)
@@ -282,6 +292,8 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
         if mixed_precision is not None:
             _register_casts(module, mixed_precision)
     state.offload = offload
+    partial = PartialGrads([e.param for p in plans for e in p.entries])
+    state.after_reduce = [partial] if partial else []  # [Note: partial gradients]
     if offload is not None:
         guard_unwrapped_steps([p for m in [module] for p in m.parameters()], offload)
     attach_state(module, state)
@@ -323,4 +335,5 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     if not states:
         raise ValueError(f"memory_report needs a module passed to shardwise.shard, got an "
                          f"unsharded {type(model).__name__}")
-    return build_memory_report([s.tracker for s in states], list(model.parameters()), optimizer)
+    trackers = [s.tracker for s in states] + extra_trackers(model)
+    return build_memory_report(trackers, list(model.parameters()), optimizer)

@@ -1,14 +1,18 @@
 """Gradient norms and clipping over sharded gradients, with no host sync per tensor.
 
-Every gradient element is held by exactly one rank of its shard group (and replicated across
-the replicate axis of a hybrid mesh), so the global norm is the sum of local sums of squares
-over the shard group. Stage-0 and unmanaged gradients are whole on every rank and count
-locally.
+Each parameter's :class:`~shardwise.distributed.placement.Placement` says over which axes
+its squared norm is summed (``norm_reduce``): every element of the global gradient is held
+by exactly one rank of them. A ZeRO shard is summed over ``dp_shard`` (copies across
+``dp_replicate`` count once); a tensor-parallel piece over ``tp`` too; a parameter
+replicated over the tensor ranks (a norm weight) is not summed over ``tp``; a KV head copied
+to several tensor ranks is summed over one rank per head. Stage-0 and unmanaged gradients
+are whole on every rank and count locally.
 
-[Note: fused norms] Per shard group, the local gradients' norms come from one fused
-``torch._foreach_norm`` (accumulated in fp32 whatever the gradients' dtype) and are summed
-on the device they live on; one all-reduce per group (on that group's device, see
-[Note: device check] in comm.py) combines the ranks. Nothing is copied to the host: the
+[Note: fused norms] Per set of groups to sum over, the local gradients' norms come from one
+fused ``torch._foreach_norm`` (accumulated in fp32 whatever the gradients' dtype) and are
+summed on the device they live on; then one all-reduce per group (on that group's device,
+see [Note: device check] in comm.py) of the partial sums of every set that includes it
+combines the ranks. Nothing is copied to the host: the
 returned norm is a device tensor, and clipping multiplies every gradient by a device-side
 coefficient. The trainer reads the norm once per step (:func:`get_total_norm`, shared by
 its non-finite check and :func:`clip_grads_with_norm_`).
@@ -23,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed import comm
-from shardwise.shard.registry import engine_states
+from shardwise.distributed.placement import placement_of
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
 
@@ -46,30 +50,31 @@ def _local_norm(grads: list[torch.Tensor], norm_type: float,
     return total
 
 
-def _grouped_grads(model: nn.Module) -> tuple[list[torch.Tensor], dict[int, tuple]]:
-    """(whole gradients of unsharded parameters, {group id: (group, sharded gradients)})."""
-    sharded_ids, by_group = set(), {}
-    for st in engine_states(model):
-        for u in getattr(st, "units", []):
-            sharded_ids.update(id(e.param) for e in u.trainable)
-            group, acc = by_group.setdefault(id(st.groups.shard), (st.groups.shard, []))
-            acc.extend(e.param.grad for e in u.trainable if e.param.grad is not None)
-    local = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in sharded_ids]
-    return local, by_group
+def _grouped_grads(model: nn.Module) -> dict[tuple, tuple[tuple, list[torch.Tensor]]]:
+    """``{key: (groups the norm is summed over, gradients)}`` from the placements."""
+    out: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        pl = placement_of(p)
+        groups = tuple(a.group for a in pl.norm_reduce if a.size > 1) if pl else ()
+        out.setdefault(tuple(id(g) for g in groups), (groups, []))[1].append(p.grad)
+    return out
 
 
 def get_total_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """The global p-norm of every gradient of a (sharded) model (collective).
 
-    The same number ``torch.nn.utils.get_total_norm`` gives on the unsharded model, whatever
-    rank holds each gradient; no host sync ([Note: fused norms]).
+    The same number ``torch.nn.utils.get_total_norm`` gives on the unsplit model, whatever
+    rank holds each gradient and however tensor parallelism cut it; no host sync ([Note:
+    fused norms]).
 
     Args:
         model: the model (sharded, partly sharded or plain).
         norm_type: p of the p-norm (default 2.0; ``inf`` for the max norm).
 
     Returns:
-        A 0-d float32 tensor on the device of the model's shard group (the CPU on Gloo),
+        A 0-d float32 tensor on the device of the model's first group (the CPU on Gloo),
         identical on every rank.
 
     Raises:
@@ -78,14 +83,21 @@ def get_total_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0, got {norm_type!r}")
     inf = math.isinf(norm_type)
-    local, by_group = _grouped_grads(model)
-    device = comm.group_device(next(iter(by_group.values()))[0] if by_group else None)
-    total = _local_norm(local, norm_type, device)
-    for group, grads in by_group.values():
-        part = _local_norm(grads, norm_type, comm.group_device(group))
-        if group is not None and comm.group_size(group) > 1:
-            comm.all_reduce(part, group, label="clip_grad_norm",
-                            op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    sets = _grouped_grads(model)
+    first = next((gs[0] for gs, _ in sets.values() if gs), None)
+    device = comm.group_device(first)
+    parts = {k: _local_norm(grads, norm_type, comm.group_device(gs[0] if gs else first))
+             for k, (gs, grads) in sets.items()}
+    groups = {id(g): g for gs, _ in sets.values() for g in gs}
+    for gid, group in groups.items():
+        keys = [k for k in parts if gid in k]
+        vec = torch.stack([parts[k].to(comm.group_device(group)) for k in keys])
+        comm.all_reduce(vec, group, label="clip_grad_norm",
+                        op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        for k, v in zip(keys, vec.unbind(0)):
+            parts[k] = v
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for part in parts.values():
         part = part.to(device, non_blocking=True)
         total = torch.maximum(total, part) if inf else total + part
     return total if inf else total.pow(1.0 / norm_type)

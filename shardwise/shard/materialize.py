@@ -4,9 +4,11 @@
 from one RNG stream. Walking ``named_modules()`` in the same order, giving each module fresh
 CPU tensors for its *direct* parameters and buffers and calling the init function on it,
 consumes the RNG identically, so every rank computes the same full values as eager init;
-each rank then keeps only its rows. A parameter's full tensor lives only until the last
-module registering it (tied weights) has been initialised, so no rank ever holds more than
-one module's parameters plus tied ones in flight.
+each rank then keeps only its rows. A parameter laid out by tensor parallelism (see [Note:
+placement is data]) is initialised at its global shape and cut to this rank's piece, so the
+values are those of eager init at any tensor-parallel degree. A parameter's full tensor
+lives only until the last module registering it (tied weights) has been initialised, so no
+rank ever holds more than one module's parameters plus tied ones in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from shardwise.shard.placed import global_shape, model_piece
 from shardwise.sizes import nbytes
 
 __all__ = ["has_meta", "default_init", "materialize"]
@@ -46,8 +49,9 @@ def materialize(root: nn.Module, device: torch.device,
         root: the module tree (buffers are materialised in place; parameters are not).
         device: where full values are computed.
         init_weights: initialises one module's direct tensors (default: reset_parameters).
-        sink: receives (original meta parameter, its full initialised value) after each
-            module that registers it; it keeps what it needs (e.g. this rank's rows).
+        sink: receives (original meta parameter, its initialised value: this rank's
+            tensor-parallel piece of it, the whole value without tensor parallelism) after
+            each module that registers it; it keeps what it needs (e.g. this rank's rows).
     """
     init = init_weights or default_init
     modules = list(root.named_modules(remove_duplicate=True))
@@ -67,7 +71,8 @@ def materialize(root: nn.Module, device: torch.device,
             m._buffers[a] = torch.empty_like(m._buffers[a], device=device)
         for a, p in metas:
             if id(p) not in live:
-                live[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                live[id(p)] = nn.Parameter(torch.empty(global_shape(p), dtype=p.dtype,
+                                                       device=device),
                                            requires_grad=p.requires_grad)
             m._parameters[a] = live[id(p)]
         peak = max(peak, sum(nbytes(t) for t in live.values()))
@@ -80,7 +85,7 @@ def materialize(root: nn.Module, device: torch.device,
             raise ValueError(f"initialising module {name or '<root>'} "
                              f"({type(m).__name__}) failed: {exc}") from exc
         for a, p in metas:
-            sink(p, live[id(p)].detach())
+            sink(p, model_piece(p, live[id(p)].detach()))
             m._parameters[a] = p
             if last_use[id(p)] == i:
                 del live[id(p)]

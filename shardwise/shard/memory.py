@@ -15,15 +15,16 @@ from shardwise.distributed.pool import POOL
 
 __all__ = ["MemoryTracker", "MemoryReport", "build_memory_report"]
 
-KINDS = ("params", "grads", "unsharded", "comm", "secondary")
+KINDS = ("params", "grads", "unsharded", "comm", "secondary", "tp_comm")
 
 
 @dataclass
 class MemoryTracker:
     """Current and peak bytes per kind: ``params`` (parameter shards or replicas), ``grads``
     (gradient shards or buckets), ``unsharded`` (gathered parameters and their gradients),
-    ``comm`` (collective staging buffers) and ``secondary`` (hierarchical partitions kept
-    between a unit's forward and backward)."""
+    ``comm`` (collective staging buffers), ``secondary`` (hierarchical partitions kept
+    between a unit's forward and backward) and ``tp_comm`` (tensor-parallel collective
+    buffers: a sequence-parallel region's gathered input, tracked by ``apply_tp``)."""
 
     current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
@@ -63,6 +64,9 @@ class MemoryReport:
             at once while materialising (one module's, plus tied parameters in flight).
         cached_bytes: free staging buffers this process keeps for reuse, shared by every
             sharded model (see [Note: buffer pool]; ``shardwise.empty_cache()`` frees them).
+        tp_comm_bytes, peak_tp_comm_bytes: tensor-parallel collective buffers held now / at
+            the peak: the gathered input of the sequence-parallel region computing (forward)
+            and its gathered-again copy (backward); 0 without sequence parallelism.
     """
 
     param_bytes: int
@@ -77,6 +81,8 @@ class MemoryReport:
     peak_secondary_bytes: int = 0
     peak_init_bytes: int = 0
     cached_bytes: int = 0
+    tp_comm_bytes: int = 0
+    peak_tp_comm_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
@@ -117,4 +123,5 @@ def build_memory_report(trackers: list[MemoryTracker], params: list[torch.nn.Par
         secondary_bytes=cur["secondary"], peak_secondary_bytes=peak["secondary"],
         peak_init_bytes=max((t.peak_init for t in trackers), default=0),
         cached_bytes=POOL.cached_bytes,
+        tp_comm_bytes=cur["tp_comm"], peak_tp_comm_bytes=peak["tp_comm"],
     )

@@ -11,9 +11,11 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["STATE_ATTR", "engine_states", "attach_state", "is_sharded"]
+__all__ = ["STATE_ATTR", "engine_states", "attach_state", "is_sharded", "attach_tracker",
+           "extra_trackers"]
 
 STATE_ATTR = "_shardwise_state"
+TRACKER_ATTR = "_shardwise_tracker"
 
 
 def attach_state(module: nn.Module, state: Any) -> None:
@@ -30,3 +32,14 @@ def engine_states(model: nn.Module) -> list:
     """Every engine state inside ``model`` (its own and those of sharded submodules), in
     ``model.modules()`` order: the outermost ``shard`` call's state first."""
     return [getattr(m, STATE_ATTR) for m in model.modules() if hasattr(m, STATE_ATTR)]
+
+
+def attach_tracker(module: nn.Module, tracker: Any) -> None:
+    """Record a memory tracker of buffers held outside the engine (``apply_tp``'s), which
+    :func:`shardwise.memory_report` adds to the engine's."""
+    setattr(module, TRACKER_ATTR, tracker)
+
+
+def extra_trackers(model: nn.Module) -> list:
+    """Every tracker :func:`attach_tracker` recorded inside ``model``."""
+    return [getattr(m, TRACKER_ATTR) for m in model.modules() if hasattr(m, TRACKER_ATTR)]

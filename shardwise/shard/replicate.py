@@ -135,6 +135,8 @@ class ReplicateState:
                     b.pending = 0
                     self.launcher.mark_ready(b)
             self.launcher.flush()
+            for fn in getattr(self, "after_reduce", ()):  # [Note: partial gradients]
+                fn()
         self._backward_started = False
 
     def mark_stale(self) -> None:

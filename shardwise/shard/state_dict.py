@@ -1,12 +1,15 @@
 """State dicts of sharded modules: DTensors for ``torch.distributed.checkpoint``, full tensors
 for export.
 
-``module.state_dict()`` returns, for every sharded parameter, a DTensor whose local tensor is
-this rank's shard (``Shard(0)`` over the shard axis, ``Replicate()`` over the replicate axis
-of a hybrid mesh); DCP saves it and reshards it on load to any other layout.
-``module.load_state_dict()`` accepts such DTensors (any layout) or plain full tensors and
-keeps only this rank's rows. 0-d parameters, which cannot be split along dim 0, appear as
-plain tensors (the same value on every rank).
+``module.state_dict()`` returns, for every sharded parameter, a DTensor of the parameter's
+global (unsplit) shape whose local tensor is this rank's shard, over the axes its
+:class:`~shardwise.distributed.placement.Placement` names ([Note: placement is data]):
+``Shard(d)`` for each split (tensor-parallel ones, then ``Shard(0)`` over ``dp_shard``),
+``Replicate()`` for each axis holding copies (``dp_replicate``, the tensor ranks of a norm
+weight, the ranks sharing a KV head); DCP saves it (each copy once) and reshards it on load
+to any other layout. ``module.load_state_dict()`` accepts such DTensors (any layout) or
+plain full tensors and keeps only this rank's piece. 0-d parameters, which cannot be split
+along dim 0, appear as plain tensors (the same value on every rank).
 """
 
 from __future__ import annotations
@@ -18,11 +21,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardwise.distributed import comm
+from shardwise.distributed import comm, comm_dims
+from shardwise.distributed.parallel_dims import product_mesh
+from shardwise.distributed.placement import Placement, placement_of
 from shardwise.shard.registry import engine_states
 
 __all__ = ["ShardedParamSpec", "sharded_param_specs", "register_state_dict_hooks",
-           "full_state_dict"]
+           "full_state_dict", "placement_has_model_axes", "gather_model_pieces"]
+
+
+def placement_has_model_axes(param: nn.Parameter) -> bool:
+    """Whether tensor (or another model) parallelism laid ``param`` out."""
+    pl = placement_of(param)
+    return pl is not None and any(a.size > 1 for a in pl.model_axes())
 
 
 @dataclass
@@ -35,7 +46,9 @@ class ShardedParamSpec:
         shape: the global shape.
         mesh: the DeviceMesh of the DTensor form (None without torch.distributed).
         placements: ``(Shard(0),)`` or ``(Replicate(), Shard(0))`` on a hybrid mesh.
-        row_offset, local_rows: this rank's rows of dim 0.
+        row_offset, local_rows: this rank's rows of dim 0 of its model piece.
+        shard_group: the data group the rows are split over.
+        placement: the parameter's record (None: a whole tensor split by rows only).
     """
 
     param: nn.Parameter
@@ -45,6 +58,7 @@ class ShardedParamSpec:
     row_offset: int
     local_rows: int
     shard_group: object = None
+    placement: Placement | None = None
 
     def to_dtensor(self, local: torch.Tensor) -> torch.Tensor:
         """Wrap a tensor shaped like this rank's shard as the global DTensor (collective for
@@ -79,19 +93,51 @@ class ShardedParamSpec:
                              f"{tuple(value.shape)}, the model expects {tuple(self.shape)}")
         if len(self.shape) == 0:
             return value if self.row_offset == 0 else value.reshape(1)[:0]
+        if self.placement is not None:
+            value = self.placement.model_piece(value)
         return value[self.row_offset:self.row_offset + self.local_rows]
 
 
+def _layout(state, pl: Placement, device_type: str) -> tuple[object, tuple]:
+    """The DTensor mesh and placements of a parameter laid out as ``pl``: one mesh dimension
+    per axis of more than one rank (copies first, then splits in nesting order), built once
+    per state from the existing groups."""
+    axes = [a for a in pl.axes if a.size > 1 and a.group is not None]
+    if not axes:
+        axes = [a for a in pl.axes if a.group is not None][-1:]
+    if not axes:
+        return None, ()
+    cache = state.__dict__.setdefault("_dtensor_meshes", {})
+    key = (device_type, tuple((a.name, a.ranks) for a in axes))
+    if key not in cache:
+        cache[key] = product_mesh(device_type, tuple(a.name for a in axes),
+                                  [list(a.ranks) for a in axes], [a.group for a in axes])
+    split = {id(a): d for d, a in pl.splits}
+    return cache[key], tuple(Shard(split[id(a)]) if id(a) in split else Replicate()
+                             for a in axes)
+
+
+def _spec(state, param: nn.Parameter, row_offset: int, local_rows: int,
+          shard_group) -> ShardedParamSpec:
+    pl = placement_of(param)
+    mesh, placements = _layout(state, pl, param.device.type)
+    return ShardedParamSpec(param, pl.shape, mesh, placements, row_offset, local_rows,
+                            shard_group, pl)
+
+
 def _specs_of_state(state) -> list[tuple[list[str], ShardedParamSpec]]:
-    mesh, groups = state.groups.device_mesh, state.groups
-    placements = (Replicate(), Shard(0)) if mesh is not None and mesh.ndim == 2 else (Shard(0),)
     out = []
+    if not hasattr(state, "units"):  # stage 0: whole copies, only model-parallel ones
+        for e in getattr(state, "entries", []):
+            if placement_has_model_axes(e.param):
+                rows = e.param.shape[0] if e.param.dim() else 1
+                out.append((e.fqns, _spec(state, e.param, 0, rows, None)))
+        return out
+    r = state.groups.shard_rank
     for u in state.units:
         for e, p in zip(u.entries, u.layout.params):
-            r = groups.shard_rank
-            spec = ShardedParamSpec(e.param, p.shape, mesh, placements, p.row_offset(r),
-                                    p.local_rows(r), groups.shard)
-            out.append((e.fqns, spec))
+            out.append((e.fqns, _spec(state, e.param, p.row_offset(r), p.local_rows(r),
+                                      state.groups.shard)))
     return out
 
 
@@ -102,8 +148,6 @@ def sharded_param_specs(model: nn.Module) -> dict[str, ShardedParamSpec]:
     paths = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     out: dict[str, ShardedParamSpec] = {}
     for state in engine_states(model):
-        if not hasattr(state, "units"):
-            continue
         base = paths[id(state.module)]
         for fqns, spec in _specs_of_state(state):
             for f in fqns:
@@ -147,13 +191,28 @@ def _gather_unit(u, label: str) -> list[torch.Tensor]:
     comm.all_gather_into_tensor(tmp, u.shard_buf, u.groups.gather, label=label)
     g = tmp.view(n, lay.shard_numel)
     return [g[:, p.offset:p.offset + p.padded_numel].reshape(-1)[:p.numel].view(p.shape)
-            .to("cpu", copy=True) for p in lay.params]
+            for p in lay.params]
+
+
+def gather_model_pieces(t: torch.Tensor, placement: Placement | None,
+                        label: str = "tp_full_state_dict") -> torch.Tensor:
+    """The global tensor from this rank's model piece ``t`` (collective over the model
+    axes that split it, innermost first; axes holding copies, like the ranks sharing a KV
+    head, are not gathered, so every element appears once)."""
+    if placement is None:
+        return t
+    for dim, axis in reversed([(d, a) for d, a in placement.splits if not a.is_data]):
+        t = comm_dims.all_gather_dim(t, dim, axis.group, label=f"{axis.name}.{label}")
+    return t
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The whole, unsharded state dict as CPU tensors (collective: call on every rank).
 
-    Gathers one unit at a time, so the transient memory is one unit's parameters.
+    Every parameter appears with its original name and global shape: data-parallel shards
+    are gathered one unit at a time, then tensor-parallel pieces one tensor at a time (KV
+    heads copied over several tensor ranks appear once), so the transient memory is one
+    unit's parameters plus one global tensor.
 
     Args:
         model: a model with sharded parts (unsharded models work too).
@@ -170,8 +229,13 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
         for u in getattr(state, "units", []):
             fulls = _gather_unit(u, f"{u.label}.full_state_dict")
             for e, t in zip(u.entries, fulls):
+                t = gather_model_pieces(t, placement_of(e.param)).to("cpu", copy=True)
                 for f in e.fqns:
                     gathered[f"{base}.{f}" if base else f] = t
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in gathered and placement_has_model_axes(p):
+            gathered[name] = gather_model_pieces(p.detach(), placement_of(p)).to("cpu",
+                                                                                   copy=True)
     sd = model.state_dict()
     out = {}
     for k, v in sd.items():

@@ -130,7 +130,6 @@ class Unit(GradientReducer):
         self.gather_work = None
         self.gather_tmp: torch.Tensor | None = None
         self.gather_in: torch.Tensor | None = None
-        self.gather_scratch: torch.Tensor | None = None
         self._full_donor: torch.Tensor | None = None  # pooled buffer lending its bytes
         self.node = node
         self.quant = quant or CommQuant()
@@ -214,7 +213,7 @@ class Unit(GradientReducer):
         if st.nbytes() == 0:
             if _CAN_SWAP and self.device.type == "cpu":  # [Note: freeing gathered parameters]
                 self._full_donor = POOL.take(self.layout.full_numel, self.compute_dtype,
-                                             self.device)
+                                             self.device, exact=True)
                 st._swap_data_ptr_(self._full_donor.untyped_storage())
             else:
                 st.resize_(self.layout.full_numel * self.full_buf.element_size())
@@ -275,12 +274,8 @@ class Unit(GradientReducer):
             self.gather_tmp.copy_(source)
             self.gather_work = None
             return
-        if comm.all_gather_needs_scratch(group):  # [Note: all-gather on Gloo]
-            self.gather_scratch = POOL.take(self.gather_tmp.numel(), source.dtype, self.device)
-            self.tracker.add("comm", _nbytes(self.gather_scratch))
         self.gather_work = comm.all_gather_into_tensor(
-            self.gather_tmp, source, group, label=f"{self.label}.{kind}", async_op=True,
-            scratch=self.gather_scratch)
+            self.gather_tmp, source, group, label=f"{self.label}.{kind}", async_op=True)
 
     def _wait(self) -> None:
         """Complete the gather in flight and check every rank's identity trailer."""
@@ -296,15 +291,13 @@ class Unit(GradientReducer):
             self.tag.check(self.gather_tmp.view(-1, self.wire_row)[:, s:], kind)
 
     def _release_gather(self) -> None:
-        self.tracker.sub("comm", _nbytes(self.gather_tmp) + _nbytes(self.gather_scratch))
+        self.tracker.sub("comm", _nbytes(self.gather_tmp))
         staged = self.gather_in if self.gather_in is not self.send_buf else None
         self.tracker.sub("comm", _nbytes(staged))
         # [Note: buffer pool] / [Note: CUDA streams]: the gather has completed and the copy-out
         # is queued, so its buffers can serve again.
-        self.streams.release("gather", self.gather_tmp, self.gather_scratch, staged,
-                             self.gather_work)
+        self.streams.release("gather", self.gather_tmp, staged, self.gather_work)
         self.gather_work, self.gather_tmp, self.gather_in = None, None, None
-        self.gather_scratch = None
 
     def _drain(self) -> None:
         """Complete a gather in flight and discard what it brought (not copied anywhere)."""

@@ -54,10 +54,7 @@ class GradientReducer:
                 packed[:, p.offset:p.offset + p.padded_numel].copy_(flat.view(n, -1))
         self.tracker.add("comm", nbytes(self.reduce_in))
         for full in self.full_params[:len(self.trainable)]:
-            if self.stage == 1 and full.grad is not None:
-                full.grad.zero_()  # ZeRO-1 keeps whole gradients allocated between steps
-            else:
-                full.grad = None
+            full.grad = None
 
     def _ensure_grad_buf(self) -> None:
         if self.grad_buf is None:

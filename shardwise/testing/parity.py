@@ -159,7 +159,11 @@ class _null:
 
 
 def _train_dp(model, opt, batches, cfg, rank, world, sync, clip, full_state,
-              zero_missing=False, loss_fn=None, after_step=None) -> RunResult:
+              zero_missing=False, loss_fn=None, after_step=None,
+              loss_group=None) -> RunResult:
+    """The training loop: data rank ``rank`` of ``world`` takes its slice of each global
+    micro-batch; the step's loss is averaged over ``loss_group`` (default: every rank; with
+    tensor parallelism, the data ranks, since tensor ranks compute the same loss)."""
     loss_fn = loss_fn or _loss
     per_rank = batches.shape[2] // world
     res = RunResult()
@@ -171,11 +175,11 @@ def _train_dp(model, opt, batches, cfg, rank, world, sync, clip, full_state,
                 loss = loss_fn(model, mine) / cfg.accum
                 loss.backward()
             total += loss.detach().double()
-        comm.all_reduce(total, label="parity.loss")
+        comm.all_reduce(total, loss_group, label="parity.loss")
         if zero_missing:
             _zero_missing_grads(model)
         norm = clip()
-        res.losses.append(total.item() / world)
+        res.losses.append(total.item() / comm.group_size(loss_group))
         res.grad_norms.append(float(norm))
         opt.step()
         opt.zero_grad()

@@ -18,10 +18,26 @@ import shardwise
 from shardwise.testing.topologies import Block, Pair, TopologyModel
 
 __all__ = ["STEPS", "GLOBAL_BATCH", "LAYOUTS", "build", "batch", "reference", "train",
-           "grid", "has_transformers"]
+           "grid", "has_transformers", "weight_err"]
 
 STEPS, GLOBAL_BATCH = 4, 12          # 12 pairs divide among 2 and 3 ranks
 LAYOUTS = [(1, True), (2, True), (3, True), (3, False)]   # (stage, reshard_after_forward)
+
+
+def weight_err(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+               floor: float = 1e-2) -> tuple[float, str]:
+    """The largest per-tensor ``max |w - w_ref| / max(max |w_ref|, floor)`` and its key.
+
+    The floor keeps tensors that stay near zero (a key projection's bias, whose gradient is
+    zero in exact arithmetic) from turning rounding noise into huge relative errors; 1e-2 is
+    below the scale of any trained weight here.
+    """
+    worst = (0.0, "")
+    for k, r in ref.items():
+        scale = max(r.abs().max().item() if r.numel() else 0.0, floor)
+        diff = (state[k].double() - r.double()).abs().max().item() if r.numel() else 0.0
+        worst = max(worst, (diff / scale, k))
+    return worst
 
 
 def has_transformers() -> bool:

@@ -95,10 +95,11 @@ class TrainConfig:
     steps: int = 150
     """Optimizer steps to run."""
     batch_size: int = 4
-    """Sequences per micro-batch on each rank."""
+    """Sequences per micro-batch on each data-parallel rank (the tp ranks of one data rank
+    share them)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (global batch = batch_size * grad_accum
-    * world size sequences)."""
+    * dp_replicate * dp_shard sequences; tp does not multiply it)."""
     seed: int = 0
     """Seed of the model initialisation (identical on every rank)."""
     eval_interval: int = 50
@@ -110,6 +111,16 @@ class TrainConfig:
     nonfinite: str = "stop"
     """A nan/inf loss or gradient before the optimizer step: "stop" (fail naming the first
     offending parameter and the step) or "skip" (drop the update, log it, continue)."""
+    activation_checkpoint: str = "none"
+    """Recompute activations in backward instead of keeping them: "none", "full" (each
+    transformer block keeps only its input) or "selective" (blocks also keep matmul and
+    attention outputs; norms, RoPE and activations are recomputed). Dense models only."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (one graph per block; the sharding
+    engine's communication stays outside the graphs). Dense models only."""
+    compile_backend: str = "inductor"
+    """torch.compile backend when compile is true: "inductor" (generated kernels; needs a C++
+    compiler on CPU, Triton on GPU), "aot_eager" (traced, no code generation) or "eager"."""
     sync_debug: str = "off"
     """On CUDA, torch.cuda.set_sync_debug_mode around each step's forward, backward, norm,
     clipping and optimizer step (not the step's one statistics read): "off", "warn" or
@@ -151,9 +162,15 @@ class ParallelConfig:
     stage: int = 3
     """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 + gradients, 3 + params."""
     dp_replicate: int = 1
-    """Data-parallel replicas (HSDP outer axis); dp_replicate * dp_shard = world size."""
+    """Data-parallel replicas (HSDP outer axis); dp_replicate * dp_shard * tp = world size."""
     dp_shard: int = -1
-    """Ranks each replica is sharded over (-1: world size // dp_replicate)."""
+    """Ranks each replica is sharded over (-1: world size // (dp_replicate * tp))."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks each layer's matrices are split over (Megatron style,
+    consecutive ranks of one node); heads, vocabulary and feed-forward width must divide."""
+    sequence_parallel: bool | None = None
+    """With tp > 1, split norms and residual activations along the sequence between
+    tensor-parallel regions (1/tp of their memory; seq_len must divide). Unset: on if tp > 1."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (stage 3) and gather them again for backward."""
     prefetch: int = 1

@@ -5,6 +5,7 @@ expected (see docs/configuration.md)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import socket
@@ -12,9 +13,13 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from shardwise.train.pipeline import check_pipeline_config, pipeline_world
+__all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel",
+           "check_model_combinations", "AC_POLICIES", "COMPILE_BACKENDS"]
 
-__all__ = ["validate", "resolve_world", "check_output_dir"]
+# Kept equal to shardwise.parallel.AC_POLICIES by tests/test_activation_checkpoint.py (this
+# module stays free of torch imports: the command line loads configs before torch).
+AC_POLICIES = ("none", "full", "selective")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def _positive(v: Any) -> bool:
@@ -55,6 +60,9 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("train.log_interval", _positive, "a positive int"),
     ("train.nonfinite", lambda v: v in ("stop", "skip"), "'stop' or 'skip'"),
     ("train.sync_debug", lambda v: v in ("off", "warn", "error"), "'off', 'warn' or 'error'"),
+    ("train.activation_checkpoint", lambda v: v in AC_POLICIES, "'none', 'full' or 'selective'"),
+    ("train.compile_backend", lambda v: v in COMPILE_BACKENDS,
+     "'inductor', 'aot_eager' or 'eager'"),
     ("optim.lr", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
     ("optim.betas", lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     ("optim.eps", _positive, "a positive number"),
@@ -67,6 +75,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.stage", lambda v: v in (0, 1, 2, 3), "a ZeRO stage in 0..3"),
     ("parallel.dp_replicate", _positive, "a positive int"),
     ("parallel.dp_shard", lambda v: v == -1 or v > 0, "a positive int or -1 (infer)"),
+    ("parallel.tp", _positive, "a positive int (tensor-parallel degree)"),
     ("parallel.prefetch", _non_negative, "an int >= 0"),
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
     ("parallel.timeout_s", _positive, "a positive number of seconds"),
@@ -121,10 +130,17 @@ def _combinations(config) -> None:
     if config.log.overwrite and resume != "none":
         raise ValueError(f"log.overwrite=true removes the run that checkpoint.resume={resume!r} "
                          "would continue; expected one of the two")
+    if par.sequence_parallel and par.tp == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the "
+                         "activations between tensor-parallel regions), got tp 1")
+    if sequence_parallel(par) and config.data.seq_len % par.tp:
+        raise ValueError(f"data.seq_len={config.data.seq_len} must be divisible by parallel.tp="
+                         f"{par.tp} with sequence parallelism (each tensor rank holds "
+                         f"seq_len / tp positions); set parallel.sequence_parallel=false or "
+                         f"change data.seq_len")
     if off.device != "none" and par.stage == 0:
         raise ValueError(f"offload.device={off.device!r} needs parallel.stage 1, 2 or 3 "
                          f"(sharded masters), got 0")
-    check_pipeline_config(config)
 
 
 def validate(config) -> None:
@@ -136,8 +152,44 @@ def validate(config) -> None:
     for key, ok, expected in _RULES:
         value = _get(config, key)
         if not ok(value):
-            raise ValueError(f"{key} must be {expected}, got {value!r}")
+            raise ValueError(f"{key} must be {expected}, got {value!r}{_suggest(key, value)}")
     _combinations(config)
+
+
+def sequence_parallel(par) -> bool:
+    """Whether a ``[parallel]`` section runs sequence parallelism (unset: when tp > 1)."""
+    return par.tp > 1 if par.sequence_parallel is None else bool(par.sequence_parallel)
+
+
+_CHOICES = {"train.activation_checkpoint": AC_POLICIES, "train.compile_backend": COMPILE_BACKENDS}
+
+
+def _suggest(key: str, value: Any) -> str:
+    """`` (did you mean 'selective'?)`` for a near miss of a key with named choices."""
+    close = difflib.get_close_matches(str(value), _CHOICES.get(key, ()), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_model_combinations(config, model_cfg) -> None:
+    """Checks that need the model's shape (its :class:`~shardwise.models.LlamaConfig`).
+
+    Raises:
+        ValueError: ``train.compile`` or ``train.activation_checkpoint`` with an MoE model
+            (routing with data-dependent shapes and balance statistics in forward).
+    """
+    t = config.train
+    asked = [f"train.compile={str(t.compile).lower()}" if t.compile else "",
+             f"train.activation_checkpoint={t.activation_checkpoint!r}"
+             if t.activation_checkpoint != "none" else ""]
+    asked = [a for a in asked if a]
+    if asked and model_cfg.num_experts > 0:
+        raise ValueError(f"{' and '.join(asked)} need a dense model; model "
+                         f"{config.model.name!r} has MoE layers (num_experts="
+                         f"{model_cfg.num_experts}), whose routing has data-dependent shapes "
+                         "and whose balance statistics are all-reduced in forward (no "
+                         "compiled graph, and a recompute would count them twice); expected "
+                         "a dense model or the defaults (compile false, activation_checkpoint "
+                         "'none')")
 
 
 def resolve_world(config, world_size: int):
@@ -151,21 +203,28 @@ def resolve_world(config, world_size: int):
         The config with ``parallel.dp_shard`` resolved.
 
     Raises:
-        ValueError: if ``dp_replicate * dp_shard != world_size``.
+        ValueError: if ``dp_replicate * dp_shard * tp != world_size``, naming each degree.
     """
     par = config.parallel
-    world_size = pipeline_world(config, world_size)  # the data ranks: pp splits the world
-    shard = par.dp_shard
+    if world_size % par.pp:  # pp is the outermost axis: the rest splits world / pp
+        raise ValueError(f"parallel.pp={par.pp} must divide the world size {world_size} (pp x "
+                         f"dp_replicate x dp_shard x tp ranks)")
+    world_size //= par.pp
+    per_pp = f" / parallel.pp={par.pp}" if par.pp > 1 else ""
+    shard, others = par.dp_shard, par.dp_replicate * par.tp
+    names = "parallel.dp_replicate" + (" * parallel.tp" if par.tp > 1 else "")
+    degrees = f"{par.dp_replicate}" + (f" * {par.tp}" if par.tp > 1 else "")
     if shard == -1:
-        if world_size % par.dp_replicate != 0:
-            raise ValueError(f"parallel.dp_replicate={par.dp_replicate} does not divide the world "
-                             f"size {world_size}; expected a divisor of {world_size}")
-        shard = world_size // par.dp_replicate
-    if par.dp_replicate * shard != world_size:
-        pp = f" / parallel.pp={par.pp}" if par.pp > 1 else ""
-        raise ValueError(f"parallel.dp_replicate * parallel.dp_shard = {par.dp_replicate} * "
-                         f"{shard} = {par.dp_replicate * shard}, expected the world size "
-                         f"{world_size}{pp}")
+        if world_size % others != 0:
+            what = f"{names} = {degrees} = {others}" if par.tp > 1 else f"{names}={others}"
+            raise ValueError(f"{what} does not divide the world size {world_size}{per_pp}; "
+                             f"expected a divisor of {world_size}")
+        shard = world_size // others
+    if others * shard != world_size:
+        tp_names, tp_deg = (" * parallel.tp", f" * {par.tp}") if par.tp > 1 else ("", "")
+        raise ValueError(f"parallel.dp_replicate * parallel.dp_shard{tp_names} = "
+                         f"{par.dp_replicate} * {shard}{tp_deg} = {others * shard}, expected "
+                         f"the world size {world_size}{per_pp}")
     hierarchy = config.comm.hierarchy
     if hierarchy and shard % hierarchy:
         raise ValueError(f"comm.hierarchy={hierarchy} must divide parallel.dp_shard={shard} "

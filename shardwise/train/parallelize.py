@@ -1,34 +1,47 @@
 """Everything the trainer knows about parallelism, in one place.
 
-The model is built on the meta device and sharded by the ZeRO engine with the run's stage,
-mesh, precision, quantised communication and offload; the optimizer is wrapped when
+Composition order (DESIGN.md, "N-D layouts"): the model is built on the meta device ->
+``apply_tp`` (tensor + sequence parallelism over the mesh's ``tp`` axis) -> activation
+checkpointing -> compile -> sharded by the ZeRO engine over the data axes with the run's
+stage, precision, quantised communication and offload, which materialises it module by
+module. The optimizer is wrapped when
 optimizer state is offloaded; accumulation micro-batches run without gradient
-communication; clipping is over the sharded gradients. The trainer calls these and
-nothing else of the engine.
+communication; clipping is over the sharded gradients; the loss is vocab-parallel under
+tensor parallelism. The trainer calls these and nothing else of the engine.
+
+Batch semantics (every layout): ``train.batch_size`` sequences per data-parallel rank per
+micro-batch; the global batch is ``batch_size x grad_accum x dp_replicate x dp_shard``; the
+tensor ranks of one data rank see the same sequences (:func:`data_rank`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import shardwise
 from shardwise import CommQuant, LossScaler, MixedPrecision, Offload
 from shardwise.distributed import env as dist_env
 from shardwise.distributed.mesh import ParallelDims
+from shardwise.parallel.tensor import default_plan, tp_context, vocab_parallel_cross_entropy
 from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
+from shardwise.train.config_checks import sequence_parallel
 from shardwise.train.moe import apply_moe
 from shardwise.train.pipeline import build_pipeline_model
 
 __all__ = ["build_mixed_precision", "build_comm_quant", "build_offload", "validate_offload",
            "build_loss_scaler", "build_parallel_model", "wrap_optimizer", "no_sync",
-           "clip_grad_norm_", "as_config_keys"]
+           "clip_grad_norm_", "as_config_keys", "parallel_dims", "data_rank", "cross_entropy",
+           "validate_tp", "describe_layout", "layout_record"]
 
 # The engine names its arguments (Offload(path='/x')); a trainer user wrote config keys.
 _OFFLOAD_KEYS = {"device": "offload.device", "path": "offload.path",
@@ -66,15 +79,33 @@ def build_loss_scaler(cfg: Config) -> LossScaler:
                       enabled=p.param_dtype == "fp16")
 
 
+def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
+    """The run's degrees (``parallel.pp``, ``dp_replicate``, ``dp_shard``, ``tp``), resolved."""
+    par = cfg.parallel
+    return ParallelDims(par.dp_replicate, par.dp_shard, world_size, pp=par.pp,
+                        tp=par.tp).resolved()
+
+
+def data_rank(cfg: Config, env: dist_env.DistEnv) -> tuple[int, int]:
+    """(this rank's data-parallel index, the number of data-parallel ranks): what the
+    loader, validation and token counts use. Tensor ranks of one data rank share it."""
+    dims = parallel_dims(cfg, env.world_size)
+    ranks = dims.axis_ranks("dp", env.rank)
+    return ranks.index(env.rank), len(ranks)
+
+
 def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
-    """Build the model on the meta device and shard it with the ZeRO engine.
+    """Build the model on the meta device, apply tensor parallelism, checkpoint and compile
+    its blocks as ``train.activation_checkpoint`` and ``train.compile`` ask, and shard it
+    with the ZeRO engine (the composition order of the module doc).
 
     Each rank initialises the model one module at a time and keeps only its shard, so no
     rank ever holds the whole model; the weights are bitwise those of eager init with
-    ``train.seed`` (see docs/engine.md).
+    ``train.seed`` at any layout (see docs/engine.md).
 
     Args:
-        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``).
+        cfg: the run config (``parallel`` and ``precision`` sections, ``train.seed``,
+            ``train.activation_checkpoint``, ``train.compile``, ``train.compile_backend``).
         model_cfg: the model's :class:`~shardwise.models.LlamaConfig`.
         env: this process's place in the job.
 
@@ -88,13 +119,26 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     from shardwise.models import build_model as build
 
     par = cfg.parallel
-    if par.pp > 1:  # split into stages, each piece sharded over its stage's data ranks
+    dims = parallel_dims(cfg, env.world_size)
+    # The fixed composition order (shared/DESIGN.md), each step leaving a plain nn.Module:
+    # build on meta -> tensor / sequence parallelism -> expert parallelism (not built yet)
+    # -> activation checkpointing -> compile -> pipeline split -> shard -> materialise
+    # (inside shard). Checkpointing before compile: the compiled graph then holds the
+    # recompute (one graph per block). Compile before shard: compile_blocks replaces each
+    # block's forward, and the engine's hooks, installed by shard on the block's __call__,
+    # run eagerly around the compiled graph ([Note: collectives outside compiled regions]).
+    if dims.pp > 1:  # split into stages, each piece sharded over its stage's data ranks
         return build_pipeline_model(cfg, model_cfg, env, dict(
             reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch,
             mixed_precision=build_mixed_precision(cfg), comm=build_comm_quant(cfg)))
-    dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size).resolved()
-    mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 else None
+    mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 or dims.tp > 1 else None
     model = build(model_cfg, device="meta")
+    if dims.tp > 1:  # before sharding: the engine shards each tensor rank's pieces
+        shardwise.apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
+    t = cfg.train
+    shardwise.checkpoint_activations(model, t.activation_checkpoint, blocks=TransformerBlock)
+    if t.compile:
+        shardwise.compile_blocks(model, TransformerBlock, backend=t.compile_backend)
     torch.manual_seed(cfg.train.seed)
     model = shardwise.shard(model, stage=par.stage, wrap={TransformerBlock}, mesh=mesh,
                             reshard_after_forward=par.reshard_after_forward,
@@ -104,6 +148,73 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
                             device=env.device)
     # Every rank is a data-parallel replica: balance over the global batch.
     return apply_moe(model, cfg)
+
+
+def cross_entropy(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor
+                  ) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``model``'s logits: vocab-parallel (the full logits
+    never gathered) when tensor parallelism returns vocab-sharded logits."""
+    ctx = tp_context(model)
+    if ctx is not None and ctx.loss_parallel:
+        return vocab_parallel_cross_entropy(logits, targets, ctx.tp.group)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _local_ranks(world_size: int) -> int:
+    """Ranks per node as the launcher says (torchrun, SLURM), else the whole job."""
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "").split("(")[0]
+        if value.isdigit():
+            return int(value)
+    return world_size
+
+
+def validate_tp(cfg: Config, model_cfg: Any, world_size: int) -> None:
+    """Tensor-parallel checks that need the model's shape, before any rank starts; warns when
+    a tensor-parallel group would span nodes.
+
+    Raises:
+        ValueError: heads, KV heads, vocabulary or feed-forward width not divisible by
+            ``parallel.tp``; a model the built-in plan does not cover (MoE, latent
+            attention); each message names ``parallel.tp``.
+    """
+    tp = cfg.parallel.tp
+    if tp == 1:
+        return
+    from shardwise.models import build_model as build
+
+    try:
+        default_plan(build(model_cfg, device="meta"), tp)
+    except ValueError as exc:
+        raise ValueError(f"parallel.tp={tp}: {exc}") from None
+    local = _local_ranks(world_size)
+    if tp > local:
+        warnings.warn(f"parallel.tp={tp} is more than the {local} ranks of a node: every "
+                      f"layer's collectives will cross nodes (tensor parallelism wants the "
+                      f"fastest links; keep tp within a node)", stacklevel=2)
+
+
+def describe_layout(cfg: Config, world_size: int) -> str:
+    """The layout in words for the start line, e.g. ``"tp 2 (sequence parallel) x dp_shard
+    2, ZeRO stage 3"``."""
+    dims, par = parallel_dims(cfg, world_size), cfg.parallel
+    parts = []
+    if dims.tp > 1:
+        parts.append(f"tp {dims.tp}" + (" (sequence parallel)" if sequence_parallel(par)
+                                        else ""))
+    if dims.dp_replicate > 1:
+        parts.append(f"dp_replicate {dims.dp_replicate}")
+    parts.append(f"dp_shard {dims.dp_shard}")
+    return " x ".join(parts) + f", ZeRO stage {par.stage}"
+
+
+def layout_record(cfg: Config, world_size: int) -> dict[str, Any]:
+    """The layout for ``summary.json``: every degree, sequence parallelism, the stage."""
+    dims = parallel_dims(cfg, world_size)
+    return {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+            "cp": dims.cp, "tp": dims.tp, "ep": dims.ep,
+            "sequence_parallel": sequence_parallel(cfg.parallel) and dims.tp > 1,
+            "stage": cfg.parallel.stage}
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:

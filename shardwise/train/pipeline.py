@@ -56,6 +56,8 @@ def check_pipeline_config(cfg: Any) -> None:
                          f"{cfg.train.batch_size} (the sequences each data-parallel rank "
                          f"splits into micro-batches)")
     unsupported = [
+        (cfg.parallel.tp > 1, f"parallel.tp={cfg.parallel.tp} (tensor parallelism inside "
+                              "pipeline stages is not built)"),
         (cfg.train.grad_accum != 1, f"train.grad_accum={cfg.train.grad_accum} (the pipeline's "
                                     "micro-batches are the accumulation: set grad_accum 1)"),
         (cfg.precision.param_dtype == "fp16", "precision.param_dtype='fp16' (use bf16)"),
@@ -131,7 +133,8 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     Returns:
         The :class:`PipelinePart` (parameter names as in the unsplit model).
     """
-    from shardwise.models import build_model, init_module_weights
+    from shardwise.models import TransformerBlock, build_model, init_module_weights
+    from shardwise.parallel import checkpoint_activations, compile_blocks
 
     par = cfg.parallel
     pp, v, layers = _layout(cfg)
@@ -139,6 +142,12 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     mesh = pipeline_mesh(pp, par.dp_replicate, env.device.type)
     part = split_stages(build_model(model_cfg, device="meta"), mesh, v, layers,
                         placement=schedule.placement)
+    # Checkpointing and compile wrap each block of this rank's stages, before sharding (the
+    # composition order of shardwise.train.parallelize).
+    t = cfg.train
+    checkpoint_activations(part, t.activation_checkpoint, blocks=TransformerBlock)
+    if t.compile:
+        compile_blocks(part, TransformerBlock, backend=t.compile_backend)
     torch.manual_seed(cfg.train.seed)
     shard_stages(part, stage=par.stage, init_weights=init_module_weights, device=env.device,
                  **shard_kwargs)

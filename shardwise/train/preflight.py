@@ -17,10 +17,12 @@ import torch
 from shardwise.train import config_io
 from shardwise.train.compat import check_fault_spec, check_resume
 from shardwise.train.config import Config, check_output_dir, resolve_world, to_toml
+from shardwise.train.config_checks import check_model_combinations
 from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
-from shardwise.train.pipeline import check_pipeline_model
+from shardwise.train.pipeline import check_pipeline_config, check_pipeline_model
+from shardwise.train.pipeline import check_pipeline_config, check_pipeline_model
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
            "announce"]
@@ -138,14 +140,19 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
             TensorBoard asked for but missing, a bad model name / shape / seq_len, a corpus
             with no or too little text, a bad ``$SHARDWISE_FAULT``, a ``checkpoint.resume``
             that is missing or was saved from another model shape or vocabulary, ``[moe]``
-            settings for a model without MoE layers, a pipeline split the model cannot take.
+            settings for a model without MoE layers, heads / vocabulary / widths not
+            divisible by ``parallel.tp``, compile or activation checkpointing
+            with an MoE model, a pipeline the model or the config cannot take.
     """
     cfg = resolve_world(cfg, world_size)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
                          "expected 'gloo' or 'auto'")
-    check_moe(cfg, build_model_config(cfg))  # cheap shape / seq_len / [moe] checks first
-    check_pipeline_model(cfg, build_model_config(cfg))
+    model_cfg = build_model_config(cfg)  # cheap shape / seq_len / [moe] checks first
+    check_moe(cfg, model_cfg)
+    check_model_combinations(cfg, model_cfg)
+    check_pipeline_config(cfg)
+    check_pipeline_model(cfg, model_cfg)
     check_fault_spec()
     if cfg.log.tensorboard:
         require_tensorboard()
@@ -153,8 +160,11 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     check_output_dir(cfg.log.dir)
     from shardwise.train.parallelize import validate_offload  # the engine's directory check
     validate_offload(cfg)
-    data = build_data(cfg, world_size)
-    check_resume(cfg, build_model_config(cfg, data.vocab_size))
+    data = build_data(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
+    model_cfg = build_model_config(cfg, data.vocab_size)
+    from shardwise.train.parallelize import validate_tp  # heads / vocab vs parallel.tp
+    validate_tp(cfg, model_cfg, world_size)
+    check_resume(cfg, model_cfg)
     return cfg, data
 
 

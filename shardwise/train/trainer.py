@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import shardwise
@@ -30,12 +29,13 @@ from shardwise.distributed import env as dist_env
 from shardwise.distributed import watchdog
 from shardwise.train.config import Config
 from shardwise.shard import clip_grads_with_norm_
-from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model, no_sync,
-                                         wrap_optimizer)
+from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model,
+                                         cross_entropy, data_rank, describe_layout,
+                                         layout_record, no_sync, wrap_optimizer)
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
 from shardwise.train.moe import describe_moe, finish_moe_record, with_moe_loss
-from shardwise.train.pipeline import data_parallel, describe_pipeline, pipeline_of
+from shardwise.train.pipeline import describe_pipeline, pipeline_of
 from shardwise.train.pipeline import grad_norm as total_grad_norm
 from shardwise.train.preflight import build_model_config
 from shardwise.train.schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
@@ -135,8 +135,8 @@ def _checkpoint_due(step: int, cfg: Config) -> bool:
 
 
 def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(inputs)  # (B, T, vocab)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    logits = model(inputs)  # (B, T, vocab), or (B, T, vocab / tp) under loss parallelism
+    return cross_entropy(model, logits, targets)
 
 
 def _gather_stats(values: list[torch.Tensor | float], env: dist_env.DistEnv) -> torch.Tensor:
@@ -244,7 +244,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     optimizer.zero_grad(set_to_none=True)
     moe = finish_moe_record(model, update_bias=skip is None and stepped)
     elapsed = time.perf_counter() - start
-    tokens = data_parallel(model, env)[1] * accum * cfg.train.batch_size * cfg.data.seq_len
+    tokens = data_rank(cfg, env)[1] * accum * cfg.train.batch_size * cfg.data.seq_len
     record = {"step": step, "loss": sum(losses) / len(losses), "lr": lr,
               "grad_norm": float(grad_norm), "tokens": tokens, "tokens_per_s": tokens / elapsed,
               "step_time_s": elapsed, "rss_mib": [round(m, 1) for m in stats[:, 2].tolist()]}
@@ -269,10 +269,10 @@ def evaluate(model: nn.Module, val_ids: torch.Tensor, cfg: Config, env: dist_env
     """
     from shardwise.data import iter_eval_batches
 
-    dp_rank, dp_size = data_parallel(model, env)
+    rank, ranks = data_rank(cfg, env)  # tensor ranks of one data rank share its batches
     batches = iter_eval_batches(val_ids, seq_len=cfg.data.seq_len,
-                                batch_size=cfg.train.batch_size, rank=dp_rank,
-                                world_size=dp_size, max_batches=cfg.train.eval_batches)
+                                batch_size=cfg.train.batch_size, rank=rank,
+                                world_size=ranks, max_batches=cfg.train.eval_batches)
     pipe = pipeline_of(model)  # a forward-only run of its schedule
     loss_fn = pipe.evaluate if pipe is not None else lambda x, y: _loss(model, x, y)
     model.eval()
@@ -282,7 +282,7 @@ def evaluate(model: nn.Module, val_ids: torch.Tensor, cfg: Config, env: dist_env
         count += 1
     model.train()
     mean = _gather_stats([total / count], env)[:, 0].mean().item()
-    tokens = dp_size * count * cfg.train.batch_size * cfg.data.seq_len
+    tokens = ranks * count * cfg.train.batch_size * cfg.data.seq_len
     return {"step": step, "val_loss": mean, "val_tokens": tokens}
 
 
@@ -320,10 +320,9 @@ def _start_logger(cfg: Config, env: dist_env.DistEnv, model_cfg: Any, data: Any,
                 f"{env.backend}); data "
                 f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
     logger.echo(val_line)
-    logger.echo(f"ZeRO stage {cfg.parallel.stage} over {cfg.parallel.dp_shard} rank(s)"
-                + (f" x {cfg.parallel.dp_replicate} replicas" if cfg.parallel.dp_replicate > 1
-                   else "") + f"; compute {cfg.precision.param_dtype}, reduce "
-                f"{cfg.precision.reduce_dtype}, masters fp32")
+    logger.echo(f"layout {describe_layout(cfg, env.world_size)}; compute "
+                f"{cfg.precision.param_dtype}, reduce {cfg.precision.reduce_dtype}, masters "
+                f"fp32")
     for note in notes:
         if note:
             logger.echo(note)
@@ -353,10 +352,10 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
     optimizer = wrap_optimizer(build_optimizer(model, cfg.optim), model)
     scaler = build_loss_scaler(cfg)
     schedule = build_lr_schedule(optimizer, cfg.optim, cfg.train.steps)
-    dp_rank, dp_size = data_parallel(model, env)  # pipeline ranks of a replica: one batch
+    rank, ranks = data_rank(cfg, env)  # tensor ranks of one data rank share its batches
     loader = TokenLoader(data.train_ids, seq_len=cfg.data.seq_len,
-                         batch_size=cfg.train.batch_size, rank=dp_rank,
-                         world_size=dp_size, seed=cfg.data.seed)
+                         batch_size=cfg.train.batch_size, rank=rank, world_size=ranks,
+                         seed=cfg.data.seed)
     stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
     ckpt, done, note = resume_or_import(cfg, model, optimizer, stateful, env)
     horizon = apply_schedule_horizon(schedule, cfg.optim.schedule_horizon, cfg.train.steps, done)
@@ -418,6 +417,7 @@ def _finish(cfg: Config, env: dist_env.DistEnv, logger: MetricsLogger,
         "steps": len(steps), "tokens": tokens,
         "tokens_per_s": tokens / train_time if train_time > 0 else None,
         "world_size": env.world_size, "zero_stage": cfg.parallel.stage,
+        "layout": layout_record(cfg, env.world_size),
         "peak_rss_mib": [round(m, 1) for m in peak_mib],
         "model_state_mib": [round(m, 2) for m in model_state_mib],
         "skipped_steps": skipped_steps,

@@ -1,0 +1,151 @@
+"""Tensor-parallel plans: which module gets which style.
+
+A plan is data (DESIGN.md, principle 4): ``{"module.name.glob": style}``, where ``*``
+matches one dotted component (``"layers.*.attention.wq"``) and the styles are
+
+==================  ==========================================================================
+``colwise``         column-parallel ``nn.Linear``: output features split (q, k, v, gate, up)
+``rowwise``         row-parallel ``nn.Linear``: input features split, output summed (o, down)
+``vocab``           vocab-parallel ``nn.Embedding``: rows (token ids) split
+``colwise_output``  the LM head: vocab-sharded logits with loss parallel, gathered without
+``colwise_gather``  column-parallel with the output gathered whole
+``sequence``        a module of a sequence-parallel region (norms): parameters replicated,
+                    gradients summed over the tensor ranks under sequence parallelism
+==================  ==========================================================================
+
+Built in: the shardwise Llama (:data:`LLAMA_PLAN`), and any Hugging Face model whose config
+carries ``base_model_tp_plan`` (HF's styles mapped by :data:`HF_STYLES`; the causal-LM
+class's own ``_tp_plan`` adds its head).
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from shardwise.models.llama import Transformer
+from shardwise.parallel.tensor.layers import STYLES
+
+__all__ = ["LLAMA_PLAN", "HF_STYLES", "default_plan", "resolve_plan", "hf_plan"]
+
+LLAMA_PLAN: dict[str, str] = {
+    "tok_embeddings": "vocab",
+    "layers.*.attention_norm": "sequence",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.ffn_norm": "sequence",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "norm": "sequence",
+    "output": "colwise_output",
+}
+"""The plan of :class:`shardwise.models.Transformer` (dense, grouped-query attention)."""
+
+HF_STYLES: dict[str, str] = {"colwise": "colwise", "rowwise": "rowwise",
+                             "colwise_rep": "colwise_gather",
+                             "colwise_gather_output": "colwise_gather"}
+"""Hugging Face ``base_model_tp_plan`` styles and the shardwise style each maps to."""
+
+
+def _llama_plan(model: nn.Module, tp: int) -> dict[str, str]:
+    cfg = model.config
+    if cfg.attention == "mla":
+        raise ValueError("the built-in tensor-parallel plan covers grouped-query attention; "
+                         "attention='mla' (multi-head latent attention) has none yet: pass "
+                         "plan={...} naming its modules")
+    if cfg.num_experts:
+        raise ValueError(f"the built-in tensor-parallel plan covers dense feed-forwards; this "
+                         f"model has num_experts={cfg.num_experts} (MoE), which has none yet")
+    if cfg.n_heads % tp:
+        raise ValueError(f"n_heads={cfg.n_heads} is not divisible by tp={tp}")
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        raise ValueError(f"n_kv_heads={cfg.n_kv_heads} is not divisible by tp={tp}, and tp is "
+                         f"not a multiple of it")
+    if cfg.vocab_size % tp:
+        raise ValueError(f"vocab_size={cfg.vocab_size} is not divisible by tp={tp}")
+    if cfg.ffn_hidden_dim % tp:
+        raise ValueError(f"the feed-forward width {cfg.ffn_hidden_dim} is not divisible by "
+                         f"tp={tp}")
+    return dict(LLAMA_PLAN)
+
+
+def hf_plan(model: nn.Module) -> dict[str, str] | None:
+    """The plan of a Hugging Face model from its config's ``base_model_tp_plan`` (prefixed
+    with the base model's attribute) and its class's ``_tp_plan``, in shardwise styles; None
+    when the config carries no plan.
+
+    Raises:
+        ValueError: an HF style with no shardwise mapping, naming it and the module.
+    """
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if not base:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) \
+        else ""
+    raw = {prefix + k: v for k, v in base.items()}
+    raw.update(getattr(type(model), "_tp_plan", None) or {})
+    plan = {}
+    for pattern, style in raw.items():
+        if style not in HF_STYLES:
+            raise ValueError(f"Hugging Face tensor-parallel style {style!r} (for {pattern}) has "
+                             f"no shardwise mapping; mapped styles: {sorted(HF_STYLES)}")
+        plan[pattern] = HF_STYLES[style]
+    return plan
+
+
+def default_plan(model: nn.Module, tp: int) -> tuple[dict[str, str], str]:
+    """The built-in plan of ``model`` and where it came from ("llama" or "hf").
+
+    Raises:
+        ValueError: a model with no built-in plan, or one the plan does not cover.
+    """
+    if isinstance(model, Transformer):
+        return _llama_plan(model, tp), "llama"
+    plan = hf_plan(model)
+    if plan is not None:
+        return plan, "hf"
+    raise ValueError(f"{type(model).__name__} has no built-in tensor-parallel plan (neither a "
+                     f"shardwise Transformer nor a Hugging Face model whose config has "
+                     f"base_model_tp_plan); pass plan={{'module.glob': style}}")
+
+
+def _regex(pattern: str) -> re.Pattern:
+    parts = pattern.split(".")
+    return re.compile(r"\.".join(r"[^.]+" if p == "*" else re.escape(p) for p in parts))
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Module, str]]:
+    """``[(module name, module, style)]`` in ``model.named_modules()`` order.
+
+    Raises:
+        ValueError: a plan that is not a dict of strings, an unknown style, a pattern that
+            matches no module, or a module two patterns give different styles.
+    """
+    if not isinstance(plan, dict):
+        raise ValueError(f"plan must be a dict {{'module.glob': style}}, got "
+                         f"{type(plan).__name__}")
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    chosen: dict[str, tuple[str, str]] = {}
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not isinstance(style, str):
+            raise ValueError(f"plan entries must be str -> str, got {pattern!r}: {style!r}")
+        if style not in STYLES:
+            raise ValueError(f"plan entry {pattern!r}: unknown style {style!r}; expected one of "
+                             f"{STYLES}")
+        rx = _regex(pattern)
+        hits = [n for n, _ in modules if rx.fullmatch(n)]
+        if not hits:
+            raise ValueError(f"plan entry {pattern!r} ({style}) matches no module of "
+                             f"{type(model).__name__}")
+        for n in hits:
+            if n in chosen and chosen[n][1] != style:
+                raise ValueError(f"module {n} gets style {chosen[n][1]!r} from {chosen[n][0]!r} "
+                                 f"and {style!r} from {pattern!r}")
+            chosen[n] = (pattern, style)
+    return [(n, m, chosen[n][1]) for n, m in modules if n in chosen]
