@@ -58,6 +58,6 @@ def test_an_engine_collective_skipped_on_one_rank_is_caught_before_it_runs(tmp_p
     report = reports.pop()
     head = report.splitlines()[0]
     assert head.startswith("shardwise watchdog: ranks disagree on collective seq "), head
-    assert head.endswith(": rank 0 issued all_reduce 'clip_grad_norm' float32[]; rank 1 issued "
+    assert head.endswith(": rank 0 issued all_reduce 'clip_grad_norm' float32[1]; rank 1 issued "
                          "all_gather 'train.stats' float64[4]"), head
     assert "at step 3" in report
