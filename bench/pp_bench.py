@@ -258,12 +258,36 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
                      f"{r['bubble_measured']:.1%} | {r['bubble_simulated']:.1%} | {formula} | "
                      f"{100 * gap:.1f} pt | {_range(r['ours_s'], '{:.3f}')} | {torch_s} | "
                      f"{_range(r['ratio'], '{:.2f}')} |")
-    lines += ["", "Measured per-stage costs (ms, mean) and message latency:", ""]
+    lines += ["", *_verdicts(rows, meta), "", "Measured per-stage costs (ms, mean) and "
+              "message latency:", ""]
     for r in rows:
         lines.append(f"- pp {r['pp']} {r['schedule']}: F {r['costs_ms']['f']}, B "
                      f"{r['costs_ms']['b']}, I {r['costs_ms']['i']}, W {r['costs_ms']['w']}; "
                      f"latency {r['latency_ms']} ms")
     return "\n".join(lines) + "\n"
+
+
+def _verdicts(rows: list[dict], meta: dict) -> list[str]:
+    """The issue's targets at pp <= cores, each met only when every round holds it."""
+    load = meta.get("load")
+    busy = load is not None and max(load) > meta["cores"]
+    out = ["Targets (pp within the core count; a ratio target is met only when every round "
+           "holds it):", ""]
+    if load is not None:
+        out += [f"Load average at start (1/5/15 min): {', '.join(f'{x:.1f}' for x in load)}"
+                + (" - other jobs shared the machine, so time figures are not settled."
+                   if busy else "."), ""]
+    for r in rows:
+        if r["pp"] > meta["cores"]:
+            continue
+        gap = 100 * abs(r["bubble_measured"] - r["bubble_simulated"])
+        ratios = r["ratio"] or []
+        speed = ("no torch peer" if not ratios else "met" if max(ratios) <= 1.0 else
+                 "missed" if min(ratios) > 1.0 else "not settled (rounds straddle 1.0)")
+        out.append(f"- pp {r['pp']} {r['schedule']}: bubble within 5 pt of the simulator: "
+                   f"{'met' if gap <= 5 else 'missed'} ({gap:.1f} pt); step time <= 1.0x "
+                   f"torch: {speed}")
+    return out
 
 
 def main() -> None:

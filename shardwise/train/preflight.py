@@ -22,7 +22,6 @@ from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
 from shardwise.train.pipeline import check_pipeline_config, check_pipeline_model
-from shardwise.train.pipeline import check_pipeline_config, check_pipeline_model
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
            "announce"]
