@@ -48,6 +48,9 @@ def _refused(capsys, *args: str) -> str:
     (["--parallel.ep", "0"], "parallel.ep must be a positive int (expert-parallel degree)"),
     (["--nproc", "4", "--parallel.ep", "4", "--parallel.tp", "2"],
      "parallel.ep=4 must divide parallel.dp_shard=2"),
+    (["--nproc", "4", "--parallel.ep", "2", "--parallel.pp", "2"],
+     "parallel.ep=2 with parallel.pp=2: expert parallelism inside pipeline stages is not "
+     "supported yet"),
 ])
 def test_bad_expert_layouts_are_refused_before_launch(capsys, tmp_path, args, expected):
     assert expected in _refused(capsys, "--log.dir", str(tmp_path / "out"), *args)

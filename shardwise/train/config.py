@@ -187,6 +187,21 @@ class ParallelConfig:
     """Collective watchdog: "on" (hangs, divergence and dead ranks fail every rank with one
     report, docs/failures.md), "debug" (also compare every collective's shapes across ranks
     before it runs: slower) or "off"."""
+    pp: int = 1
+    """Pipeline-parallel degree: ranks the layers are split over in stages (pp outermost;
+    pp x dp_replicate x dp_shard = world size; docs/parallelism.md)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb1" (ZB-H1), "zbv",
+    "dualpipev" or "looped_bfs"."""
+    pp_microbatches: int = 0
+    """Micro-batches each rank's train.batch_size sequences are split into (must divide it;
+    0: the schedule's fewest, pp, or 2 pp for dualpipev)."""
+    pp_virtual: int = 0
+    """Stages per pipeline rank (0: the schedule's own, 1 for gpipe/1f1b/zb1 and 2 for
+    interleaved_1f1b/zbv/dualpipev; zbv and dualpipev run exactly 2)."""
+    pp_layers_per_stage: tuple[int, ...] = ()
+    """Transformer blocks per stage, e.g. 3,2,2: pp x virtual counts summing to the model's
+    layers (empty: as even as possible, earlier stages taking the remainder)."""
 
 
 @dataclass(frozen=True)

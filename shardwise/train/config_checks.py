@@ -81,6 +81,11 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
     ("parallel.timeout_s", _positive, "a positive number of seconds"),
     ("parallel.watchdog", lambda v: v in ("on", "debug", "off"), "'on', 'debug' or 'off'"),
+    ("parallel.pp", _positive, "a positive int (pipeline ranks)"),
+    ("parallel.pp_microbatches", _non_negative, "an int >= 0 (0: the schedule's fewest)"),
+    ("parallel.pp_virtual", _non_negative, "an int >= 0 (0: the schedule's own)"),
+    ("parallel.pp_layers_per_stage", lambda v: all(c > 0 for c in v),
+     "positive layer counts, one per stage (e.g. 3,2,2)"),
     ("precision.param_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
     ("precision.reduce_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
     ("precision.loss_scale", _positive, "a positive number"),
@@ -138,6 +143,9 @@ def _combinations(config) -> None:
         raise ValueError(f"parallel.ep={par.ep} with parallel.tp={par.tp} needs sequence "
                          f"parallelism (each tensor rank dispatches its own sequence shard); "
                          f"got parallel.sequence_parallel=false")
+    if par.ep > 1 and par.pp > 1:
+        raise ValueError(f"parallel.ep={par.ep} with parallel.pp={par.pp}: expert parallelism "
+                         f"inside pipeline stages is not supported yet; expected ep 1 or pp 1")
     if off.device != "none" and par.stage == 0:
         raise ValueError(f"offload.device={off.device!r} needs parallel.stage 1, 2 or 3 "
                          f"(sharded masters), got 0")
@@ -206,20 +214,25 @@ def resolve_world(config, world_size: int):
         ValueError: if ``dp_replicate * dp_shard * tp != world_size``, naming each degree.
     """
     par = config.parallel
+    if world_size % par.pp:  # pp is the outermost axis: the rest splits world / pp
+        raise ValueError(f"parallel.pp={par.pp} must divide the world size {world_size} (pp x "
+                         f"dp_replicate x dp_shard x tp ranks)")
+    world_size //= par.pp
+    per_pp = f" / parallel.pp={par.pp}" if par.pp > 1 else ""
     shard, others = par.dp_shard, par.dp_replicate * par.tp
     names = "parallel.dp_replicate" + (" * parallel.tp" if par.tp > 1 else "")
     degrees = f"{par.dp_replicate}" + (f" * {par.tp}" if par.tp > 1 else "")
     if shard == -1:
         if world_size % others != 0:
             what = f"{names} = {degrees} = {others}" if par.tp > 1 else f"{names}={others}"
-            raise ValueError(f"{what} does not divide the world size {world_size}; expected a "
-                             f"divisor of {world_size}")
+            raise ValueError(f"{what} does not divide the world size {world_size}{per_pp}; "
+                             f"expected a divisor of {world_size}")
         shard = world_size // others
     if others * shard != world_size:
         tp_names, tp_deg = (" * parallel.tp", f" * {par.tp}") if par.tp > 1 else ("", "")
         raise ValueError(f"parallel.dp_replicate * parallel.dp_shard{tp_names} = "
                          f"{par.dp_replicate} * {shard}{tp_deg} = {others * shard}, expected "
-                         f"the world size {world_size}")
+                         f"the world size {world_size}{per_pp}")
     if shard % par.ep:
         raise ValueError(f"parallel.ep={par.ep} must divide parallel.dp_shard={shard} (the "
                          f"experts are spread over the data ranks of a replica)")
