@@ -12,7 +12,8 @@ embeddings across ranks and on one rank (a V), stage 3 re-gathering per micro-ba
 explicit uneven split, and pp 2 x tp 2 (tensor and sequence parallelism inside each stage,
 one ParallelMesh: sequence-sharded activations between stages, the vocab-parallel loss, a
 vocab-parallel tied embedding across the pipeline) under 1F1B, ZB-H1 and interleaved 1F1B
-at stages 1 and 3. ``SHARDWISE_PP_FULL=1`` runs the whole cross product (every case at both
+at stages 1 and 3 (and the split refuses a model not parallelised over the mesh's tp
+axis). ``SHARDWISE_PP_FULL=1`` runs the whole cross product (every case at both
 stages). One launch of ranks per world size runs all its cases.
 """
 
@@ -25,6 +26,7 @@ from functools import lru_cache
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
 from shardwise.distributed.parallel_dims import ParallelDims
@@ -177,9 +179,33 @@ def _run_case(case: Case, meshes: dict) -> dict:
             "units": units}
 
 
+def _tp_mesh_checks() -> dict:
+    """split_stages against the mesh's tp axis: a DeviceMesh naming ``tp`` is read like a
+    ParallelMesh; a model not parallelised over that axis is refused, naming the ranks."""
+    out = {}
+    dm = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+    model = shardwise.apply_tp(build_model(CFG, device="meta"), dm["tp"])
+    out["device_mesh_tp"] = list(split_stages(model, dm).groups.tp_ranks)
+    # tp outermost: tensor pairs {0, 2} and {1, 3}, not the pipeline mesh's {0, 1}, {2, 3}
+    crossed = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp_shard"))
+    for name, tp_mesh in (("untouched", None), ("other_tp", crossed["tp"])):
+        model = build_model(CFG, device="meta")
+        if tp_mesh is not None:
+            shardwise.apply_tp(model, tp_mesh)
+        try:
+            split_stages(model, dm)
+            out[name] = "accepted"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
 def _run_cases(cases: list[Case]) -> dict[str, dict]:
     meshes: dict = {}
-    return {c.name: _run_case(c, meshes) for c in cases if c.world == dist.get_world_size()}
+    out = {c.name: _run_case(c, meshes) for c in cases if c.world == dist.get_world_size()}
+    if any(c.tp > 1 for c in cases):
+        out["tp mesh checks"] = _tp_mesh_checks()
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
@@ -220,3 +246,16 @@ def test_gradients_are_reduced_once_per_step_and_stage3_gathers_once(results):
             # micro-batch count ([Note: pipeline engine controls]).
             assert got["reductions"] == STEPS * got["units"], (case.name, got["reductions"])
             assert got["gathers"] == STEPS * got["units"], (case.name, got["gathers"])
+
+
+def test_the_pipeline_mesh_tp_axis_is_the_models(results):
+    cases, per_rank = results
+    if not any(c.tp > 1 for c in cases):
+        pytest.skip("no tensor-parallel case at this world size")
+    for rank, r in enumerate(per_rank):
+        got = r["tp mesh checks"]
+        assert got["device_mesh_tp"] == [rank - rank % 2, rank - rank % 2 + 1], got
+        assert "is not tensor-parallel: apply_tp(model, mesh['tp']) before split_stages" \
+            in got["untouched"], got
+        assert f"is tensor-parallel over ranks {[rank % 2, rank % 2 + 2]}, but the pipeline " \
+            f"mesh's tp group of this rank is {got['device_mesh_tp']}" in got["other_tp"], got
