@@ -196,9 +196,9 @@ def validate_tp(cfg: Config, model_cfg: Any, world_size: int) -> None:
 
 def describe_layout(cfg: Config, world_size: int) -> str:
     """The layout in words for the start line, e.g. ``"tp 2 (sequence parallel) x dp_shard
-    2, ZeRO stage 3"``."""
+    2, ZeRO stage 3"`` or ``"pp 2 x tp 2 (sequence parallel) x dp_shard 1, ZeRO stage 3"``."""
     dims, par = parallel_dims(cfg, world_size), cfg.parallel
-    parts = []
+    parts = [f"pp {dims.pp}"] if dims.pp > 1 else []  # outermost first ([Note: rank order])
     if dims.tp > 1:
         parts.append(f"tp {dims.tp}" + (" (sequence parallel)" if sequence_parallel(par)
                                         else ""))
