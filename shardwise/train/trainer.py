@@ -331,12 +331,12 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv, replan: Any = None
         data: the :class:`~shardwise.train.preflight.TokenData` (identical on every rank).
         env: this process's place in the job (:func:`build_env`).
 
+        replan: ``parallel.plan = "auto"``'s :class:`~shardwise.train.replan.Replanner`
+            (default None: the layout is fixed); when it asks to switch, a checkpoint is
+            saved and this returns None (the caller resumes in the new layout).
+
     Returns:
         The run summary on rank 0, None elsewhere.
-
-        replan: ``parallel.plan = "auto"``'s :class:`~shardwise.train.replan.Replanner`
-            (None: the layout is fixed); when it asks to switch, a checkpoint is saved and
-            this returns None (the caller resumes in the new layout).
 
     Raises:
         RuntimeError: non-finite loss (naming the rank and step).
