@@ -103,20 +103,21 @@ def run_trainer(steps: int, every: int) -> dict:
 
 
 def report(rounds: list[dict], steps: int) -> str:
-    names = list(rounds[0])
+    names = list(dict.fromkeys(n for r in rounds for n in r))
     lines = ["| engine | RSS at step 100 (MiB) | final RSS (MiB) | growth 100 -> end (MiB), per "
              "round | limit (1.05 x FSDP2 + 5) | met in every round | wall s / CPU s |",
              "|---|---|---|---|---|---|---|"]
     for name in names:
-        growths = [r[name]["growth_mib"] for r in rounds]
-        limits = [1.05 * r["fsdp2"]["growth_mib"] + 5 if "fsdp2" in r else None for r in rounds]
+        ran = [r for r in rounds if name in r]  # a partial last round lacks some engines
+        growths = [r[name]["growth_mib"] for r in ran]
+        limits = [1.05 * r["fsdp2"]["growth_mib"] + 5 if "fsdp2" in r else None for r in ran]
         met = ""
         if name.startswith("sw") and all(v is not None for v in limits):
             met = "yes" if all(g <= lim for g, lim in zip(growths, limits)) else "**no**"
         if name == "trainer":
-            flat = all(r[name]["final_mib"] <= 1.10 * r[name]["rss_at_100_mib"] for r in rounds)
+            flat = all(r[name]["final_mib"] <= 1.10 * r[name]["rss_at_100_mib"] for r in ran)
             met = "flat within 10%: " + ("yes" if flat else "**no**")
-        last = rounds[-1][name]
+        last = ran[-1][name]
         at100 = [m for s, m, _ in next(r for r in last["ranks"] if r["rank"] ==
                                        last["largest_rank"])["samples"] if s >= 100][:1]
         lim = " / ".join(f"{v:.0f}" for v in limits if v is not None) if name != "fsdp2" else ""
@@ -132,7 +133,8 @@ def plot(rounds: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, res in rounds[-1].items():
+    latest = {name: res for r in rounds for name, res in r.items()}  # each engine's last run
+    for name, res in latest.items():
         rank = next(r for r in res["ranks"] if r["rank"] == res["largest_rank"])
         ax.plot([s for s, _, _ in rank["samples"]], [m for _, m, _ in rank["samples"]],
                 label=name)
@@ -163,19 +165,31 @@ def main() -> None:
         os.environ["TORCH_FR_BUFFER_SIZE"] = "0"
     else:
         os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
-    rounds = []
+    rounds: list[dict] = []
     for rnd in range(args.rounds):
-        res = {}
+        res: dict = {}
+        rounds.append(res)
         for name in args.only.split(","):
             res[name] = run_framework(name, args.steps, args.every)
             print(f"round {rnd + 1} {name}: growth {res[name]['growth_mib']:+.1f} MiB, final "
                   f"{res[name]['final_mib']:.0f} MiB", flush=True)
+            write_results(rounds, args)  # after every job: a stopped soak keeps what it ran
         if args.trainer:
             res["trainer"] = run_trainer(args.steps, args.every)
             print(f"round {rnd + 1} trainer: growth {res['trainer']['growth_mib']:+.1f} MiB",
                   flush=True)
-        rounds.append(res)
+            write_results(rounds, args)
+    print(report(rounds, args.steps))
+
+
+def write_results(rounds: list[dict], args) -> None:
+    """Table, samples and plot of the rounds so far (the last one may be partial)."""
     table = report(rounds, args.steps)
+    done = sum(len(r) for r in rounds)
+    planned = args.rounds * (len(args.only.split(",")) + bool(args.trainer))
+    partial = "" if done == planned else (
+        f"\n\n**Partial:** {done} of {planned} jobs ran; an engine with fewer rounds than "
+        "the others shows only the rounds it ran.")
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(
         {"steps": args.steps, "every": args.every, "model": MODEL, "batch": BATCH, "seq": SEQ,
@@ -189,9 +203,9 @@ def main() -> None:
         f"debug-shaped model (4 layers, width 256), {BATCH} x {SEQ} tokens per rank, AdamW, "
         f"one intra-op thread; RSS (VmRSS) of the largest rank every {args.every} steps; "
         f"torch's Gloo flight recorder {args.flight_recorder} for every framework. "
-        f"Growth = RSS at the end minus RSS at step 100, per round.\n\n{table}\n\n"
-        f"![RSS against step]({out.with_suffix('.png').name})\n")
-    print(table)
+        f"Growth = RSS at the end minus RSS at step 100, per round. Load average at the "
+        f"last write: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (2 cores).{partial}"
+        f"\n\n{table}\n\n![RSS against step]({out.with_suffix('.png').name})\n")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ First ``shardwise plan --hardware local --calibrate``'s micro-benchmarks run (ma
 throughput by size, copy bandwidth, Gloo all-reduce / all-gather on 2 and 4 ranks) and are
 written as the ``local`` device (unless ``--calibration`` names an existing file). Then,
 for each case of the grid (the debug and small models at 1, 2 and 4 ranks, ZeRO stages 0-3,
-tensor parallelism 2), every round launches the ranks (one thread each), builds the model
-exactly as ``shardwise train`` does (``build_parallel_model``) and measures:
+tensor parallelism 2, a 2-stage 1F1B pipeline), every round launches the ranks (one thread
+each), builds the model exactly as ``shardwise train`` does (``build_parallel_model``) and
+measures:
 
 * **step time**: the median of ``trainer.train_step`` over the timed steps after a warm-up
   step (the slowest rank's), against ``CostModel.estimate(layout).step_time`` for the
@@ -53,11 +54,14 @@ GRID = [("debug", 1, {"parallel.stage": "0"}),
         ("debug", 2, {"parallel.stage": "0"}), ("debug", 2, {"parallel.stage": "1"}),
         ("debug", 2, {"parallel.stage": "2"}), ("debug", 2, {"parallel.stage": "3"}),
         ("debug", 2, {"parallel.tp": "2", "parallel.stage": "2", "train.batch_size": "8"}),
+        ("debug", 2, {"parallel.pp": "2", "parallel.stage": "2", "train.batch_size": "8"}),
         ("debug", 4, {"parallel.stage": "3"}),
         ("debug", 4, {"parallel.tp": "2", "parallel.stage": "3"}),
+        ("debug", 4, {"parallel.pp": "2", "parallel.stage": "3"}),
         ("small", 1, {"parallel.stage": "0"}), ("small", 2, {"parallel.stage": "0"}),
         ("small", 2, {"parallel.stage": "3"}),
         ("small", 2, {"parallel.tp": "2", "parallel.stage": "2", "train.batch_size": "8"}),
+        ("small", 2, {"parallel.pp": "2", "parallel.stage": "2", "train.batch_size": "8"}),
         ("small", 4, {"parallel.stage": "3"})]
 STEPS = {"debug": 5, "small": 3}  # timed steps (after one warm-up step)
 
@@ -167,7 +171,8 @@ def _calibrate(path: str | None) -> tuple[Path, float]:
 
 
 def _name(model: str, ranks: int, over: dict[str, str]) -> str:
-    keys = {"parallel.stage": "stage", "parallel.tp": "tp", "train.batch_size": "batch"}
+    keys = {"parallel.stage": "stage", "parallel.tp": "tp", "parallel.pp": "pp",
+            "train.batch_size": "batch"}
     return f"{model} x{ranks} " + ",".join(f"{keys[k]} {v}" for k, v in over.items())
 
 

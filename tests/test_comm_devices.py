@@ -1,9 +1,10 @@
 """Every collective goes through shardwise.distributed.comm, which checks devices (issue 10).
 
 * A static check: no module of the package outside ``distributed/comm.py``,
-  ``comm_objects.py`` and ``comm_gloo.py`` (Gloo's mechanics, called by comm) calls a
-  ``torch.distributed`` collective directly (collectives, object collectives, barriers,
-  point-to-point), so the device check, the counters and the watchdog see every one.
+  ``comm_objects.py``, ``comm_gloo.py`` (Gloo's mechanics, called by comm) and ``p2p.py``
+  calls a ``torch.distributed`` collective directly (collectives, object collectives,
+  barriers, point-to-point), so the device check, the counters and the watchdog see every
+  one.
 * The device check itself, on a Gloo group created as ``"cuda:gloo"``: like NCCL it refuses
   CPU tensors, and shardwise's message (naming the collective, its label, the tensor's
   device and the group's) comes before torch's "No backend type associated with device
@@ -25,7 +26,7 @@ from shardwise.testing import run_ranks
 
 PACKAGE = Path(shardwise.__file__).parent
 ALLOWED = {PACKAGE / "distributed" / name
-           for name in ("comm.py", "comm_objects.py", "comm_gloo.py")}
+           for name in ("comm.py", "comm_objects.py", "comm_gloo.py", "p2p.py")}
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
     "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce",

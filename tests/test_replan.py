@@ -26,8 +26,8 @@ from shardwise.train.trainer import build_env, build_optimizer, train
 
 # A device on which this tiny model's layouts differ: slow matmuls, a slow link. The
 # calibration file claims the link is twice as efficient as it is (intra_efficiency 1.0
-# instead of 0.5): then ZeRO-3 over 2 data ranks looks fastest, while in truth tensor
-# parallelism over the 2 ranks is about 23% faster.
+# instead of 0.5): then ZeRO-3 over 2 data ranks looks fastest, while in truth a 2-stage
+# pipeline (ZB-H1) is about 32% faster, and tensor parallelism over the 2 ranks 23%.
 _DEVICE = """[local]
 description = "test device"
 family = "local"
@@ -58,6 +58,7 @@ TINY = {"model.dim": "32", "model.n_layers": "2", "model.n_heads": "4", "model.n
 PLAN = {"parallel.plan": "auto", "parallel.replan_steps": "2"}
 DP3 = Layout(dp_shard=2, zero=3, microbatch=4)
 TP2 = Layout(tp=2, sp=True, zero=2, microbatch=8)
+PP2 = Layout(pp=2, pp_schedule="zb1", zero=0, microbatch=4, pp_microbatches=2)
 
 
 def _device(tmp: Path, eff: float) -> Path:
@@ -126,12 +127,12 @@ def test_wrong_calibration_is_corrected_and_the_run_switches_layout(replanned):
     assert switch["fitted"]["intra_efficiency"] == pytest.approx(TRUE_EFF, rel=0.05)
     assert switch["predicted_step_s"] == pytest.approx(switch["measured_step_s"], rel=0.01)
     assert switch["predicted_step_s_before_fit"] < 0.9 * switch["measured_step_s"]
-    assert switch["new_layout"] == plan_layout.trainer_keys(TP2)
+    assert switch["new_layout"] == plan_layout.trainer_keys(PP2)
     assert switch["best_other_step_s"] < 0.9 * switch["measured_step_s"]
     assert switch["comm_per_step"]  # bytes and calls from comm_stats
     assert switch["measured_model_state_mib"] > 0
-    assert resume["step"] == 3 and resume["layout"] == plan_layout.trainer_keys(TP2)
-    # in tensor parallelism, measured as predicted: nothing else is faster, the run stays
+    assert resume["step"] == 3 and resume["layout"] == plan_layout.trainer_keys(PP2)
+    # in the pipeline, measured as predicted: nothing else is faster, the run stays
     assert keep["step"] == 6 and keep["new_layout"] is None
     assert keep["measured_step_s"] == pytest.approx(switch["best_other_step_s"], rel=0.01)
     assert "within the threshold" in keep["reason"]
@@ -139,7 +140,7 @@ def test_wrong_calibration_is_corrected_and_the_run_switches_layout(replanned):
              if "loss" in json.loads(x)]
     assert steps == list(range(1, 9))  # one continuous history across the switch
     summary = json.loads((log / "summary.json").read_text())
-    assert summary["layout"]["tp"] == 2 and summary["checkpoint"]["resumed_from_step"] == 3
+    assert summary["layout"]["pp"] == 2 and summary["checkpoint"]["resumed_from_step"] == 3
 
 
 def test_switched_run_ends_bitwise_as_a_resume_in_the_new_layout(replanned):
@@ -147,8 +148,9 @@ def test_switched_run_ends_bitwise_as_a_resume_in_the_new_layout(replanned):
     exactly the weights of a run started in the new layout from the same checkpoint."""
     tmp, log_a, cfg_a, data = replanned
     log_b = tmp / "b"
-    cfg = load_config(None, {**TINY, "log.dir": str(log_b), "parallel.tp": "2",
-                             "parallel.stage": "2", "train.batch_size": "8",
+    cfg = load_config(None, {**TINY, "log.dir": str(log_b), "parallel.pp": "2",
+                             "parallel.pp_schedule": "zb1", "parallel.pp_microbatches": "2",
+                             "parallel.stage": "0", "train.batch_size": "8",
                              "checkpoint.resume": str(log_a / "checkpoints" / "step_00000003")})
     cfg, data_b = preflight(cfg, world_size=2)
     run_ranks(_train, 2, args=(cfg, data_b), timeout_s=180)
@@ -200,7 +202,9 @@ def test_plan_respects_the_keys_the_user_set(tmp_path):
         return cfg, model_cfg, plan_layout.plan_start(cfg, model_cfg, 2)
 
     _, _, free = planned()
-    assert plan_layout.layout_of(free) == TP2  # the truth's best
+    assert plan_layout.layout_of(free) == PP2  # the truth's best
+    _, _, no_pipeline = planned(**{"parallel.pp": "1"})
+    assert plan_layout.layout_of(no_pipeline) == TP2
     cfg, model_cfg, pinned = planned(**{"parallel.tp": "1", "parallel.stage": "2"})
     assert cfg.parallel.plan_fixed == ("parallel.stage", "parallel.tp")
     assert (pinned.parallel.tp, pinned.parallel.stage) == (1, 2)

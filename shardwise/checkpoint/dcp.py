@@ -88,7 +88,8 @@ class CheckpointInfo:
         path: the checkpoint folder.
         step: the saved step (None if none was given).
         extra: every saved extra value, decoded (state dicts for stateful objects).
-        layout: the saving job's layout (world_size, stage, dp_shard, dp_replicate, tp).
+        layout: the saving job's layout (world_size, stage, dp_shard, dp_replicate, tp,
+            pp).
         resharded: the layout differs from this job's.
         rng_restored: every rank's RNG states were restored (same world size only).
     """
@@ -307,7 +308,7 @@ def verify(path: str | os.PathLike, process_group=None) -> dict[str, Any]:
 def _same_layout(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     return all(saved.get(k) == now.get(k) for k in ("world_size", "stage", "dp_shard",
                                                      "dp_replicate")) \
-        and saved.get("tp", 1) == now.get("tp", 1)
+        and saved.get("tp", 1) == now.get("tp", 1) and saved.get("pp", 1) == now.get("pp", 1)
 
 
 def _read_index(path: Path, manifest: dict[str, Any]) -> SafeReader:

@@ -1,6 +1,15 @@
 """What goes into a checkpoint and back: model and optimizer state as DTensors keyed by
 parameter name, plus the JSON-side description (layout, hyper-parameters).
 
+[Note: checkpoints of pipeline parts]
+A pipeline rank holds a part of the model (:class:`~shardwise.parallel.pipeline.PipelinePart`)
+whose tensors carry the unsplit model's names, so DCP writes every rank's tensors under the
+whole model's keys and reads any layout back. Only the checks and the JSON side look across
+ranks: the manifest's optimizer groups (and scalars) are the union of every pipeline rank's,
+gathered when saving, and on load a checkpoint tensor held by another pipeline rank is neither
+missing nor extra. The checkpoint of a pp 2 x dp 2 job is thus the checkpoint of the whole
+model, loadable at pp 1, pp 4 or any other layout.
+
 [Note: optimizer state by name]
 ``optimizer.state_dict()`` keys state by the position of a parameter in ``param_groups``,
 which says nothing once the layout changes. We key it by the parameter's FQN instead:
@@ -24,12 +33,33 @@ from torch import nn
 
 from shardwise.checkpoint import jsonable
 from shardwise.checkpoint.errors import CheckpointError
+from shardwise.distributed import comm_objects
+from shardwise.parallel.pipeline.split import PipelinePart
 from shardwise.parallel.tensor import tp_context
 from shardwise.shard.registry import engine_states
 from shardwise.sizes import nbytes
 
 __all__ = ["param_names", "model_state", "optimizer_state", "layout_of", "model_info",
            "model_targets", "optimizer_targets", "load_optimizer", "tensor_nbytes"]
+
+
+def _across_parts(model: nn.Module, value: Any) -> list[Any]:
+    """``value`` of every pipeline rank holding a part of ``model`` ([Note: checkpoints of
+    pipeline parts]); ``[value]`` for a whole model (collective over the pipeline group)."""
+    if isinstance(model, PipelinePart) and model.groups.pp_size > 1:
+        return comm_objects.all_gather_object(value, model.groups.pp,
+                                              label="checkpoint.pipeline_parts")
+    return [value]
+
+
+def _merged_groups(model: nn.Module, groups: list[list[str]]) -> list[list[str]]:
+    """Every pipeline rank's parameter names, per optimizer group (group i of the whole
+    model is the union of every part's group i)."""
+    parts = _across_parts(model, groups)
+    if len({len(p) for p in parts}) > 1:
+        raise ValueError(f"the pipeline ranks' optimizers have {[len(p) for p in parts]} "
+                         f"parameter groups; every rank must build the same groups")
+    return [[n for p in parts for n in p[i]] for i in range(len(groups))]
 
 
 def tensor_nbytes(obj: Any) -> int:
@@ -128,29 +158,35 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
             else:
                 scalars.setdefault(fqn, {})[key] = jsonable.encode(value, f"{fqn}.{key}")
     groups = []
+    members = _merged_groups(model, [[names[i] for i in g["params"]]
+                                     for g in sd["param_groups"]])
     for gi, group in enumerate(sd["param_groups"]):
         hyper = {k: jsonable.encode(v, f"param_groups[{gi}].{k}")
                  for k, v in group.items() if k != "params"}
-        groups.append({"hyper": hyper, "params": [names[i] for i in group["params"]]})
+        groups.append({"hyper": hyper, "params": members[gi]})
+    for part in _across_parts(model, scalars)[1:]:
+        scalars.update(part)
     info = {"class": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
     return tensors, info
 
 
 def layout_of(model: nn.Module) -> dict[str, Any]:
-    """World size, ZeRO stage, data-parallel and tensor-parallel degrees of a model."""
+    """World size, ZeRO stage, data-parallel, tensor-parallel and pipeline degrees of a
+    model."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     ctx = tp_context(model)
     tp = ctx.tp.size if ctx is not None else 1
+    pp = model.groups.pp_size if isinstance(model, PipelinePart) else 1
     states = engine_states(model)
     if not states:
         return {"world_size": world, "stage": None, "dp_shard": None, "dp_replicate": None,
-                "tp": tp}
+                "tp": tp, "pp": pp}
     s = states[-1]  # the outermost call (engine_states lists submodules' first)
     g = s.groups
     return {"world_size": world, "stage": getattr(s, "stage", 0), "dp_shard": g.shard_size,
-            "dp_replicate": g.replicate_size, "tp": tp}
+            "dp_replicate": g.replicate_size, "tp": tp, "pp": pp}
 
 
 def model_info(model: nn.Module) -> dict[str, Any]:
@@ -186,13 +222,14 @@ def model_targets(model: nn.Module, metadata, path, strict: bool) -> dict[str, t
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
              if k.startswith("model.")}
+    whole = {k for part in _across_parts(model, sorted(sd)) for k in part}
     missing = [k for k in sd if k not in saved]
     if missing:
         raise CheckpointError(f"checkpoint {path} has no tensor model.{missing[0]} (missing "
                               f"{len(missing)} of the model's {len(sd)} tensors, e.g. "
                               f"{missing[:3]}): it is from another model", path=path,
                               file=".metadata", tensor=f"model.{missing[0]}")
-    extra = [k for k in saved if k not in sd]
+    extra = [k for k in saved if k not in whole]
     if strict and extra:
         raise CheckpointError(f"checkpoint {path} has tensors the model lacks: model.{extra[0]}"
                               f" ({len(extra)} in all, e.g. {extra[:3]}): it is from another "
@@ -231,6 +268,8 @@ def optimizer_targets(model: nn.Module, optimizer: torch.optim.Optimizer, metada
     for group in optimizer.param_groups:
         mine.append(names[pos:pos + len(group["params"])])
         pos += len(group["params"])
+    mine = _merged_groups(model, mine)
+    whole = {n for g in mine for n in g}
     saved = [g["params"] for g in info["param_groups"]]
     if [sorted(g) for g in saved] != [sorted(g) for g in mine]:
         diff = next((i for i, (a, b) in enumerate(zip(saved, mine)) if sorted(a) != sorted(b)),
@@ -243,6 +282,8 @@ def optimizer_targets(model: nn.Module, optimizer: torch.optim.Optimizer, metada
     params = dict(model.named_parameters())
     targets: dict[str, dict[str, torch.Tensor]] = {}
     for fqn, entries in sorted(_optim_entries(metadata).items()):
+        if fqn not in params and fqn in whole:
+            continue  # another pipeline rank's parameter
         if fqn not in params:
             raise CheckpointError(f"checkpoint {path} has optimizer state for {fqn}, which is "
                                   f"not a parameter of the model", path=path, tensor=fqn)
@@ -283,11 +324,12 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
             state.setdefault(index[fqn], {}).update(
                 {k: jsonable.decode(v) for k, v in entries.items()})
     current = optimizer.state_dict()["param_groups"]
-    by_members = {tuple(sorted(g["params"])): g["hyper"] for g in info["param_groups"]}
     groups, pos = [], 0
     for group, now in zip(optimizer.param_groups, current):
         members = names[pos:pos + len(group["params"])]
-        hyper = {k: jsonable.decode(v) for k, v in by_members[tuple(sorted(members))].items()}
+        # The saved group holding these parameters (a pipeline part holds some of them).
+        saved = next(g["hyper"] for g in info["param_groups"] if set(members) <= set(g["params"]))
+        hyper = {k: jsonable.decode(v) for k, v in saved.items()}
         groups.append({**{k: v for k, v in now.items() if k != "params"}, **hyper,
                        "params": [index[n] for n in members]})
         pos += len(group["params"])

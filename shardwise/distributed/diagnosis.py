@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from shardwise.distributed.optrack import fingerprint_text
+from shardwise.distributed.optrack import P2P_GROUP, fingerprint_text, where_text
 
 __all__ = ["compose", "compact_ranks", "find_disagreement"]
 
@@ -55,6 +55,8 @@ def _op_text(op: dict[str, Any]) -> str:
 
 
 def _where(op: dict[str, Any], groups: dict[str, list[int]]) -> str:
+    if op["group"] == P2P_GROUP:
+        return where_text(op["group"], op["seq"])
     ranks = groups.get(op["group"])
     members = f" [ranks {compact_ranks(ranks)}]" if ranks else ""
     return f"seq {op['seq']} of group {short_group(op['group'])}{members}"
@@ -162,6 +164,8 @@ def _headline(states, silent, infos, groups, timeout_s: float, alarm) -> tuple[s
     if blocked:
         r = blocked[0][1]
         op = states[r]["blocked"]
+        if op["group"] == P2P_GROUP:
+            return _p2p_headline(r, op, infos, timeout_s), notes
         waiting = sorted(q for q, s in states.items() if s.get("blocked")
                          and (s["blocked"]["group"], s["blocked"]["seq"])
                          == (op["group"], op["seq"]))
@@ -174,6 +178,23 @@ def _headline(states, silent, infos, groups, timeout_s: float, alarm) -> tuple[s
                       "problem, or a collective the watchdog does not see)", notes
     trig = (alarm or {}).get("detail") or "unknown"
     return f"rank {(alarm or {}).get('rank', '?')} raised the alarm: {trig}", notes
+
+
+def _p2p_headline(r: int, op: dict[str, Any], infos: dict[int, dict[str, Any]],
+                  timeout_s: float) -> str:
+    """A point-to-point message that did not complete: what its peer is doing instead
+    ([Note: point-to-point tracking] in p2p.py)."""
+    peer = op["seq"]
+    info = infos.get(peer)
+    if info is None:
+        doing = "gave no state"
+    elif info.get("blocked"):
+        b = info["blocked"]
+        doing = f"waits in {_op_text(b)} ({_where(b, {})}){_step(info)}"
+    else:
+        doing = f"is not waiting for any message or collective{_step(info)}"
+    return (f"{_op_text(op)} (point-to-point with rank {peer}) did not complete within "
+            f"{timeout_s:g} s on rank {r}{_step(infos.get(r) or {})}: rank {peer} {doing}")
 
 
 def _rank_line(r: int, states, heartbeats, silent, groups) -> str:

@@ -41,9 +41,14 @@ import torch.distributed as dist
 
 from shardwise.distributed.device_watch import DeviceWatch, probe_for
 
-__all__ = ["Op", "GroupInfo", "OpTracker", "op_dict", "fingerprint_text"]
+__all__ = ["Op", "GroupInfo", "OpTracker", "op_dict", "fingerprint_text", "where_text",
+           "P2P_GROUP"]
 
 _MASK = (1 << 61) - 1
+
+P2P_GROUP = "p2p"
+"""The group name of a point-to-point message the tracker marks as blocking; its ``seq``
+holds the peer's global rank ([Note: point-to-point tracking] in p2p.py)."""
 
 
 class Op(NamedTuple):
@@ -78,6 +83,19 @@ def fingerprint_text(kind: str, label: str, shape, dtype) -> str:
     if shape is None:
         return f"{kind} {label!r}"
     return f"{kind} {label!r} {dtype}[{', '.join(map(str, shape))}]"
+
+
+def where_text(group: str, seq: int, short: Callable[[str], str] = str) -> str:
+    """Where an operation sits: ``seq 41 of group 0``, or ``point-to-point with rank 1``.
+
+    Args:
+        group: the group name (``P2P_GROUP`` for a point-to-point message).
+        seq: its sequence number in the group (the peer rank for a message).
+        short: how to show a group name (e.g. diagnosis.short_group).
+    """
+    if group == P2P_GROUP:
+        return f"point-to-point with rank {seq}"
+    return f"seq {seq} of group {short(group)}"
 
 
 def op_dict(op: Op, **extra: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from shardwise.distributed import comm
 from shardwise.distributed.device_watch import abort_communicators
 from shardwise.distributed.diagnosis import compose, short_group
-from shardwise.distributed.optrack import GroupInfo, Op, OpTracker, fingerprint_text
+from shardwise.distributed.optrack import GroupInfo, Op, OpTracker, fingerprint_text, where_text
 from shardwise.distributed.stacks import (
     backend_message,
     caller_stack,
@@ -165,7 +165,7 @@ class Watchdog:
         if blocked is not None and blocked[2] > limit:
             op = blocked[1]
             return "timeout", (f"{fingerprint_text(op.kind, op.label, op.shape, op.dtype)} "
-                               f"(seq {op.seq} of group {short_group(op.group)}) waited on for "
+                               f"({where_text(op.group, op.seq, short_group)}) waited on for "
                                f"{blocked[2]:.1f} s (timeout {self.config.timeout_s:g} s)")
         on_device = self.tracker.oldest_on_device()  # [Note: watchdog on NCCL]
         if on_device is not None and on_device[1] > limit:
@@ -305,8 +305,8 @@ class Watchdog:
             return self._report
         text = backend_message(exc)
         kind = "timeout" if "imed out" in text else "collective_error"
-        where = f"{fingerprint_text(op.kind, op.label, op.shape, op.dtype)} (seq {op.seq} of " \
-                f"group {short_group(op.group)})"
+        where = f"{fingerprint_text(op.kind, op.label, op.shape, op.dtype)} " \
+                f"({where_text(op.group, op.seq, short_group)})"
         stack = caller_stack()
         return self.trip(kind, f"{where} failed: {text}", stack=stack, by_caller=True)
 

@@ -17,6 +17,9 @@ Pipeline schedules are data (DESIGN.md, principle 4)::
     from shardwise.parallel import build_schedule, simulate
     schedule = build_schedule("1f1b", pp=4, microbatches=8)
     print(schedule.to_text(), simulate(schedule).bubble)
+
+and the executor runs the same schedule on real ranks (``split_stages``, ``shard_stages``,
+``PipelineExecutor``; see docs/parallelism.md).
 """
 
 from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
@@ -26,9 +29,12 @@ from shardwise.parallel.checkpointing import (AC_POLICIES, SELECTIVE_SAVE_OPS,
 from shardwise.parallel.compile import compile_blocks, compiled_blocks
 from shardwise.parallel.moe_stats import AllReduceStats, apply_global_balance
 from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind,
-                                         Schedule, Simulation, build_schedule, critical_path,
-                                         describe_simulation, draw_timeline, format_timeline,
-                                         simulate, validate_schedule)
+                                         PipelineExecutor, PipelinePart, Schedule, Simulation,
+                                         build_schedule, clip_pipeline_grad_norm_,
+                                         critical_path, describe_simulation, draw_timeline,
+                                         format_timeline, pipeline_grad_norm, pipeline_mesh,
+                                         shard_stages, simulate, split_stages,
+                                         validate_schedule)
 
 __all__ = [
     "apply_tp",
@@ -57,4 +63,11 @@ __all__ = [
     "format_timeline",
     "draw_timeline",
     "describe_simulation",
+    "pipeline_mesh",
+    "split_stages",
+    "shard_stages",
+    "PipelinePart",
+    "PipelineExecutor",
+    "pipeline_grad_norm",
+    "clip_pipeline_grad_norm_",
 ]

@@ -183,13 +183,29 @@ class ParallelConfig:
     """Collective watchdog: "on" (hangs, divergence and dead ranks fail every rank with one
     report, docs/failures.md), "debug" (also compare every collective's shapes across ranks
     before it runs: slower) or "off"."""
+    pp: int = 1
+    """Pipeline-parallel degree: ranks the layers are split over in stages (pp outermost;
+    pp x dp_replicate x dp_shard = world size; docs/parallelism.md)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb1" (ZB-H1), "zbv",
+    "dualpipev" or "looped_bfs"."""
+    pp_microbatches: int = 0
+    """Micro-batches each rank's train.batch_size sequences are split into (must divide it;
+    0: the schedule's fewest, pp, or 2 pp for dualpipev)."""
+    pp_virtual: int = 0
+    """Stages per pipeline rank (0: the schedule's own, 1 for gpipe/1f1b/zb1 and 2 for
+    interleaved_1f1b/zbv/dualpipev; zbv and dualpipev run exactly 2)."""
+    pp_layers_per_stage: tuple[int, ...] = ()
+    """Transformer blocks per stage, e.g. 3,2,2: pp x virtual counts summing to the model's
+    layers (empty: as even as possible, earlier stages taking the remainder)."""
     plan: str = "off"
     """"off" (the layout as configured) or "auto": the planner chooses the layout (stage,
-    dp_replicate / dp_shard / tp, sequence parallelism, batch_size x grad_accum for the same
-    global batch, activation checkpointing) for this world size and memory, measures the
-    first steps, refits its constants and switches layout (checkpoint, rebuild, resume) when
-    another is predicted faster by more than replan_threshold (docs/planner.md). Keys set in
-    the TOML or on the command line stay as given (see plan_fixed)."""
+    dp_replicate / dp_shard / tp / pp, sequence parallelism, pipeline schedule and
+    micro-batches, batch_size x grad_accum for the same global batch, activation
+    checkpointing) for this world size and memory, measures the first steps, refits its
+    constants and switches layout (checkpoint, rebuild, resume) when another is predicted
+    faster by more than replan_threshold (docs/planner.md). Keys set in the TOML or on the
+    command line stay as given (see plan_fixed)."""
     replan_threshold: float = 0.10
     """With plan = "auto": switch only to a layout predicted faster than the measured one by
     more than this fraction of its step time (0 <= x < 1)."""
@@ -198,10 +214,10 @@ class ParallelConfig:
     step, not counted); at least 1."""
     plan_fixed: tuple[str, ...] = ()
     """With plan = "auto": the layout keys the planner keeps as configured (parallel.stage,
-    parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.sequence_parallel,
-    train.batch_size, train.grad_accum, train.activation_checkpoint). Unset in the TOML and on
-    the command line: the keys of that list given there (a TOML spelling every key, like
-    configs/debug.toml, sets plan_fixed = [] to leave them to the planner)."""
+    dp_replicate, dp_shard, tp, sequence_parallel, pp, pp_schedule, pp_microbatches,
+    pp_virtual; train.batch_size, grad_accum, activation_checkpoint; as dotted keys). Unset in
+    the TOML and on the command line: the keys of that list given there (a TOML spelling
+    every key, like configs/debug.toml, sets plan_fixed = [] to leave them to the planner)."""
     plan_hardware: str = "local"
     """With plan = "auto": the planner's device ("local": this machine, from the calibration
     of `shardwise plan --hardware local --calibrate`; or a catalogue name such as h100)."""
@@ -396,9 +412,12 @@ def _derive_plan_fixed(config: Config, given: set[str]) -> Config:
     par = config.parallel
     if par.plan != "auto" or "parallel.plan_fixed" in given:
         return config
-    # dp_shard -1 ("the rest") and an unset sequence_parallel leave the planner free.
+    # dp_shard -1 ("the rest"), an unset sequence_parallel and pp_microbatches /
+    # pp_virtual 0 ("the schedule's own") leave the planner free.
+    free = {"parallel.dp_shard": -1, "parallel.sequence_parallel": None,
+            "parallel.pp_microbatches": 0, "parallel.pp_virtual": 0}
     fixed = tuple(k for k in PLAN_KEYS if k in given
-                  and _value(config, k) not in (None, -1))
+                  and not (k in free and _value(config, k) == free[k]))
     return dataclasses.replace(config, parallel=dataclasses.replace(par, plan_fixed=fixed))
 
 

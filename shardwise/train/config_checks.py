@@ -21,8 +21,9 @@ __all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel",
 AC_POLICIES = ("none", "full", "selective")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 PLAN_KEYS = ("parallel.stage", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
-             "parallel.sequence_parallel", "train.batch_size", "train.grad_accum",
-             "train.activation_checkpoint")
+             "parallel.sequence_parallel", "parallel.pp", "parallel.pp_schedule",
+             "parallel.pp_microbatches", "parallel.pp_virtual", "train.batch_size",
+             "train.grad_accum", "train.activation_checkpoint")
 """The config keys of a layout that ``parallel.plan = "auto"`` chooses (see plan_fixed)."""
 
 
@@ -88,6 +89,11 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.replan_threshold", lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
     ("parallel.replan_steps", _positive, "a positive int (steps measured per layout)"),
     ("parallel.plan_hardware", lambda v: v.strip() != "", "a device name (e.g. local, h100)"),
+    ("parallel.pp", _positive, "a positive int (pipeline ranks)"),
+    ("parallel.pp_microbatches", _non_negative, "an int >= 0 (0: the schedule's fewest)"),
+    ("parallel.pp_virtual", _non_negative, "an int >= 0 (0: the schedule's own)"),
+    ("parallel.pp_layers_per_stage", lambda v: all(c > 0 for c in v),
+     "positive layer counts, one per stage (e.g. 3,2,2)"),
     ("precision.param_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
     ("precision.reduce_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
     ("precision.loss_scale", _positive, "a positive number"),
@@ -224,20 +230,25 @@ def resolve_world(config, world_size: int):
         ValueError: if ``dp_replicate * dp_shard * tp != world_size``, naming each degree.
     """
     par = config.parallel
+    if world_size % par.pp:  # pp is the outermost axis: the rest splits world / pp
+        raise ValueError(f"parallel.pp={par.pp} must divide the world size {world_size} (pp x "
+                         f"dp_replicate x dp_shard x tp ranks)")
+    world_size //= par.pp
+    per_pp = f" / parallel.pp={par.pp}" if par.pp > 1 else ""
     shard, others = par.dp_shard, par.dp_replicate * par.tp
     names = "parallel.dp_replicate" + (" * parallel.tp" if par.tp > 1 else "")
     degrees = f"{par.dp_replicate}" + (f" * {par.tp}" if par.tp > 1 else "")
     if shard == -1:
         if world_size % others != 0:
             what = f"{names} = {degrees} = {others}" if par.tp > 1 else f"{names}={others}"
-            raise ValueError(f"{what} does not divide the world size {world_size}; expected a "
-                             f"divisor of {world_size}")
+            raise ValueError(f"{what} does not divide the world size {world_size}{per_pp}; "
+                             f"expected a divisor of {world_size}")
         shard = world_size // others
     if others * shard != world_size:
         tp_names, tp_deg = (" * parallel.tp", f" * {par.tp}") if par.tp > 1 else ("", "")
         raise ValueError(f"parallel.dp_replicate * parallel.dp_shard{tp_names} = "
                          f"{par.dp_replicate} * {shard}{tp_deg} = {others * shard}, expected "
-                         f"the world size {world_size}")
+                         f"the world size {world_size}{per_pp}")
     hierarchy = config.comm.hierarchy
     if hierarchy and shard % hierarchy:
         raise ValueError(f"comm.hierarchy={hierarchy} must divide parallel.dp_shard={shard} "

@@ -36,6 +36,7 @@ from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
 from shardwise.train.config_checks import sequence_parallel
 from shardwise.train.moe import apply_moe
+from shardwise.train.pipeline import build_pipeline_model
 
 __all__ = ["build_mixed_precision", "build_comm_quant", "build_offload", "validate_offload",
            "build_loss_scaler", "build_parallel_model", "wrap_optimizer", "no_sync",
@@ -79,9 +80,10 @@ def build_loss_scaler(cfg: Config) -> LossScaler:
 
 
 def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
-    """The run's degrees (``parallel.dp_replicate``, ``dp_shard``, ``tp``), resolved."""
+    """The run's degrees (``parallel.pp``, ``dp_replicate``, ``dp_shard``, ``tp``), resolved."""
     par = cfg.parallel
-    return ParallelDims(par.dp_replicate, par.dp_shard, world_size, tp=par.tp).resolved()
+    return ParallelDims(par.dp_replicate, par.dp_shard, world_size, pp=par.pp,
+                        tp=par.tp).resolved()
 
 
 def data_rank(cfg: Config, env: dist_env.DistEnv) -> tuple[int, int]:
@@ -109,22 +111,27 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
 
     Returns:
         The sharded model (parameter names unchanged); its MoE layers, if any, have the
-        ``[moe]`` settings and reduce their balance statistics over all ranks.
+        ``[moe]`` settings and reduce their balance statistics over all ranks. With
+        ``parallel.pp > 1``, this rank's pipeline part, its executor attached
+        (:mod:`shardwise.train.pipeline`).
     """
     from shardwise.models import TransformerBlock, init_module_weights
     from shardwise.models import build_model as build
 
     par = cfg.parallel
     dims = parallel_dims(cfg, env.world_size)
-    mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 or dims.tp > 1 else None
     # The fixed composition order (shared/DESIGN.md), each step leaving a plain nn.Module:
     # build on meta -> tensor / sequence parallelism -> expert parallelism (not built yet)
-    # -> activation checkpointing -> compile -> pipeline split (not built yet) -> shard ->
-    # materialise (inside shard). Checkpointing before compile: the compiled graph then
-    # holds the recompute (one graph per block). Compile before shard: compile_blocks
-    # replaces each block's forward, and the engine's hooks, installed by shard on the
-    # block's __call__, run eagerly around the compiled graph
-    # ([Note: collectives outside compiled regions]).
+    # -> activation checkpointing -> compile -> pipeline split -> shard -> materialise
+    # (inside shard). Checkpointing before compile: the compiled graph then holds the
+    # recompute (one graph per block). Compile before shard: compile_blocks replaces each
+    # block's forward, and the engine's hooks, installed by shard on the block's __call__,
+    # run eagerly around the compiled graph ([Note: collectives outside compiled regions]).
+    if dims.pp > 1:  # split into stages, each piece sharded over its stage's data ranks
+        return build_pipeline_model(cfg, model_cfg, env, dict(
+            reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch,
+            mixed_precision=build_mixed_precision(cfg), comm=build_comm_quant(cfg)))
+    mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 or dims.tp > 1 else None
     model = build(model_cfg, device="meta")
     if dims.tp > 1:  # before sharding: the engine shards each tensor rank's pieces
         shardwise.apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))

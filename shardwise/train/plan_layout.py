@@ -32,6 +32,10 @@ from shardwise.planner.workload import Workload
 from shardwise.train.config import Config, resolve_world, validate
 from shardwise.train.config_checks import check_model_combinations, sequence_parallel
 from shardwise.train.parallelize import validate_tp
+from shardwise.train.pipeline import (check_pipeline_config, check_pipeline_model,
+                                      pipeline_world, resolve_microbatches)
+from shardwise.parallel.pipeline import schedule_spec
+from shardwise.parallel.pipeline.schedules import resolve_virtual
 
 __all__ = ["layout_of", "with_layout", "planner_inputs", "plan_constraints", "rank_layouts",
            "plan_start", "describe", "trainer_keys", "estimate"]
@@ -40,36 +44,62 @@ _TOP = 12  # ranked layouts the trainer considers (beyond: none was ever faster 
 
 
 def layout_of(cfg: Config) -> Layout:
-    """The resolved config's layout (``parallel.dp_shard`` already resolved)."""
+    """The resolved config's layout (``parallel.dp_shard`` already resolved). With a
+    pipeline, ``train.batch_size`` is split into the schedule's micro-batches; without, the
+    micro-batches are ``train.grad_accum`` micro-batches of ``batch_size``."""
     par, t = cfg.parallel, cfg.train
-    return Layout(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
-                  zero=par.stage, microbatch=t.batch_size, pp_microbatches=t.grad_accum,
-                  ac=t.activation_checkpoint, sp=sequence_parallel(par) and par.tp > 1,
+    common = dict(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
+                  zero=par.stage, ac=t.activation_checkpoint,
+                  sp=sequence_parallel(par) and par.tp > 1,
                   offload="cpu" if cfg.offload.device == "cpu" else "none",
                   comm_weights=cfg.comm.weights, comm_grads=cfg.comm.grads)
+    if par.pp == 1:
+        return Layout(microbatch=t.batch_size, pp_microbatches=t.grad_accum, **common)
+    m = resolve_microbatches(cfg)
+    v = resolve_virtual(schedule_spec(par.pp_schedule), par.pp_virtual)
+    return Layout(pp=par.pp, pp_schedule=par.pp_schedule, pp_virtual=v,
+                  microbatch=max(1, t.batch_size // m), pp_microbatches=m, **common)
 
 
 def with_layout(cfg: Config, L: Layout) -> Config:
     """``cfg`` with the layout keys of ``L`` (the other keys unchanged)."""
     par = dataclasses.replace(cfg.parallel, stage=L.zero, dp_replicate=L.dp_replicate,
                               dp_shard=L.dp_shard, tp=L.tp,
-                              sequence_parallel=L.sp if L.tp > 1 else None)
-    train = dataclasses.replace(cfg.train, batch_size=L.microbatch, grad_accum=L.pp_microbatches,
+                              sequence_parallel=L.sp if L.tp > 1 else None, pp=L.pp)
+    if L.pp > 1:  # the schedule's micro-batches are the accumulation
+        par = dataclasses.replace(par, pp_schedule=L.pp_schedule,
+                                  pp_microbatches=L.pp_microbatches, pp_virtual=L.pp_virtual)
+        batch, accum = L.microbatch * L.pp_microbatches, 1
+    else:
+        par = dataclasses.replace(par, pp_microbatches=0, pp_virtual=0,
+                                  pp_layers_per_stage=())
+        batch, accum = L.microbatch, L.pp_microbatches
+    train = dataclasses.replace(cfg.train, batch_size=batch, grad_accum=accum,
                                 activation_checkpoint=L.ac)
     return dataclasses.replace(cfg, parallel=par, train=train)
 
 
 def trainer_keys(L: Layout) -> dict[str, Any]:
     """The layout as the config keys it sets (for plan_history.jsonl)."""
-    return {"parallel.stage": L.zero, "parallel.dp_replicate": L.dp_replicate,
-            "parallel.dp_shard": L.dp_shard, "parallel.tp": L.tp,
-            "parallel.sequence_parallel": L.sp, "train.batch_size": L.microbatch,
-            "train.grad_accum": L.pp_microbatches, "train.activation_checkpoint": L.ac}
+    out = {"parallel.stage": L.zero, "parallel.dp_replicate": L.dp_replicate,
+           "parallel.dp_shard": L.dp_shard, "parallel.tp": L.tp,
+           "parallel.sequence_parallel": L.sp, "parallel.pp": L.pp}
+    if L.pp > 1:
+        out.update({"parallel.pp_schedule": L.pp_schedule,
+                    "parallel.pp_microbatches": L.pp_microbatches,
+                    "parallel.pp_virtual": L.pp_virtual,
+                    "train.batch_size": L.microbatch * L.pp_microbatches,
+                    "train.grad_accum": 1})
+    else:
+        out.update({"train.batch_size": L.microbatch, "train.grad_accum": L.pp_microbatches})
+    out["train.activation_checkpoint"] = L.ac
+    return out
 
 
 def describe(L: Layout) -> str:
     """A layout in a few words: ``"tp 2 (sp) x dp_shard 1, stage 0, batch 8 x 1, ac none"``."""
-    parts = [f"tp {L.tp}" + (" (sp)" if L.sp else "")] if L.tp > 1 else []
+    parts = [f"pp {L.pp} ({L.pp_schedule})"] if L.pp > 1 else []
+    parts += [f"tp {L.tp}" + (" (sp)" if L.sp else "")] if L.tp > 1 else []
     if L.dp_replicate > 1:
         parts.append(f"dp_replicate {L.dp_replicate}")
     parts.append(f"dp_shard {L.dp_shard}")
@@ -106,18 +136,34 @@ def plan_constraints(cfg: Config) -> dict[str, Any]:
     """The planner's fixed keys: what the trainer cannot build or must not change, plus the
     layout keys the user set (``parallel.plan_fixed``)."""
     L = layout_of(cfg)
-    fixed: dict[str, Any] = {"pp": 1, "cp": 1, "ep": 1, "pp_schedule": "none",
-                             "pp_virtual": 1, "offload": L.offload,
+    fixed: dict[str, Any] = {"cp": 1, "ep": 1, "offload": L.offload,
                              "comm_weights": L.comm_weights, "comm_grads": L.comm_grads}
     if cfg.model.num_experts or cfg.train.compile:
         fixed["ac"] = L.ac  # checkpointing is refused with experts; compile keeps its graphs
+    if cfg.parallel.pp_layers_per_stage:
+        fixed["pp"] = L.pp  # a hand-made split belongs to its degree
+    # Keys that are one layout field each prune the search; every fixed key is also
+    # checked on the resulting config (_keeps_fixed), which covers the batch split.
     names = {"parallel.stage": "zero", "parallel.dp_replicate": "dp_replicate",
              "parallel.dp_shard": "dp_shard", "parallel.tp": "tp",
-             "parallel.sequence_parallel": "sp", "train.batch_size": "microbatch",
-             "train.grad_accum": "pp_microbatches", "train.activation_checkpoint": "ac"}
+             "parallel.sequence_parallel": "sp", "parallel.pp": "pp",
+             "train.activation_checkpoint": "ac"}
     for key in cfg.parallel.plan_fixed:
-        fixed[names[key]] = getattr(L, names[key])
+        if key in names:
+            fixed[names[key]] = getattr(L, names[key])
     return fixed
+
+
+def _value(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _keeps_fixed(cfg: Config, new: Config) -> bool:
+    """Whether ``new`` keeps every ``parallel.plan_fixed`` key of ``cfg`` (sequence
+    parallelism aside: unset and false both mean off without tp, the search fixed it)."""
+    return all(_value(new, k) == _value(cfg, k) for k in cfg.parallel.plan_fixed
+               if k != "parallel.sequence_parallel")
 
 
 def _buildable(cfg: Config, model_cfg: Any, world_size: int) -> bool:
@@ -131,6 +177,9 @@ def _buildable(cfg: Config, model_cfg: Any, world_size: int) -> bool:
         validate(cfg)
         resolve_world(cfg, world_size)
         check_model_combinations(cfg, model_cfg)
+        check_pipeline_config(cfg)
+        check_pipeline_model(cfg, model_cfg)
+        pipeline_world(cfg, world_size)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tp across nodes: a warning, said at launch
             validate_tp(cfg, model_cfg, world_size)
@@ -158,7 +207,8 @@ def rank_layouts(cfg: Config, model_cfg: Any, world_size: int, hw=None) -> list[
     for est in result.ranked:
         if len(out) >= _TOP or not est.fits:
             break
-        if _buildable(with_layout(cfg, est.layout), model_cfg, world_size):
+        new = with_layout(cfg, est.layout)
+        if _keeps_fixed(cfg, new) and _buildable(new, model_cfg, world_size):
             out.append(est)
     return out
 

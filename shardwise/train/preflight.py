@@ -22,6 +22,7 @@ from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
 from shardwise.train.plan_layout import plan_start
+from shardwise.train.pipeline import check_pipeline_config, check_pipeline_model
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
            "announce"]
@@ -141,7 +142,7 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
             that is missing or was saved from another model shape or vocabulary, ``[moe]``
             settings for a model without MoE layers, heads / vocabulary / widths not
             divisible by ``parallel.tp``, compile or activation checkpointing
-            with an MoE model.
+            with an MoE model, a pipeline the model or the config cannot take.
     """
     cfg = resolve_world(cfg, world_size)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
@@ -150,6 +151,8 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     model_cfg = build_model_config(cfg)  # cheap shape / seq_len / [moe] checks first
     check_moe(cfg, model_cfg)
     check_model_combinations(cfg, model_cfg)
+    check_pipeline_config(cfg)
+    check_pipeline_model(cfg, model_cfg)
     check_fault_spec()
     if cfg.log.tensorboard:
         require_tensorboard()
@@ -170,7 +173,7 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
 def config_lines(cfg: Config) -> list[str]:
     """What the start of a run prints about its config: the keys that differ from the
     defaults (the defaults resolved for the same world size), and where the full file is."""
-    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.parallel.pp
     base = resolve_world(Config(), world) if world > 0 else Config()
     changed = config_io.differences(cfg, base)
     path = Path(cfg.log.dir) / "config.toml"

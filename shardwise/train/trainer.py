@@ -28,13 +28,15 @@ from shardwise.distributed import comm
 from shardwise.distributed import env as dist_env
 from shardwise.distributed import watchdog
 from shardwise.train.config import Config
-from shardwise.shard import clip_grads_with_norm_, get_total_norm
+from shardwise.shard import clip_grads_with_norm_
 from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model,
                                          cross_entropy, data_rank, describe_layout,
                                          layout_record, no_sync, wrap_optimizer)
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
 from shardwise.train.moe import describe_moe, finish_moe_record, with_moe_loss
+from shardwise.train.pipeline import describe_pipeline, pipeline_of
+from shardwise.train.pipeline import grad_norm as total_grad_norm
 from shardwise.train.preflight import build_model_config
 from shardwise.train.schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
 from shardwise.train.stepguard import StepGuard
@@ -167,6 +169,10 @@ def _forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.
     """The step's ``grad_accum`` micro-batches; the summed loss as a device tensor (read on
     the host once per step, with the other statistics)."""
     accum = cfg.train.grad_accum
+    pipe = pipeline_of(model)
+    if pipe is not None:  # the schedule's micro-batches are the accumulation (grad_accum 1)
+        inputs, targets = (t.to(env.device) for t in loader.next_batch())
+        return pipe.step(inputs, targets).to(env.device)
     loss_sum = torch.zeros((), dtype=torch.float32, device=env.device)
     for micro in range(accum):
         inputs, targets = (t.to(env.device) for t in loader.next_batch())
@@ -210,7 +216,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     if guard is not None:
         guard.after_backward(model)
     with _sync_debug(cfg, env):
-        norm = get_total_norm(model)
+        norm = total_grad_norm(model)  # over the pipeline ranks too
     cuda_mib = (torch.cuda.max_memory_allocated(env.device) / 2**20
                 if env.device.type == "cuda" else 0.0)
     # One small all-gather per step: every rank's loss, the (agreed) gradient norm and each
@@ -267,10 +273,12 @@ def evaluate(model: nn.Module, val_ids: torch.Tensor, cfg: Config, env: dist_env
     batches = iter_eval_batches(val_ids, seq_len=cfg.data.seq_len,
                                 batch_size=cfg.train.batch_size, rank=rank,
                                 world_size=ranks, max_batches=cfg.train.eval_batches)
+    pipe = pipeline_of(model)  # a forward-only run of its schedule
+    loss_fn = pipe.evaluate if pipe is not None else lambda x, y: _loss(model, x, y)
     model.eval()
     total, count = 0.0, 0
     for inputs, targets in batches:
-        total += _loss(model, inputs.to(env.device), targets.to(env.device)).item()
+        total += loss_fn(inputs.to(env.device), targets.to(env.device)).item()
         count += 1
     model.train()
     mean = _gather_stats([total / count], env)[:, 0].mean().item()
@@ -356,7 +364,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv, replan: Any = None
     stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
     ckpt, done, note = resume_or_import(cfg, model, optimizer, stateful, env)
     horizon = apply_schedule_horizon(schedule, cfg.optim.schedule_horizon, cfg.train.steps, done)
-    notes = [describe_moe(model_cfg, cfg), note, horizon]
+    notes = [describe_moe(model_cfg, cfg), describe_pipeline(cfg, model), note, horizon]
     logger = _start_logger(cfg, env, model_cfg, data, done, notes)
     train_time = 0.0
     guard = StepGuard(cfg, env, model)

@@ -5,7 +5,11 @@
     sim = simulate(s, Costs(f=1, b=2, i=1, w=1))
     print(s.to_text(), sim.bubble)
 
-The same :class:`Schedule` drives the executor on real ranks and the planner's simulator.
+The same :class:`Schedule` drives the executor on real ranks and the planner's simulator:
+
+    part = shard_stages(split_stages(model, pipeline_mesh(pp=2), s.virtual,
+                                     placement=s.placement), stage=1)
+    loss = PipelineExecutor(part, s).step(tokens, targets)
 """
 
 from shardwise.parallel.pipeline.actions import Action, Kind
@@ -19,6 +23,15 @@ from shardwise.parallel.pipeline.simulate import (Costs, Simulation, TimedAction
 from shardwise.parallel.pipeline.timeline import (describe_simulation, draw_timeline,
                                                   format_timeline)
 from shardwise.parallel.pipeline.validate import validate_schedule
+from shardwise.parallel.pipeline.groups import (PipelineGroups, pipeline_mesh,
+                                                resolve_pipeline_groups)
+from shardwise.parallel.pipeline.split import (PipelinePart, StageModule, split_stages,
+                                               stage_layer_counts)
+from shardwise.parallel.pipeline.sharding import shard_stages
+from shardwise.parallel.pipeline.executor import (ActionTime, PipelineExecutor,
+                                                  cross_entropy_loss, forward_schedule,
+                                                  split_microbatches)
+from shardwise.parallel.pipeline.norms import clip_pipeline_grad_norm_, pipeline_grad_norm
 
 __all__ = [
     "Action",
@@ -41,4 +54,19 @@ __all__ = [
     "format_timeline",
     "draw_timeline",
     "describe_simulation",
+    "PipelineGroups",
+    "pipeline_mesh",
+    "resolve_pipeline_groups",
+    "PipelinePart",
+    "StageModule",
+    "split_stages",
+    "stage_layer_counts",
+    "shard_stages",
+    "PipelineExecutor",
+    "ActionTime",
+    "cross_entropy_loss",
+    "forward_schedule",
+    "split_microbatches",
+    "pipeline_grad_norm",
+    "clip_pipeline_grad_norm_",
 ]

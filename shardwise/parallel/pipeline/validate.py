@@ -5,7 +5,8 @@ Checks, in order (each error names the rank, the action and what is missing):
 1. shape: one list per pipeline rank; every action's stage and micro-batch in range; every
    action on the rank that holds its stage.
 2. completeness: each (stage, micro-batch) has exactly one F, and either one B or one I and
-   one W (never both kinds of backward).
+   one W (never both kinds of backward). A schedule without any backward action is a
+   forward-only one (validation, inference): one F each is complete.
 3. local order on each rank: F of stage s after F of s-1 (or after the receive of its input);
    B / I after this stage's F and after the next stage's B / I (or the receive of the output
    gradient); W after I; a send after the compute that produced it.
@@ -85,10 +86,13 @@ def _completeness(s: Schedule) -> list[str]:
     counts = Counter((a.kind, a.stage, a.microbatch) for acts in s.ranks for a in acts
                      if a.is_compute)
     problems = []
+    forward_only = not any(k in (Kind.B, Kind.I, Kind.W) for k, _, _ in counts)
     for stage in range(s.num_stages):
         rank = s.placement[stage]
         for mb in range(s.microbatches):
             n = {k: counts[(k, stage, mb)] for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
+            if forward_only:
+                n[Kind.B] = 1  # nothing to complete: no backward is expected
             for kind, count in n.items():
                 if count > 1:
                     problems.append(f"rank {rank}: {Action(stage, kind, mb).describe()} appears "

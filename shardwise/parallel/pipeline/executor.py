@@ -1,0 +1,304 @@
+"""Run a :class:`Schedule` on real ranks: ``PipelineExecutor(part, schedule).step(x, y)``.
+
+    schedule = build_schedule("zb1", pp=2, microbatches=4)
+    part = shard_stages(split_stages(model, mesh, schedule.virtual,
+                                     placement=schedule.placement), stage=1)
+    pipe = PipelineExecutor(part, schedule)
+    loss = pipe.step(tokens, targets)      # the batch's mean loss, on every pipeline rank
+    clip_grad_norm_(part, 1.0); optimizer.step(); optimizer.zero_grad()
+
+Each rank runs its own action list of the very schedule the simulator reads, step by step
+(``p2p.steps``): a compute action alone, a run of communication actions as one batch posted
+together, sends eager and waited at the end of the step ([Note: communication semantics] in
+p2p.py, [Note: agreed shapes] in mailbox.py). The batch of ``B`` sequences is cut into the
+schedule's ``microbatches`` equal micro-batches; the last stage's loss of each is divided by
+their number, so the step's gradients and loss are the whole batch's mean, as with pp 1.
+
+[Note: pipeline engine controls] The executor drives the ZeRO engine of each stage only
+through its per-micro-batch controls ([Note: per-micro-batch controls] in controls.py):
+
+* gradient sync is off for every backward pass of a stage but its last (the last ``B`` or
+  ``W`` of the stage in this rank's list), so gradients are reduced once per step, after
+  the last micro-batch, however many passes ran. An ``I`` pass computes no weight gradient
+  (``inputs=`` the stage input); its ``W`` pass later takes ``inputs=graph_parameters``;
+* stage 3 (``keep_gathered=True``, the default): a stage's parameters are gathered at its
+  first action and kept (``set_reshard_after_forward/backward(False)``) until its last
+  action of the step, then freed (``reshard``): one all-gather per piece per step, and the
+  stage's full parameters (1/pp of the model's, or 1/(pp v) per stage) in memory through
+  the step. ``keep_gathered=False`` frees them after each backward pass (the engine's
+  defaults): memory between actions drops to the shards, at the price of re-gathering for
+  every micro-batch's forward, and again for a ``W`` after its ``I`` (the engine gathers in
+  the pass's hooks): about M to 2M all-gathers per piece per step instead of 1.
+
+A rank's watchdog context (``watchdog.active().context["pp action"]``) names the action it
+is on, so a rank that fails or hangs inside a schedule is reported with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardwise.distributed import comm, watchdog
+from shardwise.parallel.pipeline.actions import Action, Kind
+from shardwise.parallel.pipeline.mailbox import Mailbox
+from shardwise.parallel.pipeline.p2p import steps
+from shardwise.parallel.pipeline.schedule import Schedule
+from shardwise.parallel.pipeline.split import PipelinePart, StageModule
+from shardwise.parallel.pipeline.ties import TiedWeights
+from shardwise.shard import controls
+from shardwise.shard.registry import engine_states
+
+__all__ = ["PipelineExecutor", "forward_schedule", "cross_entropy_loss", "split_microbatches",
+           "ActionTime"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every token of the micro-batch (fp32)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def forward_schedule(schedule: Schedule) -> Schedule:
+    """The forward-only schedule for validation: each rank's forwards in the order
+    ``schedule`` runs them, with their messages."""
+    ranks = [[a for a in acts if a.kind is Kind.F] for acts in schedule.compute_only().ranks]
+    return Schedule.from_compute(f"{schedule.name}-forward", schedule.pp,
+                                 schedule.microbatches, schedule.virtual, schedule.placement,
+                                 ranks).validate()
+
+
+def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+    """``batch`` cut along dim 0 into ``microbatches`` equal parts.
+
+    Raises:
+        ValueError: the batch size is not a multiple of ``microbatches`` (naming both).
+    """
+    size = batch.shape[0]
+    if size % microbatches:
+        raise ValueError(f"a batch of {size} sequences does not split into "
+                         f"pp_microbatches={microbatches} equal micro-batches; the batch size "
+                         f"must be a multiple of {microbatches}")
+    return list(batch.chunk(microbatches))
+
+
+@dataclass(frozen=True)
+class ActionTime:
+    """When one step of the rank's list ran (``time.perf_counter`` seconds)."""
+
+    text: str
+    compute: bool
+    start: float
+    end: float
+
+
+@dataclass
+class _Program:
+    """One action list, prepared: its steps, and per stage the step index of its last
+    weight-gradient pass and of its last compute action."""
+
+    steps: list[tuple[Action, ...]]
+    last_grad: dict[int, int] = field(default_factory=dict)
+    last_action: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, actions) -> _Program:
+        prog = cls(steps(actions))
+        for i, step in enumerate(prog.steps):
+            a = step[0]
+            if a.is_compute:
+                prog.last_action[a.stage] = i
+                if a.kind in (Kind.B, Kind.W):
+                    prog.last_grad[a.stage] = i
+        return prog
+
+
+class PipelineExecutor:
+    """Runs a schedule's action lists on this rank's stages (see the module docstring).
+
+    Args:
+        part: this rank's stages (:func:`split_stages`, sharded or not).
+        schedule: the schedule; its placement must be the one ``part`` was split with.
+        loss_fn: ``(logits, targets) -> scalar`` mean loss of one micro-batch (default:
+            next-token cross-entropy, :func:`cross_entropy_loss`).
+        keep_gathered: stage 3: gather each stage once per step (True, default) or per
+            micro-batch (False); see [Note: pipeline engine controls].
+        record_times: keep the timestamps of every step of the list (``last_times``).
+
+    Raises:
+        ValueError: the schedule does not fit the part (pp, stages or placement).
+    """
+
+    def __init__(self, part: PipelinePart, schedule: Schedule, loss_fn: LossFn | None = None,
+                 *, keep_gathered: bool = True, record_times: bool = False) -> None:
+        groups = part.groups
+        if (schedule.pp, schedule.placement) != (groups.pp_size, part.placement):
+            raise ValueError(f"schedule {schedule.name!r} places its {schedule.num_stages} "
+                             f"stages {list(schedule.placement)} over pp={schedule.pp}; the "
+                             f"part was split into {list(part.placement)} over "
+                             f"pp={groups.pp_size}: split with placement=schedule.placement")
+        self.part, self.schedule, self.groups = part, schedule, groups
+        self.loss_fn = loss_fn or cross_entropy_loss
+        self.keep_gathered, self.record_times = keep_gathered, record_times
+        self.train_program = _Program.of(schedule.ranks[groups.pp_rank])
+        self.eval_program = _Program.of(forward_schedule(schedule).ranks[groups.pp_rank])
+        self.sharded = {st.index: bool(engine_states(st)) for st in part.stages}
+        device = next(part.parameters()).device
+        self.mailbox = Mailbox(part.placement, groups.pp_rank, groups.global_rank, groups.pp,
+                               device)
+        self.ties = TiedWeights(part)
+        self.last_times: list[ActionTime] = []
+        if groups.pp is not None and groups.pp_size > 1:
+            # NCCL: the first point-to-point call on a group must involve all its ranks.
+            comm.all_reduce(torch.zeros(1, device=comm.group_device(groups.pp)), groups.pp,
+                            label="pp.init")
+
+    # ------------------------------------------------------------------ public
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One training step's forward and backward passes (no optimizer step).
+
+        Args:
+            inputs: the batch, ``(B, T)`` token ids, on every pipeline rank (ranks without
+                the first stage read only its shape).
+            targets: ``(B, T)`` next-token ids, on every pipeline rank.
+
+        Returns:
+            The mean loss over the whole batch (a 0-d fp32 tensor), on every pipeline rank.
+            The gradients are in the parameters' ``.grad`` (reduced over each stage's data
+            axes, tied weights summed).
+
+        Raises:
+            ValueError: ``B`` is not a multiple of the schedule's micro-batches.
+        """
+        return self._run(self.train_program, inputs, targets, train=True)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss from a forward-only run of the schedule (validation).
+
+        Same arguments and result as :meth:`step`; no gradient is computed.
+        """
+        return self._run(self.eval_program, inputs, targets, train=False)
+
+    # ------------------------------------------------------------------ running
+    def _run(self, prog: _Program, inputs, targets, train: bool) -> torch.Tensor:
+        m = self.schedule.microbatches
+        xs, ts = split_microbatches(inputs, m), split_microbatches(targets, m)
+        self.mailbox.begin((tuple(xs[0].shape), str(xs[0].dtype)))
+        self.ties.sync_weights()
+        if train:
+            self._begin_controls()
+        run = _Run(xs, ts, train)
+        wd = watchdog.active()
+        times: list[ActionTime] = []
+        for i, step in enumerate(prog.steps):
+            text = " ".join(map(str, step)) if step[0].is_comm else step[0].describe()
+            if wd is not None:  # left in place if the action raises: the report names it
+                wd.context["pp action"] = text
+            start = time.perf_counter()
+            if step[0].is_comm:
+                self.mailbox.run_batch(step)
+            else:
+                self._compute(step[0], run, prog, i)
+            if self.record_times:
+                times.append(ActionTime(text, step[0].is_compute, start, time.perf_counter()))
+        if wd is not None:
+            wd.context["pp action"] = "end of step"
+        self.mailbox.finish()
+        if wd is not None:
+            wd.context.pop("pp action", None)
+        if train:
+            self.ties.reduce_grads()
+        self.last_times = times
+        return self._mean_loss(run.losses)
+
+    def _begin_controls(self) -> None:
+        for st in self.part.stages:
+            if self.sharded[st.index]:
+                controls.set_gradient_sync(st, False)
+                if self.keep_gathered:
+                    controls.set_reshard_after_forward(st, False)
+                    controls.set_reshard_after_backward(st, False)
+
+    def _end_stage(self, st: StageModule, train: bool) -> None:
+        """The stage's last action of the step ran: free what was kept gathered."""
+        if self.sharded[st.index] and self.keep_gathered and train:
+            controls.reshard(st)
+            controls.set_reshard_after_forward(st, True)
+            controls.set_reshard_after_backward(st, True)
+
+    def _compute(self, a: Action, run: _Run, prog: _Program, index: int) -> None:
+        st = self.part.stage(a.stage)
+        if a.kind is Kind.F:
+            self._forward(a, st, run)
+        else:
+            if index == prog.last_grad.get(a.stage) and self.sharded[st.index]:
+                controls.set_gradient_sync(st, True)  # [Note: pipeline engine controls]
+            self._backward(a, st, run)
+        if index == prog.last_action[a.stage]:
+            self._end_stage(st, run.train)
+
+    def _forward(self, a: Action, st: StageModule, run: _Run) -> None:
+        s, mb = a.stage, a.microbatch
+        x = run.xs[mb] if st.is_first else self.mailbox.take(("F", s - 1, mb))
+        if run.train and not st.is_first:
+            x.requires_grad_()
+        out = st(x)
+        if st.is_last:
+            loss = self.loss_fn(out, run.ts[mb])
+            run.losses.append(loss.detach().float())
+            out = loss / self.schedule.microbatches
+        else:
+            self.mailbox.post(("F", s, mb), out)
+        if run.train:
+            run.acts[(s, mb)] = (x, out)
+
+    def _backward(self, a: Action, st: StageModule, run: _Run) -> None:
+        s, mb = a.stage, a.microbatch
+        if a.kind is Kind.W:
+            x, out, grad = run.split.pop((s, mb))
+            torch.autograd.backward(out, grad, inputs=self._weights(st))
+            return
+        x, out = run.acts.pop((s, mb))
+        grad = None if st.is_last else self.mailbox.take(("B", s + 1, mb))
+        if a.kind is Kind.B:
+            torch.autograd.backward(out, grad)
+        else:  # I: the input's gradient now, the weights' later (W)
+            if not st.is_first:
+                torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+            run.split[(s, mb)] = (x, out, grad)
+        if not st.is_first:
+            self.mailbox.post(("B", s, mb), x.grad)
+
+    def _weights(self, st: StageModule) -> list[torch.Tensor]:
+        if self.sharded[st.index]:
+            return controls.graph_parameters(st)
+        return [p for p in st.parameters() if p.requires_grad]
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The batch's mean loss, summed from the last stage's rank to every pipeline rank."""
+        device = comm.group_device(self.groups.pp) if dist.is_initialized() else \
+            torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for loss in losses:
+            total += loss.to(device)
+        total /= self.schedule.microbatches
+        if self.groups.pp is not None and self.groups.pp_size > 1:
+            comm.all_reduce(total, self.groups.pp, label="pp.loss")
+        return total
+
+
+class _Run:
+    """What one run of the list keeps between actions."""
+
+    def __init__(self, xs, ts, train: bool) -> None:
+        self.xs, self.ts, self.train = xs, ts, train
+        self.losses: list[torch.Tensor] = []
+        self.acts: dict[tuple[int, int], tuple] = {}   # (stage, mb) -> (input, output)
+        self.split: dict[tuple[int, int], tuple] = {}  # after I: (input, output, out grad)

@@ -1,0 +1,270 @@
+"""Split a model into pipeline stages: ``split_stages(model, pp_mesh, virtual, layers_per_stage)``.
+
+    schedule = build_schedule("1f1b", pp=2, microbatches=4)
+    part = split_stages(model, mesh, schedule.virtual, placement=schedule.placement)
+    part.stages        # this rank's StageModules, in stage order
+    part.state_dict()  # the unsplit model's names, for this rank's pieces
+
+A model is split the way shardwise's :class:`~shardwise.models.Transformer` is built: the
+token embedding, then ``layers`` (blocks called as ``block(h, cos, sin)``), then the final
+norm and the output head. There are ``pp * virtual`` stages; stage s gets a contiguous run of
+blocks (by default as even as possible, the first stages taking one more when the count does
+not divide: 7 layers over 3 stages are 3, 2, 2), the first stage also the embedding, the last
+also norm + head (the loss is the executor's). ``placement[s]`` (from the schedule: looped or
+V) names the pipeline rank holding stage s.
+
+[Note: pipeline parameter names] What a rank holds is a :class:`PipelinePart`, an
+``nn.Module`` whose children are the pieces of its stages under their names in the unsplit
+model (``tok_embeddings``, ``layers`` with the original indices as keys, ``norm``,
+``output``). So ``named_parameters()`` and ``state_dict()`` use the unsplit model's names on
+every layout, and a checkpoint saved at one pp degree loads at any other. The stages
+themselves (:class:`StageModule`) hold the same pieces and are what the executor calls; they
+are not children of the part, so nothing is registered twice.
+
+[Note: tied embeddings across stages] With ``tie_embeddings`` the output head reads the
+embedding matrix, which lives in the first stage. The last stage gets a mirror: a head with a
+Parameter of its own, outside the part (it is neither named nor given to the optimizer), that
+holds the same value. The executor keeps them one value: before each step the embedding's
+value (this rank's shard of it, under ZeRO) is copied into the mirror, sent from the first
+stage's rank when the last stage is elsewhere; after the last backward the mirror's gradient
+is added to the embedding's, so the optimizer steps the one matrix with the sum of both uses'
+gradients, exactly as autograd sums them in the unsplit model ([Note: tied embeddings] in
+llama.py). This holds when both stages sit on one rank too (a V placement), where two
+separately sharded modules cannot share one Parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.models.llama import TiedOutput
+from shardwise.parallel.pipeline.groups import PipelineGroups, resolve_pipeline_groups
+from shardwise.parallel.pipeline.schedule import looped_placement
+
+__all__ = ["split_stages", "stage_layer_counts", "PipelinePart", "StageModule", "TiedHead"]
+
+_NEEDED = ("tok_embeddings", "layers", "norm", "output")
+
+
+def stage_layer_counts(n_layers: int, num_stages: int,
+                       layers_per_stage: Sequence[int] | None = None) -> tuple[int, ...]:
+    """How many blocks each stage gets.
+
+    Args:
+        n_layers: blocks in the model.
+        num_stages: ``pp * virtual``.
+        layers_per_stage: an explicit count per stage (summing to ``n_layers``, each >= 1);
+            None splits as evenly as possible, earlier stages taking the remainder.
+
+    Returns:
+        One count per stage.
+
+    Raises:
+        ValueError: fewer layers than stages, or an explicit list of the wrong length, sum
+            or with a stage of no layer (naming the values).
+    """
+    if n_layers < num_stages:
+        raise ValueError(f"the model has {n_layers} layers, fewer than the {num_stages} "
+                         f"pipeline stages (pp x virtual); every stage needs a layer")
+    if layers_per_stage is None:
+        base, extra = divmod(n_layers, num_stages)
+        return tuple(base + (1 if s < extra else 0) for s in range(num_stages))
+    counts = tuple(int(c) for c in layers_per_stage)
+    if len(counts) != num_stages:
+        raise ValueError(f"layers_per_stage={list(counts)} has {len(counts)} entries; expected "
+                         f"one per stage (pp x virtual = {num_stages})")
+    if any(c < 1 for c in counts):
+        raise ValueError(f"layers_per_stage={list(counts)}: every stage needs at least one "
+                         f"layer")
+    if sum(counts) != n_layers:
+        raise ValueError(f"layers_per_stage={list(counts)} sums to {sum(counts)}; the model "
+                         f"has {n_layers} layers")
+    return counts
+
+
+class TiedHead(nn.Module):
+    """The last stage's mirror of a tied embedding matrix ([Note: tied embeddings across
+    stages]): ``logits = h @ weight.T`` with a Parameter of its own."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        # Its value is the embedding's, copied in before every step; zeros (or meta, for a
+        # meta model: shard_stages materialises it) until then.
+        self.weight = nn.Parameter(torch.zeros_like(weight))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)  # (B, T, C) -> (B, T, V)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: ``forward(x)`` runs its pieces (tokens -> activation for the
+    first stage, activation -> logits for the last, activation -> activation otherwise).
+
+    Attributes:
+        index: the stage's index (0 = holds the embedding).
+        is_first / is_last: whether it holds the embedding / the norm and head.
+    """
+
+    def __init__(self, index: int, num_stages: int, rope: nn.Module,
+                 layers: dict[str, nn.Module], embedding: nn.Module | None = None,
+                 norm: nn.Module | None = None, head: nn.Module | None = None) -> None:
+        super().__init__()
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        if embedding is not None:
+            self.tok_embeddings = embedding
+        self.rope = rope
+        self.layers = nn.ModuleDict(layers)
+        if head is not None:
+            self.norm, self.output = norm, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.is_first else x  # (B, T, C)
+        cos, sin = self.rope(h.shape[1])  # (T, hd/2) each
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)  # (B, T, C)
+        if self.is_last:
+            return self.output(self.norm(h))  # (B, T, V)
+        return h
+
+    def extra_repr(self) -> str:
+        return f"stage={self.index}/{self.num_stages}"
+
+
+class PipelinePart(nn.Module):
+    """What one pipeline rank holds of a model ([Note: pipeline parameter names]).
+
+    Attributes:
+        stages: this rank's :class:`StageModule` objects, in stage order.
+        placement: ``placement[stage]`` = the pipeline rank holding it.
+        layer_counts: blocks per stage (all stages).
+        groups: the :class:`PipelineGroups` it runs on.
+        tied: whether the head mirrors the embedding ([Note: tied embeddings across stages]).
+        config: the unsplit model's config (for checkpoints).
+    """
+
+    def __init__(self, model: nn.Module, groups: PipelineGroups, placement: Sequence[int],
+                 counts: Sequence[int]) -> None:
+        super().__init__()
+        num_stages = len(placement)
+        self.placement, self.layer_counts, self.groups = tuple(placement), tuple(counts), groups
+        self.config = getattr(model, "config", None)
+        self.tied = isinstance(model.output, TiedOutput)
+        object.__setattr__(self, "mirror", None)  # outside the part: never named or saved
+        mine = [s for s in range(num_stages) if placement[s] == groups.pp_rank]
+        starts = [sum(counts[:s]) for s in range(num_stages)]
+        self._all_pieces(model, mine, starts, counts)
+        if 0 in mine:
+            self.tok_embeddings = model.tok_embeddings
+        self.rope = model.rope
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for s in mine
+                                     for i in range(starts[s], starts[s] + counts[s])})
+        last = num_stages - 1
+        head = None
+        if last in mine:
+            self.norm = model.norm
+            if self.tied:
+                head = TiedHead(model.tok_embeddings.weight)
+                object.__setattr__(self, "mirror", head)
+            else:
+                self.output = head = model.output
+        stages = []
+        for s in mine:
+            layers = {str(i): model.layers[i] for i in range(starts[s], starts[s] + counts[s])}
+            stages.append(StageModule(s, num_stages, model.rope, layers,
+                                      model.tok_embeddings if s == 0 else None,
+                                      model.norm if s == last else None,
+                                      head if s == last else None))
+        self.stages: list[StageModule] = stages
+
+    def _all_pieces(self, model: nn.Module, mine: list[int], starts, counts) -> None:
+        """Every piece of the unsplit model in its order, and whether this rank keeps it:
+        initialising a meta model draws the same random numbers as the unsplit model only
+        if every rank walks all of them (see shard_stages)."""
+        num_stages = len(counts)
+        pieces = [("tok_embeddings", model.tok_embeddings, 0 in mine)]
+        for s in range(num_stages):
+            pieces += [(f"layers.{i}", model.layers[i], s in mine)
+                       for i in range(starts[s], starts[s] + counts[s])]
+        pieces.append(("norm", model.norm, num_stages - 1 in mine))
+        if not self.tied:
+            pieces.append(("output", model.output, num_stages - 1 in mine))
+        # A real model's other pieces are dropped now; a meta model's are walked at init.
+        meta = any(p.is_meta for p in model.parameters())
+        self._pieces = [(n, m if here or meta else None, here) for n, m, here in pieces]
+
+    @property
+    def num_stages(self) -> int:
+        """``pp * virtual``."""
+        return len(self.placement)
+
+    @property
+    def pieces(self) -> list[tuple[str, nn.Module | None, bool]]:
+        """``(name, module, held here)`` for every piece of the unsplit model, in order (the
+        module is None for another rank's piece once it is no longer needed)."""
+        return list(self._pieces)
+
+    def release_pieces(self) -> None:
+        """Forget the other ranks' pieces (after initialisation)."""
+        self._pieces = [(n, m if here else None, here) for n, m, here in self._pieces]
+
+    def stage(self, index: int) -> StageModule:
+        """This rank's stage ``index``.
+
+        Raises:
+            ValueError: the stage is held by another rank.
+        """
+        for st in self.stages:
+            if st.index == index:
+                return st
+        raise ValueError(f"stage {index} is on pipeline rank {self.placement[index]}, not on "
+                         f"rank {self.groups.pp_rank}")
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a PipelinePart runs through its executor (PipelineExecutor.step / "
+                           "evaluate), not by calling it")
+
+
+def split_stages(model: nn.Module, pp_mesh=None, virtual: int = 1,
+                 layers_per_stage: Sequence[int] | None = None, *,
+                 placement: Sequence[int] | None = None) -> PipelinePart:
+    """Keep this rank's stages of ``model`` (see the module docstring).
+
+    Build the model on the meta device to split large models: only the pieces kept here are
+    ever materialised (by :func:`~shardwise.parallel.pipeline.shard_stages`).
+
+    Args:
+        model: a model shaped like shardwise's ``Transformer`` (``tok_embeddings``,
+            ``layers``, ``norm``, ``output``, ``rope``), on any device or meta.
+        pp_mesh: a DeviceMesh with a ``"pp"`` dimension, the pipeline ProcessGroup, or None
+            (the world); see :func:`resolve_pipeline_groups`.
+        virtual: stages per pipeline rank (default 1); there are ``pp * virtual`` stages.
+        layers_per_stage: blocks per stage, e.g. ``[3, 2, 2]`` (default None: even split).
+        placement: the pipeline rank of each stage, e.g. ``schedule.placement`` (default
+            None: looped, stage s on rank ``s % pp``).
+
+    Returns:
+        The :class:`PipelinePart` of this rank.
+
+    Raises:
+        ValueError: a model without those pieces, too few layers, a bad ``layers_per_stage``
+            or a placement that does not fit ``pp`` and ``virtual`` (naming the value).
+    """
+    missing = [name for name in _NEEDED if not hasattr(model, name)]
+    if missing:
+        raise ValueError(f"split_stages needs a model with {', '.join(_NEEDED)} (shardwise's "
+                         f"Transformer); {type(model).__name__} lacks {missing}")
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"virtual={virtual!r}: expected stages per rank, an int >= 1")
+    groups = resolve_pipeline_groups(pp_mesh)
+    pp = groups.pp_size
+    placement = tuple(placement) if placement is not None else looped_placement(pp, virtual)
+    if len(placement) != pp * virtual or any(placement.count(r) != virtual for r in range(pp)):
+        raise ValueError(f"placement {list(placement)} does not put virtual={virtual} stages "
+                         f"on each of the pp={pp} ranks")
+    counts = stage_layer_counts(len(model.layers), pp * virtual, layers_per_stage)
+    return PipelinePart(model, groups, placement, counts)

@@ -1,0 +1,193 @@
+"""The trainer's pipeline parallelism: ``--parallel.pp N`` and the ``pp_*`` keys.
+
+    shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.pp_schedule zb1 \\
+        --parallel.pp_microbatches 4
+
+Checks that refuse a pipeline before any rank starts, the world split into pipeline and data
+ranks (pp outermost), the pipelined model (split on the meta device, each piece sharded with
+the run's ZeRO stage over its stage's data ranks, initialised with the unsplit model's
+numbers), and what the loop needs from it: the step, validation, the global gradient norm
+and the data-parallel rank that picks the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.parallel.pipeline import (PipelineExecutor, PipelinePart, build_schedule,
+                                         pipeline_grad_norm, pipeline_mesh, schedule_spec,
+                                         shard_stages, split_stages, stage_layer_counts)
+from shardwise.parallel.pipeline.schedules import resolve_virtual
+from shardwise.shard.grad import get_total_norm
+
+__all__ = ["check_pipeline_config", "pipeline_world", "resolve_microbatches",
+           "check_pipeline_model", "build_pipeline_model", "pipeline_of", "grad_norm",
+           "data_parallel", "describe_pipeline"]
+
+
+def check_pipeline_config(cfg: Any) -> None:
+    """The pipeline keys on their own and with the rest of the config (no model, no world).
+
+    Raises:
+        ValueError: naming the key: an unknown schedule (with the closest name), a virtual
+            the schedule cannot run, micro-batches below the schedule's need or not dividing
+            ``train.batch_size``, or a feature pipelines do not run with yet.
+    """
+    par = cfg.parallel
+    if par.pp == 1:
+        return
+    try:
+        spec = schedule_spec(par.pp_schedule)
+        resolve_virtual(spec, par.pp_virtual)
+    except ValueError as exc:
+        key = "parallel.pp_virtual" if "virtual" in str(exc) else "parallel.pp_schedule"
+        raise ValueError(f"{key}: {exc}") from None
+    m = resolve_microbatches(cfg)
+    need = spec.min_microbatches(par.pp)
+    if m < need:
+        raise ValueError(f"parallel.pp_microbatches={m}: schedule {par.pp_schedule!r} at "
+                         f"parallel.pp={par.pp} needs at least {need} micro-batches")
+    if cfg.train.batch_size % m:
+        raise ValueError(f"parallel.pp_microbatches={m} must divide train.batch_size="
+                         f"{cfg.train.batch_size} (the sequences each data-parallel rank "
+                         f"splits into micro-batches)")
+    unsupported = [
+        (cfg.parallel.tp > 1, f"parallel.tp={cfg.parallel.tp} (tensor parallelism inside "
+                              "pipeline stages is not built)"),
+        (cfg.train.grad_accum != 1, f"train.grad_accum={cfg.train.grad_accum} (the pipeline's "
+                                    "micro-batches are the accumulation: set grad_accum 1)"),
+        (cfg.precision.param_dtype == "fp16", "precision.param_dtype='fp16' (use bf16)"),
+        (cfg.offload.device != "none", f"offload.device={cfg.offload.device!r}"),
+        (bool(cfg.checkpoint.import_safetensors), "checkpoint.import_safetensors"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"parallel.pp={par.pp} does not run with {what} yet")
+
+
+def resolve_microbatches(cfg: Any) -> int:
+    """``parallel.pp_microbatches``, 0 replaced by the schedule's fewest (pp; 2 pp for
+    dualpipev)."""
+    par = cfg.parallel
+    if par.pp_microbatches:
+        return par.pp_microbatches
+    return schedule_spec(par.pp_schedule).min_microbatches(par.pp)
+
+
+def pipeline_world(cfg: Any, world_size: int) -> int:
+    """The data-parallel world: ``world_size / parallel.pp``.
+
+    Raises:
+        ValueError: ``parallel.pp`` does not divide the world size.
+    """
+    pp = cfg.parallel.pp
+    if world_size % pp:
+        raise ValueError(f"parallel.pp={pp} must divide the world size {world_size} (pp x "
+                         f"dp_replicate x dp_shard ranks)")
+    return world_size // pp
+
+
+def _layout(cfg: Any) -> tuple[int, int, tuple[int, ...] | None]:
+    par = cfg.parallel
+    v = resolve_virtual(schedule_spec(par.pp_schedule), par.pp_virtual)
+    return par.pp, v, tuple(par.pp_layers_per_stage) or None
+
+
+def check_pipeline_model(cfg: Any, model_cfg: Any) -> None:
+    """The split against the model's shape, before any rank starts.
+
+    Raises:
+        ValueError: fewer layers than pp x virtual stages, a ``pp_layers_per_stage`` list of
+            the wrong length or sum, or an MoE model (naming the values).
+    """
+    if cfg.parallel.pp == 1:
+        if cfg.parallel.pp_layers_per_stage:
+            raise ValueError(f"parallel.pp_layers_per_stage="
+                             f"{list(cfg.parallel.pp_layers_per_stage)} needs parallel.pp > 1")
+        return
+    if model_cfg.is_moe:
+        raise ValueError(f"parallel.pp={cfg.parallel.pp} does not run MoE models yet (model "
+                         f"{cfg.model.name!r} has {model_cfg.num_experts} experts)")
+    pp, v, layers = _layout(cfg)
+    try:
+        stage_layer_counts(model_cfg.n_layers, pp * v, layers)
+    except ValueError as exc:
+        key = "parallel.pp_layers_per_stage" if layers else "model.n_layers"
+        raise ValueError(f"{key}: {exc} (parallel.pp={pp} x virtual={v})") from None
+
+
+def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict) -> PipelinePart:
+    """This rank's stages, sharded, initialised, with their executor (``pipeline_of``).
+
+    Args:
+        cfg: the run config.
+        model_cfg: the model's LlamaConfig.
+        env: this process's place in the job.
+        shard_kwargs: the engine settings every piece is sharded with (precision, comm,
+            prefetch...).
+
+    Returns:
+        The :class:`PipelinePart` (parameter names as in the unsplit model).
+    """
+    from shardwise.models import TransformerBlock, build_model, init_module_weights
+    from shardwise.parallel import checkpoint_activations, compile_blocks
+
+    par = cfg.parallel
+    pp, v, layers = _layout(cfg)
+    schedule = build_schedule(par.pp_schedule, pp, resolve_microbatches(cfg), v)
+    mesh = pipeline_mesh(pp, par.dp_replicate, env.device.type)
+    part = split_stages(build_model(model_cfg, device="meta"), mesh, v, layers,
+                        placement=schedule.placement)
+    # Checkpointing and compile wrap each block of this rank's stages, before sharding (the
+    # composition order of shardwise.train.parallelize).
+    t = cfg.train
+    checkpoint_activations(part, t.activation_checkpoint, blocks=TransformerBlock)
+    if t.compile:
+        compile_blocks(part, TransformerBlock, backend=t.compile_backend)
+    torch.manual_seed(cfg.train.seed)
+    shard_stages(part, stage=par.stage, init_weights=init_module_weights, device=env.device,
+                 **shard_kwargs)
+    part.executor = PipelineExecutor(part, schedule,
+                                     keep_gathered=not par.reshard_after_forward)
+    return part
+
+
+def pipeline_of(model: nn.Module) -> PipelineExecutor | None:
+    """The executor of a pipelined model, None for a whole one."""
+    return getattr(model, "executor", None) if isinstance(model, PipelinePart) else None
+
+
+def grad_norm(model: nn.Module) -> torch.Tensor:
+    """The global gradient norm (over the pipeline ranks too when pipelined)."""
+    if isinstance(model, PipelinePart):
+        return pipeline_grad_norm(model)
+    return get_total_norm(model)
+
+
+def data_parallel(model: nn.Module, env: Any) -> tuple[int, int]:
+    """``(data-parallel rank, data-parallel size)``: which batch this rank reads. Every
+    pipeline rank of one replica reads the same batch."""
+    if not isinstance(model, PipelinePart) or model.groups.data_mesh is None:
+        return env.rank, env.world_size
+    mesh = model.groups.data_mesh
+    rank = 0
+    for coord, size in zip(mesh.get_coordinate(), mesh.shape):
+        rank = rank * size + coord
+    return rank, mesh.size()
+
+
+def describe_pipeline(cfg: Any, model: nn.Module) -> str | None:
+    """The line a pipelined run opens with (None for pp 1)."""
+    pipe = pipeline_of(model)
+    if pipe is None:
+        return None
+    s = pipe.schedule
+    par = dataclasses.asdict(cfg.parallel)
+    return (f"pipeline: pp {s.pp}, schedule {s.name}, {s.microbatches} micro-batches of "
+            f"{cfg.train.batch_size // s.microbatches} sequences, {s.virtual} stage(s) per "
+            f"rank; layers per stage {list(model.layer_counts)}; ZeRO stage {par['stage']} "
+            f"inside each stage")
