@@ -254,3 +254,27 @@ def test_keys_set_in_a_toml_are_fixed(tmp_path):
     assert cfg.parallel.plan_fixed == ("parallel.stage", "parallel.tp", "train.grad_accum")
     debug = Path(__file__).resolve().parents[1] / "configs" / "debug.toml"
     assert load_config(debug, {"parallel.plan": "auto"}).parallel.plan_fixed == ()
+
+
+@pytest.mark.parametrize("over", [
+    {},
+    {"parallel.tp": "2", "parallel.stage": "2", "train.batch_size": "8"},
+    {"parallel.dp_replicate": "2", "parallel.stage": "1", "train.grad_accum": "2"},
+    {"parallel.pp": "2", "parallel.pp_schedule": "zb1", "parallel.pp_microbatches": "2",
+     "train.batch_size": "8"},
+    {"parallel.pp": "2", "parallel.pp_schedule": "interleaved_1f1b", "train.batch_size": "4"},
+])
+def test_config_and_layout_map_both_ways(over, tmp_path):
+    """The trainer's keys and the planner's layout describe the same split of the same
+    global batch, both ways (what a switch writes is what the planner priced)."""
+    cfg = resolve_world(load_config(None, {**TINY, "log.dir": str(tmp_path), **over}), 2)
+    L = plan_layout.layout_of(cfg)
+    again = plan_layout.with_layout(cfg, L)
+    assert plan_layout.layout_of(again) == L
+    assert L.dp * L.microbatch * L.pp_microbatches == (
+        cfg.train.batch_size * cfg.train.grad_accum * L.dp)
+    keys = plan_layout.trainer_keys(L)
+    for dotted, value in keys.items():
+        section, key = dotted.split(".")
+        got = getattr(getattr(again, section), key)
+        assert got == value or (key == "sequence_parallel" and not value and not got), dotted
