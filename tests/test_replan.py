@@ -43,7 +43,7 @@ pcie_gbs = 5
 host_gbs = 5
 host_gib = 16
 reserved_gib = 0.25
-matmul_max = 0.5
+matmul_max = {mm}
 matmul_half_gflop = 0.001
 memory_efficiency = 1.0
 intra_efficiency = {eff}
@@ -61,9 +61,9 @@ TP2 = Layout(tp=2, sp=True, zero=2, microbatch=8)
 PP2 = Layout(pp=2, pp_schedule="zb1", zero=0, microbatch=4, pp_microbatches=2)
 
 
-def _device(tmp: Path, eff: float) -> Path:
-    path = tmp / f"device-{eff}.toml"
-    path.write_text(_DEVICE.format(eff=eff))
+def _device(tmp: Path, eff: float, mm: float = 0.5) -> Path:
+    path = tmp / f"device-{eff}-{mm}.toml"
+    path.write_text(_DEVICE.format(eff=eff, mm=mm))
     return path
 
 
@@ -278,3 +278,25 @@ def test_config_and_layout_map_both_ways(over, tmp_path):
         section, key = dotted.split(".")
         got = getattr(getattr(again, section), key)
         assert got == value or (key == "sequence_parallel" and not value and not got), dotted
+
+
+def test_switch_out_of_a_pipeline(tmp_path):
+    """The other way: matmuls calibrated 2x faster than they are pick the pipeline; its
+    measured step (no data-parallel collectives: matmul_max alone is refit) puts ZeRO-3
+    over 2 data ranks 8% ahead (above a 5% threshold). Rebuilding after a pipeline must
+    keep the ranks' shard-call numbers agreed (gather identity)."""
+    log = tmp_path / "run"
+    cfg = load_config(None, {**TINY, **PLAN, "train.steps": "6", "checkpoint.interval": "0",
+                             "parallel.replan_threshold": "0.05", "log.dir": str(log),
+                             "parallel.plan_calibration": str(_device(tmp_path, TRUE_EFF))})
+    cfg, data = preflight(cfg, world_size=2)
+    assert plan_layout.layout_of(cfg) == PP2
+    truth = _Truth(cfg, build_model_config(cfg, data.vocab_size),
+                   str(_device(tmp_path, TRUE_EFF, mm=0.25)))
+    run_ranks(_train_planned, 2, args=(cfg, data, truth), timeout_s=240)
+    events = _history(log)
+    assert [e["event"] for e in events] == ["plan", "switch", "resume", "keep"]
+    assert events[1]["new_layout"] == plan_layout.trainer_keys(DP3)
+    assert list(events[1]["fitted"]) == ["matmul_max"]
+    assert events[1]["fitted"]["matmul_max"] == pytest.approx(0.25, rel=0.02)
+    assert json.loads((log / "summary.json").read_text())["layout"]["pp"] == 1

@@ -36,6 +36,7 @@ from shardwise.distributed import comm, comm_objects
 from shardwise.planner.calibrate import StepMeasurement, calibrate
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.layout import Layout
+from shardwise.shard.identity import next_state_id
 from shardwise.train import plan_layout
 from shardwise.train.config import Config
 from shardwise.train.preflight import build_model_config
@@ -208,7 +209,7 @@ class Replanner:
     def _fit(self):
         ms = [StepMeasurement(self.spec, self.wl, L, o.step_time, o.dp_collective_time)
               for L, o in self.measured.items()]
-        known = len(ms) + sum(m.dp_collective_time is not None for m in ms)
+        known = len(ms) + sum(bool(m.dp_collective_time) for m in ms)
         params = ("matmul_max", "intra_efficiency", "inter_efficiency")[:max(1, known)]
         if self.hw.gpus_per_node >= self.env.world_size and len(params) == 3:
             params = params[:2]  # one node: the inter-node link is not used
@@ -265,6 +266,19 @@ def _checkpoint_path(cfg: Config, step: int) -> str:
     return str(root / step_name(step))
 
 
+def _align_shard_calls() -> None:
+    """Agree on the number of the next ``shard`` call before the model is rebuilt in the
+    same processes ([Note: gather identity] in shardwise/shard/identity.py): every rank
+    takes numbers up to the largest any rank reached. A pipeline layout can leave the ranks'
+    counts apart (each rank numbers the pieces it does not hold too, but a rank of a 2-stage
+    pipeline was seen one call ahead of the other), and the next layout's gathers would
+    then carry different numbers for the same unit and be refused."""
+    mine = next_state_id()
+    top = max(comm_objects.all_gather_object(mine, label="replan.shard_calls"))
+    while mine < top:
+        mine = next_state_id()
+
+
 def train_planned(cfg: Config, data: Any, env, observe: Callable | None = None
                   ) -> dict[str, Any] | None:
     """``train`` with ``parallel.plan = "auto"`` re-planning (see [Note: re-planning]);
@@ -285,6 +299,7 @@ def train_planned(cfg: Config, data: Any, env, observe: Callable | None = None
         summary = train(cfg, data, env, replan=planner)
         if planner.switching is None:
             return summary
+        _align_shard_calls()
         # The run folder is this run's now: resume into it, never clear it.
         cfg = dataclasses.replace(
             planner.switching,
