@@ -101,8 +101,9 @@ def decide(current: Layout, measured_time: float, ranked: list[tuple[Layout, flo
     gain = 1 - t / measured_time
     how = "measured" if was_measured else "predicted"
     if gain <= threshold:
+        word = "faster" if gain >= 0 else "slower"
         return Decision(False, best, t, was_measured, f"the best other layout is {how} "
-                        f"{gain:+.1%} faster, within the threshold {threshold:.0%}")
+                        f"{abs(gain):.1%} {word}, within the threshold {threshold:.0%}")
     if steps_left < steps_needed:
         return Decision(False, best, t, was_measured, f"{how} {gain:.1%} faster, but only "
                         f"{steps_left} steps are left (a switch needs {steps_needed})")
