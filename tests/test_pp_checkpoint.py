@@ -6,7 +6,9 @@ step there as the reference; then load the checkpoint into a fresh model and opt
 pp 1 x dp 4 (the plain sharded model) and at pp 4 x dp 1 (ZeRO 1): the loaded weights are
 bitwise the saved ones, and the third step from them matches the reference (the Adam
 moments and step count came back too). Tied embeddings ride along at pp 4, where the
-embedding's mirror lives on another rank.
+embedding's mirror lives on another rank. Across pp x tp: the same checkpoint loads exactly
+at pp 2 x tp 2 (vocab-parallel tied embedding, sequence parallelism), whose own checkpoint
+after the third step loads bitwise at pp 1 x dp 4.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 import shardwise
 from shardwise.checkpoint import load, save
+from shardwise.distributed.parallel_dims import ParallelDims
 from shardwise.models import LlamaConfig, TransformerBlock, build_model, init_module_weights
 from shardwise.parallel.pipeline import (PipelineExecutor, build_schedule, cross_entropy_loss,
                                          pipeline_mesh, shard_stages, split_stages)
@@ -39,11 +42,15 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _pipeline(pp: int, stage: int, schedule: str, microbatches: int):
+def _pipeline(pp: int, stage: int, schedule: str, microbatches: int, tp: int = 1):
     sched = build_schedule(schedule, pp=pp, microbatches=microbatches)
-    mesh = pipeline_mesh(pp)
-    part = split_stages(build_model(CFG, device="meta"), mesh, sched.virtual,
-                        placement=sched.placement)
+    model = build_model(CFG, device="meta")
+    if tp == 1:
+        mesh = pipeline_mesh(pp)
+    else:
+        mesh = ParallelDims(world_size=dist.get_world_size(), pp=pp, tp=tp).build_mesh()
+        shardwise.apply_tp(model, mesh["tp"])
+    part = split_stages(model, mesh, sched.virtual, placement=sched.placement)
     torch.manual_seed(1)  # another init than the checkpoint's: loading must overwrite it
     shard_stages(part, stage=stage, init_weights=init_module_weights)
     dp, r = mesh["dp_shard"].size(), mesh["dp_shard"].get_local_rank()
@@ -87,7 +94,8 @@ def _matrix(path: str) -> dict:
     _train_step(part, opt, step, 2)
     out["reference"] = shardwise.full_state_dict(part)
     for name, build in (("pp1xdp4", lambda: _whole(4)),
-                        ("pp4xdp1", lambda: _pipeline(4, 1, "zb1", 4))):
+                        ("pp4xdp1", lambda: _pipeline(4, 1, "zb1", 4)),
+                        ("pp2xtp2", lambda: _pipeline(2, 3, "zb1", 4, tp=2))):
         model, step = build()
         opt = _optimizer(model)
         info = load(path, model, opt)
@@ -95,6 +103,10 @@ def _matrix(path: str) -> dict:
         out[f"{name}.step"] = info.step
         _train_step(model, opt, step, 2)
         out[f"{name}.next"] = shardwise.full_state_dict(model)
+    save(path + "-pp2xtp2", model, opt, step=3)  # the pp 2 x tp 2 model, back at pp 1
+    whole, _ = _whole(4)
+    load(path + "-pp2xtp2", whole, _optimizer(whole))
+    out["pp2xtp2.reloaded"] = shardwise.full_state_dict(whole)
     return out
 
 
@@ -105,15 +117,18 @@ def _union(results: list[dict], key: str) -> dict:
     return merged
 
 
-def test_save_at_pp2_dp2_loads_exactly_at_pp1_dp4_and_pp4_dp1(tmp_path):
+def test_save_at_pp2_dp2_loads_exactly_at_pp1_dp4_pp4_dp1_and_pp2_tp2(tmp_path):
     results = run_ranks(_matrix, 4, args=(str(tmp_path / "ckpt"),), timeout_s=300, threads=1)
     saved, reference = _union(results, "saved"), _union(results, "reference")
     assert set(saved) == set(build_model(CFG, device="meta").state_dict())  # unsplit names
-    for name in ("pp1xdp4", "pp4xdp1"):
+    for name in ("pp1xdp4", "pp4xdp1", "pp2xtp2"):
         loaded = _union(results, f"{name}.loaded")
         assert loaded.keys() == saved.keys()
         assert all(torch.equal(loaded[k], saved[k]) for k in saved), name
         assert results[0][f"{name}.step"] == 2
         err, key = max_rel_err(_union(results, f"{name}.next"), reference)
         assert err < 1e-5, (name, err, key)
+    saved_tp, reloaded = _union(results, "pp2xtp2.next"), _union(results, "pp2xtp2.reloaded")
+    assert reloaded.keys() == saved_tp.keys()
+    assert all(torch.equal(reloaded[k], saved_tp[k]) for k in saved_tp)
     assert dataclasses.asdict(CFG)["tie_embeddings"]

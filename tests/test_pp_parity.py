@@ -9,8 +9,12 @@ The CI grid runs, for pp 2, 3 and 4, every schedule at micro-batches pp, 2 pp an
 count (where the schedule allows it), alternating ZeRO stages 1 and 3 over them, plus
 pp 2 x dp 2 (ZeRO over the data ranks of each stage, gradients reduced once per step), tied
 embeddings across ranks and on one rank (a V), stage 3 re-gathering per micro-batch, and an
-explicit uneven split. ``SHARDWISE_PP_FULL=1`` runs the whole cross product (every case at
-both stages). One launch of ranks per world size runs all its cases.
+explicit uneven split, and pp 2 x tp 2 (tensor and sequence parallelism inside each stage,
+one ParallelMesh: sequence-sharded activations between stages, the vocab-parallel loss, a
+vocab-parallel tied embedding across the pipeline) under 1F1B, ZB-H1 and interleaved 1F1B
+at stages 1 and 3 (and the split refuses a model not parallelised over the mesh's tp
+axis). ``SHARDWISE_PP_FULL=1`` runs the whole cross product (every case at both
+stages). One launch of ranks per world size runs all its cases.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from functools import lru_cache
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise
+from shardwise.distributed.parallel_dims import ParallelDims
 from shardwise.models import LlamaConfig, build_model, init_module_weights
 from shardwise.parallel.pipeline import (PipelineExecutor, build_schedule, cross_entropy_loss,
                                          pipeline_grad_norm, pipeline_mesh, schedule_spec,
@@ -50,6 +56,12 @@ class Case:
     tied: bool = False
     keep_gathered: bool = True
     layers: tuple[int, ...] | None = None
+    tp: int = 1
+    sp: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
 
     @property
     def batch(self) -> int:
@@ -58,7 +70,8 @@ class Case:
 
     @property
     def name(self) -> str:
-        extra = "".join([f"-dp{self.dp}" if self.dp > 1 else "", "-tied" if self.tied else "",
+        tp = f"-tp{self.tp}{'' if self.sp else '-nosp'}" if self.tp > 1 else ""
+        extra = "".join([f"-dp{self.dp}" if self.dp > 1 else "", tp, "-tied" if self.tied else "",
                          "" if self.keep_gathered else "-regather",
                          f"-layers{self.layers}" if self.layers else ""])
         return f"pp{self.pp}-{self.schedule}-m{self.microbatches}-stage{self.stage}{extra}"
@@ -85,7 +98,10 @@ EXTRA = {
                                                         keep_gathered=False)],
     3: [Case("1f1b", 3, 3, 1, layers=(4, 2, 2)), Case("interleaved_1f1b", 3, 6, 3, tied=True)],
     4: [Case("1f1b", 2, 4, 3, dp=2), Case("zb1", 2, 4, 1, dp=2), Case("zbv", 2, 5, 3, dp=2),
-        Case("interleaved_1f1b", 2, 4, 3, dp=2, tied=True)],
+        Case("interleaved_1f1b", 2, 4, 3, dp=2, tied=True),
+        Case("1f1b", 2, 2, 1, tp=2), Case("zb1", 2, 4, 3, tp=2, tied=True),
+        Case("interleaved_1f1b", 2, 4, 3, tp=2, tied=True, sp=False),
+        Case("interleaved_1f1b", 2, 4, 1, tp=2)],
 }
 
 
@@ -115,19 +131,35 @@ def reference(batch: int, tied: bool) -> tuple[list, list, dict]:
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _run_case(case: Case) -> dict:
+def _split(case: Case, schedule, meshes: dict):
+    """This rank's stages; under tensor parallelism from one ParallelMesh (pp x tp), the
+    model parallelised over its tp axis before the split. Returns (part, data mesh)."""
+    model = build_model(TIED if case.tied else CFG, device="meta")
+    if case.tp == 1:
+        mesh = pipeline_mesh(case.pp)
+    else:
+        key = (case.pp, case.dp, case.tp)
+        if key not in meshes:  # one set of process groups per layout
+            meshes[key] = ParallelDims(world_size=case.world, pp=case.pp,
+                                       tp=case.tp).build_mesh()
+        mesh = meshes[key]
+        shardwise.apply_tp(model, mesh["tp"], sequence_parallel=case.sp)
+    part = split_stages(model, mesh, schedule.virtual, case.layers,
+                        placement=schedule.placement)
+    return part, mesh["dp_shard"]
+
+
+def _run_case(case: Case, meshes: dict) -> dict:
     schedule = build_schedule(case.schedule, pp=case.pp, microbatches=case.microbatches)
-    mesh = pipeline_mesh(case.pp)
-    part = split_stages(build_model(TIED if case.tied else CFG, device="meta"), mesh,
-                        schedule.virtual, case.layers, placement=schedule.placement)
+    part, dp_mesh = _split(case, schedule, meshes)
     torch.manual_seed(0)
     shard_stages(part, stage=case.stage, init_weights=init_module_weights)
     pipe = PipelineExecutor(part, schedule, keep_gathered=case.keep_gathered)
     opt = torch.optim.SGD(part.parameters(), lr=0.1, momentum=0.9)
     xs, ys = _batches(case.batch)
     per = case.batch // case.dp
-    r = mesh["dp_shard"].get_local_rank()
-    dp_group = mesh["dp_shard"].get_group()
+    r = dp_mesh.get_local_rank()  # tensor ranks of one data rank read the same batch
+    dp_group = dp_mesh.get_group()
     losses, norms = [], []
     shardwise.reset_comm_stats()
     for step in range(STEPS):
@@ -147,14 +179,39 @@ def _run_case(case: Case) -> dict:
             "units": units}
 
 
+def _tp_mesh_checks() -> dict:
+    """split_stages against the mesh's tp axis: a DeviceMesh naming ``tp`` is read like a
+    ParallelMesh; a model not parallelised over that axis is refused, naming the ranks."""
+    out = {}
+    dm = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+    model = shardwise.apply_tp(build_model(CFG, device="meta"), dm["tp"])
+    out["device_mesh_tp"] = list(split_stages(model, dm).groups.tp_ranks)
+    # tp outermost: tensor pairs {0, 2} and {1, 3}, not the pipeline mesh's {0, 1}, {2, 3}
+    crossed = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp_shard"))
+    for name, tp_mesh in (("untouched", None), ("other_tp", crossed["tp"])):
+        model = build_model(CFG, device="meta")
+        if tp_mesh is not None:
+            shardwise.apply_tp(model, tp_mesh)
+        try:
+            split_stages(model, dm)
+            out[name] = "accepted"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
 def _run_cases(cases: list[Case]) -> dict[str, dict]:
-    return {c.name: _run_case(c) for c in cases if c.pp * c.dp == dist.get_world_size()}
+    meshes: dict = {}
+    out = {c.name: _run_case(c, meshes) for c in cases if c.world == dist.get_world_size()}
+    if any(c.tp > 1 for c in cases):
+        out["tp mesh checks"] = _tp_mesh_checks()
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
 def results(request):
     world = request.param
-    cases = [c for pp in (2, 3, 4) for c in grid(pp) + EXTRA[pp] if c.pp * c.dp == world]
+    cases = [c for pp in (2, 3, 4) for c in grid(pp) + EXTRA[pp] if c.world == world]
     out = run_ranks(_run_cases, world, args=(cases,), timeout_s=600, threads=1)
     return cases, out
 
@@ -189,3 +246,16 @@ def test_gradients_are_reduced_once_per_step_and_stage3_gathers_once(results):
             # micro-batch count ([Note: pipeline engine controls]).
             assert got["reductions"] == STEPS * got["units"], (case.name, got["reductions"])
             assert got["gathers"] == STEPS * got["units"], (case.name, got["gathers"])
+
+
+def test_the_pipeline_mesh_tp_axis_is_the_models(results):
+    cases, per_rank = results
+    if not any(c.tp > 1 for c in cases):
+        pytest.skip("no tensor-parallel case at this world size")
+    for rank, r in enumerate(per_rank):
+        got = r["tp mesh checks"]
+        assert got["device_mesh_tp"] == [rank - rank % 2, rank - rank % 2 + 1], got
+        assert "is not tensor-parallel: apply_tp(model, mesh['tp']) before split_stages" \
+            in got["untouched"], got
+        assert f"is tensor-parallel over ranks {[rank % 2, rank % 2 + 2]}, but the pipeline " \
+            f"mesh's tp group of this rank is {got['device_mesh_tp']}" in got["other_tp"], got

@@ -7,7 +7,9 @@
 * pp 2 (ZB-H1, ZeRO 3) trains and validates like pp 1: the same losses, gradient norms and
   validation losses, with activation checkpointing too;
 * ``--checkpoint.resume auto`` across pp: a checkpoint saved at pp 2 resumes at pp 1 and at
-  pp 4 (1F1B) and continues as the uninterrupted pp 1 run does.
+  pp 4 (1F1B) and continues as the uninterrupted pp 1 run does;
+* pp 2 x tp 2 on 4 ranks (tensor and sequence parallelism inside each stage) trains and
+  validates like pp 1, and its checkpoint resumes at pp 1 x tp 1 (and the other way round).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ PP2 = {"parallel.pp": "2", "parallel.pp_schedule": "zb1", "parallel.pp_microbatc
      "parallel.pp_virtual: schedule 'zbv' runs exactly 2 stages per rank; got virtual=3"),
     ({"parallel.pp": "3"}, 4, "parallel.pp=3 must divide the world size 4"),
     ({"train.grad_accum": "2"}, 2, "parallel.pp=2 does not run with train.grad_accum=2"),
-    ({"parallel.tp": "2"}, 4, "parallel.pp=2 does not run with parallel.tp=2"),
+    ({"parallel.tp": "4"}, 4, "parallel.dp_replicate * parallel.tp = 1 * 4 = 4 does not "
+     "divide the world size 2 / parallel.pp=2"),
 ])
 def test_refused_before_launch_naming_the_key(over, world, message, tmp_path):
     values = {**TINY, **PP2, "parallel.pp_schedule": "1f1b", "log.dir": str(tmp_path), **over}
@@ -127,3 +130,42 @@ def test_resume_auto_across_pp(pp1, pp2, tmp_path):
         assert sorted(_losses(records)) == [3, 4], pp
         assert _close(_losses(records), {s: v for s, v in _losses(pp1).items() if s > 2},
                       1e-5), pp
+
+
+PP2_TP2 = {**PP2, "parallel.pp_schedule": "1f1b", "parallel.tp": "2"}
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2(tmp_path_factory):
+    log = tmp_path_factory.mktemp("pp2tp2")
+    return log, _run(log, 4, **PP2_TP2, **{"checkpoint.interval": "2"})
+
+
+def test_pp2_tp2_trains_and_validates_like_pp1(pp1, pp2_tp2):
+    """The tensor ranks of a stage read their data rank's batch; the stages send sequence
+    shards and the last computes the vocab-parallel loss: the numbers stay pp 1's."""
+    log, records = pp2_tp2
+    layout = json.loads((log / "summary.json").read_text())["layout"]
+    assert (layout["pp"], layout["tp"], layout["sequence_parallel"]) == (2, 2, True), layout
+    manifest = log / "checkpoints" / "step_00000002" / "manifest.json"
+    saved = json.loads(manifest.read_text())["layout"]  # what the model itself reports
+    assert (saved["pp"], saved["tp"]) == (2, 2), saved
+    assert _close(_losses(records), _losses(pp1), 1e-5)
+    assert _close(_losses(records, "grad_norm"), _losses(pp1, "grad_norm"), 1e-5)
+    assert _close(_losses(records, "val_loss"), _losses(pp1, "val_loss"), 1e-5)
+    assert sorted(_losses(records, "val_loss")) == [2, 4]
+
+
+def test_resume_auto_across_pp_and_tp(pp1, pp2, pp2_tp2, tmp_path):
+    """Saved at pp 2 x tp 2, resumed at pp 1 x tp 1; saved at pp 2 (tp 1), resumed at
+    pp 2 x tp 2: both continue as the uninterrupted pp 1 run does."""
+    (saved_tp, _), (saved_pp, _) = pp2_tp2, pp2
+    for name, saved, world, over in (("pp1tp1", saved_tp, 1, {"parallel.pp": "1"}),
+                                     ("pp2tp2", saved_pp, 4, PP2_TP2)):
+        log = tmp_path / name
+        shutil.copytree(saved / "checkpoints" / "step_00000002",
+                        log / "checkpoints" / "step_00000002")
+        records = _run(log, world, **{**over, "checkpoint.resume": "auto"})
+        assert sorted(_losses(records)) == [3, 4], name
+        assert _close(_losses(records), {s: v for s, v in _losses(pp1).items() if s > 2},
+                      1e-5), name

@@ -30,7 +30,7 @@ __all__ = [
     "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig", "ParallelConfig", "LogConfig",
     "CheckpointConfig", "Config", "load_config", "validate", "resolve_world", "check_output_dir",
     "to_toml",
-    "all_keys",
+    "all_keys", "PLAN_KEYS",
 ]
 
 
@@ -202,6 +202,32 @@ class ParallelConfig:
     pp_layers_per_stage: tuple[int, ...] = ()
     """Transformer blocks per stage, e.g. 3,2,2: pp x virtual counts summing to the model's
     layers (empty: as even as possible, earlier stages taking the remainder)."""
+    plan: str = "off"
+    """"off" (the layout as configured) or "auto": the planner chooses the layout (stage,
+    dp_replicate / dp_shard / tp / pp, sequence parallelism, pipeline schedule and
+    micro-batches, batch_size x grad_accum for the same global batch, activation
+    checkpointing) for this world size and memory, measures the first steps, refits its
+    constants and switches layout (checkpoint, rebuild, resume) when another is predicted
+    faster by more than replan_threshold (docs/planner.md). Keys set in the TOML or on the
+    command line stay as given (see plan_fixed)."""
+    replan_threshold: float = 0.10
+    """With plan = "auto": switch only to a layout predicted faster than the measured one by
+    more than this fraction of its step time (0 <= x < 1)."""
+    replan_steps: int = 3
+    """With plan = "auto": steps measured in each layout before deciding (after one warm-up
+    step, not counted); at least 1."""
+    plan_fixed: tuple[str, ...] = ()
+    """With plan = "auto": the layout keys the planner keeps as configured (parallel.stage,
+    dp_replicate, dp_shard, tp, sequence_parallel, pp, pp_schedule, pp_microbatches,
+    pp_virtual; train.batch_size, grad_accum, activation_checkpoint; as dotted keys). Unset in
+    the TOML and on the command line: the keys of that list given there (a TOML spelling
+    every key, like configs/debug.toml, sets plan_fixed = [] to leave them to the planner)."""
+    plan_hardware: str = "local"
+    """With plan = "auto": the planner's device ("local": this machine, from the calibration
+    of `shardwise plan --hardware local --calibrate`; or a catalogue name such as h100)."""
+    plan_calibration: str = ""
+    """With plan = "auto": calibration file of the "local" device ("": $SHARDWISE_CALIBRATION,
+    else ~/.cache/shardwise/calibration.toml)."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +385,7 @@ def load_config(path: str | os.PathLike | None = None,
             wrong types, impossible values; each names the key and the value.
     """
     config = Config()
+    given: set[str] = set(overrides or {})
     if path is not None:
         origin = repr(str(path))
         try:
@@ -368,12 +395,34 @@ def load_config(path: str | os.PathLike | None = None,
                              f"{exc.strerror or exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {origin} is not valid TOML: {exc}") from None
-        config = config_io.apply_overrides(config, config_io.flatten_toml(doc, config, origin),
-                                           origin)
+        values = config_io.flatten_toml(doc, config, origin)
+        given |= set(values)
+        config = config_io.apply_overrides(config, values, origin)
     if overrides:
         config = config_io.apply_overrides(config, overrides, "the command line", from_cli=True)
+    config = _derive_plan_fixed(config, given)
     validate(config)
     return config
+
+
+def _value(config: Config, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(config, section), key)
+
+
+def _derive_plan_fixed(config: Config, given: set[str]) -> Config:
+    """With ``parallel.plan = "auto"`` and ``plan_fixed`` not given: the layout keys the
+    user set in the TOML or on the command line become the planner's constraints."""
+    par = config.parallel
+    if par.plan != "auto" or "parallel.plan_fixed" in given:
+        return config
+    # dp_shard -1 ("the rest"), an unset sequence_parallel and pp_microbatches /
+    # pp_virtual 0 ("the schedule's own") leave the planner free.
+    free = {"parallel.dp_shard": -1, "parallel.sequence_parallel": None,
+            "parallel.pp_microbatches": 0, "parallel.pp_virtual": 0}
+    fixed = tuple(k for k in PLAN_KEYS if k in given
+                  and not (k in free and _value(config, k) == free[k]))
+    return dataclasses.replace(config, parallel=dataclasses.replace(par, plan_fixed=fixed))
 
 
 def to_toml(config: Config, comments: bool = True) -> str:
@@ -382,4 +431,5 @@ def to_toml(config: Config, comments: bool = True) -> str:
 
 
 # The value checks live in config_checks.py (imported last: they read the dataclasses above).
-from shardwise.train.config_checks import check_output_dir, resolve_world, validate  # noqa: E402
+from shardwise.train.config_checks import (PLAN_KEYS, check_output_dir,  # noqa: E402
+                                           resolve_world, validate)

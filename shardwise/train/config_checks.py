@@ -14,12 +14,17 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel",
-           "check_model_combinations", "AC_POLICIES", "COMPILE_BACKENDS"]
+           "check_model_combinations", "AC_POLICIES", "COMPILE_BACKENDS", "PLAN_KEYS"]
 
 # Kept equal to shardwise.parallel.AC_POLICIES by tests/test_activation_checkpoint.py (this
 # module stays free of torch imports: the command line loads configs before torch).
 AC_POLICIES = ("none", "full", "selective")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+PLAN_KEYS = ("parallel.stage", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
+             "parallel.sequence_parallel", "parallel.pp", "parallel.pp_schedule",
+             "parallel.pp_microbatches", "parallel.pp_virtual", "train.batch_size",
+             "train.grad_accum", "train.activation_checkpoint")
+"""The config keys of a layout that ``parallel.plan = "auto"`` chooses (see plan_fixed)."""
 
 
 def _positive(v: Any) -> bool:
@@ -81,6 +86,10 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
     ("parallel.timeout_s", _positive, "a positive number of seconds"),
     ("parallel.watchdog", lambda v: v in ("on", "debug", "off"), "'on', 'debug' or 'off'"),
+    ("parallel.plan", lambda v: v in ("off", "auto"), "'off' or 'auto'"),
+    ("parallel.replan_threshold", lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
+    ("parallel.replan_steps", _positive, "a positive int (steps measured per layout)"),
+    ("parallel.plan_hardware", lambda v: v.strip() != "", "a device name (e.g. local, h100)"),
     ("parallel.pp", _positive, "a positive int (pipeline ranks)"),
     ("parallel.pp_microbatches", _non_negative, "an int >= 0 (0: the schedule's fewest)"),
     ("parallel.pp_virtual", _non_negative, "an int >= 0 (0: the schedule's own)"),
@@ -149,6 +158,21 @@ def _combinations(config) -> None:
     if off.device != "none" and par.stage == 0:
         raise ValueError(f"offload.device={off.device!r} needs parallel.stage 1, 2 or 3 "
                          f"(sharded masters), got 0")
+    _check_plan(config)
+
+
+def _check_plan(config) -> None:
+    """``parallel.plan_fixed`` names layout keys; ``plan = "auto"`` prices what it can."""
+    par = config.parallel
+    for key in par.plan_fixed:
+        if key not in PLAN_KEYS:
+            close = difflib.get_close_matches(key, PLAN_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"parallel.plan_fixed names {key!r}{hint}; expected keys among "
+                             f"{', '.join(PLAN_KEYS)}")
+    if par.plan == "auto" and config.offload.device == "disk":
+        raise ValueError("parallel.plan='auto' prices offload.device 'none' or 'cpu', got "
+                         "'disk'; expected parallel.plan='off' with disk offload")
 
 
 def validate(config) -> None:

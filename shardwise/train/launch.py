@@ -25,7 +25,8 @@ from shardwise.distributed import env as dist_env
 from shardwise.train.config import Config, resolve_world
 from shardwise.train.doctor import check_ranks
 from shardwise.train.preflight import TokenData, announce, preflight
-from shardwise.train.trainer import build_env, train
+from shardwise.train.replan import train_planned
+from shardwise.train.trainer import build_env
 
 __all__ = ["RankFailure", "launch_local", "run_training"]
 
@@ -103,7 +104,7 @@ def _rank_main(cfg: Config, data: TokenData) -> dict[str, Any] | None:
     env = build_env(cfg)
     try:
         check_ranks(cfg, env)
-        return train(cfg, data, env)
+        return train_planned(cfg, data, env)
     finally:
         dist_env.destroy()
 
@@ -140,7 +141,7 @@ def _train_here(cfg: Config) -> dict[str, Any] | None:
         cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, dir=log_dir))
         if env.is_main:
             announce(cfg, requested)
-        return train(cfg, data, env)
+        return train_planned(cfg, data, env)
     finally:
         dist_env.destroy()
 

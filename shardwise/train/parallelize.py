@@ -227,9 +227,10 @@ def validate_ep(cfg: Config, model_cfg: Any) -> None:
 
 def describe_layout(cfg: Config, world_size: int) -> str:
     """The layout in words for the start line, e.g. ``"tp 2 (sequence parallel) x dp_shard
-    2, ZeRO stage 3"`` (``"dp_shard 4 (ep 2)"`` with expert parallelism)."""
+    2, ZeRO stage 3"``, ``"pp 2 x tp 2 (sequence parallel) x dp_shard 1, ZeRO stage 3"`` or
+    ``"dp_shard 4 (ep 2)"`` with expert parallelism."""
     dims, par = parallel_dims(cfg, world_size), cfg.parallel
-    parts = []
+    parts = [f"pp {dims.pp}"] if dims.pp > 1 else []  # outermost first ([Note: rank order])
     if dims.tp > 1:
         parts.append(f"tp {dims.tp}" + (" (sequence parallel)" if sequence_parallel(par)
                                         else ""))

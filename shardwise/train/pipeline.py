@@ -3,8 +3,11 @@
     shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.pp_schedule zb1 \\
         --parallel.pp_microbatches 4
 
-Checks that refuse a pipeline before any rank starts, the world split into pipeline and data
-ranks (pp outermost), the pipelined model (split on the meta device, each piece sharded with
+    shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.tp 2   # pp x tp
+
+Checks that refuse a pipeline before any rank starts, the world split into pipeline, data
+and tensor ranks (one ParallelMesh: pp outermost, tp innermost), the pipelined model (built
+on the meta device, tensor-parallel over the mesh's tp axis, split, each piece sharded with
 the run's ZeRO stage over its stage's data ranks, initialised with the unsplit model's
 numbers), and what the loop needs from it: the step, validation, the global gradient norm
 and the data-parallel rank that picks the batch.
@@ -18,11 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.distributed.parallel_dims import ParallelDims
 from shardwise.parallel.pipeline import (PipelineExecutor, PipelinePart, build_schedule,
-                                         pipeline_grad_norm, pipeline_mesh, schedule_spec,
+                                         pipeline_grad_norm, schedule_spec,
                                          shard_stages, split_stages, stage_layer_counts)
 from shardwise.parallel.pipeline.schedules import resolve_virtual
+from shardwise.parallel.tensor import apply_tp
 from shardwise.shard.grad import get_total_norm
+from shardwise.train.config_checks import sequence_parallel
 
 __all__ = ["check_pipeline_config", "pipeline_world", "resolve_microbatches",
            "check_pipeline_model", "build_pipeline_model", "pipeline_of", "grad_norm",
@@ -56,8 +62,6 @@ def check_pipeline_config(cfg: Any) -> None:
                          f"{cfg.train.batch_size} (the sequences each data-parallel rank "
                          f"splits into micro-batches)")
     unsupported = [
-        (cfg.parallel.tp > 1, f"parallel.tp={cfg.parallel.tp} (tensor parallelism inside "
-                              "pipeline stages is not built)"),
         (cfg.train.grad_accum != 1, f"train.grad_accum={cfg.train.grad_accum} (the pipeline's "
                                     "micro-batches are the accumulation: set grad_accum 1)"),
         (cfg.precision.param_dtype == "fp16", "precision.param_dtype='fp16' (use bf16)"),
@@ -121,7 +125,8 @@ def check_pipeline_model(cfg: Any, model_cfg: Any) -> None:
 
 
 def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict) -> PipelinePart:
-    """This rank's stages, sharded, initialised, with their executor (``pipeline_of``).
+    """This rank's stages, sharded, initialised, with their executor (``pipeline_of``);
+    tensor-parallel inside each stage when ``parallel.tp > 1``.
 
     Args:
         cfg: the run config.
@@ -139,9 +144,13 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     par = cfg.parallel
     pp, v, layers = _layout(cfg)
     schedule = build_schedule(par.pp_schedule, pp, resolve_microbatches(cfg), v)
-    mesh = pipeline_mesh(pp, par.dp_replicate, env.device.type)
-    part = split_stages(build_model(model_cfg, device="meta"), mesh, v, layers,
-                        placement=schedule.placement)
+    dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size, pp=pp, tp=par.tp)
+    mesh = dims.build_mesh(env.device.type)
+    model = build_model(model_cfg, device="meta")
+    if par.tp > 1:  # on the whole model, before the split (the composition order)
+        apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
+    # The executor's loss is then the vocab-parallel cross-entropy (default_loss).
+    part = split_stages(model, mesh, v, layers, placement=schedule.placement)
     # Checkpointing and compile wrap each block of this rank's stages, before sharding (the
     # composition order of shardwise.train.parallelize).
     t = cfg.train

@@ -21,6 +21,7 @@ from shardwise.train.config_checks import check_model_combinations
 from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
+from shardwise.train.plan_layout import plan_start
 from shardwise.train.pipeline import check_pipeline_config, check_pipeline_model
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
@@ -162,6 +163,8 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     validate_offload(cfg)
     data = build_data(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
     model_cfg = build_model_config(cfg, data.vocab_size)
+    # --parallel.plan auto: the planner's layout (same global batch), then the checks below
+    cfg = plan_start(cfg, model_cfg, world_size)
     from shardwise.train.parallelize import validate_ep, validate_tp  # degrees vs the shape
     validate_tp(cfg, model_cfg, world_size)
     validate_ep(cfg, model_cfg)

@@ -330,13 +330,18 @@ def _start_logger(cfg: Config, env: dist_env.DistEnv, model_cfg: Any, data: Any,
 
 
 @watchdog.guarded  # an exception here stops the other ranks at once, naming this one
-def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | None:
+def train(cfg: Config, data: Any, env: dist_env.DistEnv, replan: Any = None
+          ) -> dict[str, Any] | None:
     """Train ``cfg.train.steps`` steps on this rank; rank 0 writes the outputs.
 
     Args:
         cfg: the resolved config (:func:`preflight`).
         data: the :class:`~shardwise.train.preflight.TokenData` (identical on every rank).
         env: this process's place in the job (:func:`build_env`).
+
+        replan: ``parallel.plan = "auto"``'s :class:`~shardwise.train.replan.Replanner`
+            (default None: the layout is fixed); when it asks to switch, a checkpoint is
+            saved and this returns None (the caller resumes in the new layout).
 
     Returns:
         The run summary on rank 0, None elsewhere.
@@ -374,10 +379,16 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv) -> dict[str, Any] | Non
                 logger.log_eval(evaluate(model, data.val_ids, cfg, env, step))
             if _checkpoint_due(step, cfg):
                 ckpt.save(step, model, optimizer, extra=stateful)
+            if replan is not None and replan.after_step(record, model, optimizer, logger):
+                if not _checkpoint_due(step, cfg):  # re-plan: resume from here, re-laid out
+                    ckpt.save(step, model, optimizer, extra=stateful)
+                break
     finally:
         logger.close()
         guard.close()
     ckpt.close()  # the last background save, if any, is committed before the summary
+    if replan is not None and replan.switching is not None:
+        return None
     mem = shardwise.memory_report(model, optimizer)
     if hasattr(optimizer, "close"):  # offloaded optimizer state: remove its files now
         optimizer.close()

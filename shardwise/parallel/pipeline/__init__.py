@@ -29,8 +29,8 @@ from shardwise.parallel.pipeline.split import (PipelinePart, StageModule, split_
                                                stage_layer_counts)
 from shardwise.parallel.pipeline.sharding import shard_stages
 from shardwise.parallel.pipeline.executor import (ActionTime, PipelineExecutor,
-                                                  cross_entropy_loss, forward_schedule,
-                                                  split_microbatches)
+                                                  cross_entropy_loss, default_loss,
+                                                  forward_schedule, split_microbatches)
 from shardwise.parallel.pipeline.norms import clip_pipeline_grad_norm_, pipeline_grad_norm
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "PipelineExecutor",
     "ActionTime",
     "cross_entropy_loss",
+    "default_loss",
     "forward_schedule",
     "split_microbatches",
     "pipeline_grad_norm",

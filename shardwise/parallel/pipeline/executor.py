@@ -51,11 +51,12 @@ from shardwise.parallel.pipeline.p2p import steps
 from shardwise.parallel.pipeline.schedule import Schedule
 from shardwise.parallel.pipeline.split import PipelinePart, StageModule
 from shardwise.parallel.pipeline.ties import TiedWeights
+from shardwise.parallel.tensor import tp_context, vocab_parallel_cross_entropy
 from shardwise.shard import controls
 from shardwise.shard.registry import engine_states
 
-__all__ = ["PipelineExecutor", "forward_schedule", "cross_entropy_loss", "split_microbatches",
-           "ActionTime"]
+__all__ = ["PipelineExecutor", "forward_schedule", "cross_entropy_loss", "default_loss",
+           "split_microbatches", "ActionTime"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -63,6 +64,20 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every token of the micro-batch (fp32)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def default_loss(part: PipelinePart) -> LossFn:
+    """The loss of a part's last stage: :func:`cross_entropy_loss`, or the vocab-parallel
+    cross-entropy over the tensor ranks when the head returns vocab-sharded logits (a model
+    parallelised with ``apply_tp(..., loss_parallel=True)``)."""
+    ctx = tp_context(part)
+    if ctx is None or not ctx.loss_parallel:
+        return cross_entropy_loss
+    group = ctx.tp.group
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, group)
+    return loss
 
 
 def forward_schedule(schedule: Schedule) -> Schedule:
@@ -126,7 +141,8 @@ class PipelineExecutor:
         part: this rank's stages (:func:`split_stages`, sharded or not).
         schedule: the schedule; its placement must be the one ``part`` was split with.
         loss_fn: ``(logits, targets) -> scalar`` mean loss of one micro-batch (default:
-            next-token cross-entropy, :func:`cross_entropy_loss`).
+            next-token cross-entropy, vocab-parallel for a tensor-parallel model with loss
+            parallelism: :func:`default_loss`).
         keep_gathered: stage 3: gather each stage once per step (True, default) or per
             micro-batch (False); see [Note: pipeline engine controls].
         record_times: keep the timestamps of every step of the list (``last_times``).
@@ -144,7 +160,7 @@ class PipelineExecutor:
                              f"part was split into {list(part.placement)} over "
                              f"pp={groups.pp_size}: split with placement=schedule.placement")
         self.part, self.schedule, self.groups = part, schedule, groups
-        self.loss_fn = loss_fn or cross_entropy_loss
+        self.loss_fn = loss_fn or default_loss(part)
         self.keep_gathered, self.record_times = keep_gathered, record_times
         self.train_program = _Program.of(schedule.ranks[groups.pp_rank])
         self.eval_program = _Program.of(forward_schedule(schedule).ranks[groups.pp_rank])

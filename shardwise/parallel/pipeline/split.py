@@ -30,7 +30,19 @@ stage's rank when the last stage is elsewhere; after the last backward the mirro
 is added to the embedding's, so the optimizer steps the one matrix with the sum of both uses'
 gradients, exactly as autograd sums them in the unsplit model ([Note: tied embeddings] in
 llama.py). This holds when both stages sit on one rank too (a V placement), where two
-separately sharded modules cannot share one Parameter.
+separately sharded modules cannot share one Parameter. Under tensor parallelism the embedding
+is vocab-parallel and the mirror takes the head's style (``copy_style``): each tensor rank's
+mirror holds its rows of the vocabulary, and the value and the gradient go between the first
+and the last pipeline rank of one tensor coordinate.
+
+[Note: pipeline stages of a tensor-parallel model] ``apply_tp`` runs before the split, on
+the whole (meta) model; each stage then holds its pieces already cut for this tensor rank,
+and the part answers ``tp_context`` as the model did. Under sequence parallelism what a stage
+sends (the residual stream between two blocks) is this tensor rank's ``1/tp`` of the
+sequence, ``(B, T/tp, C)``, so the messages shrink by ``tp`` too; a stage that receives one
+rebuilds the sequence length for RoPE as ``tp`` times its length. The last stage returns
+vocab-sharded logits ``(B, T, V/tp)`` with loss parallelism, for the vocab-parallel
+cross-entropy (the executor's default loss then).
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from torch import nn
 from shardwise.models.llama import TiedOutput
 from shardwise.parallel.pipeline.groups import PipelineGroups, resolve_pipeline_groups
 from shardwise.parallel.pipeline.schedule import looped_placement
+from shardwise.parallel.tensor import copy_style, share_tp_context, tp_context
 
 __all__ = ["split_stages", "stage_layer_counts", "PipelinePart", "StageModule", "TiedHead"]
 
@@ -107,13 +120,16 @@ class StageModule(nn.Module):
     Attributes:
         index: the stage's index (0 = holds the embedding).
         is_first / is_last: whether it holds the embedding / the norm and head.
+        seq_split: how many pieces the sequence of an activation between stages is in
+            (``tp`` under sequence parallelism, else 1).
     """
 
     def __init__(self, index: int, num_stages: int, rope: nn.Module,
                  layers: dict[str, nn.Module], embedding: nn.Module | None = None,
-                 norm: nn.Module | None = None, head: nn.Module | None = None) -> None:
+                 norm: nn.Module | None = None, head: nn.Module | None = None,
+                 seq_split: int = 1) -> None:
         super().__init__()
-        self.index, self.num_stages = index, num_stages
+        self.index, self.num_stages, self.seq_split = index, num_stages, seq_split
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         if embedding is not None:
             self.tok_embeddings = embedding
@@ -123,8 +139,10 @@ class StageModule(nn.Module):
             self.norm, self.output = norm, head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.is_first else x  # (B, T, C)
-        cos, sin = self.rope(h.shape[1])  # (T, hd/2) each
+        # (B, T, C), or (B, T/tp, C) under sequence parallelism
+        h = self.tok_embeddings(x) if self.is_first else x
+        seq_len = x.shape[1] if self.is_first else x.shape[1] * self.seq_split
+        cos, sin = self.rope(seq_len)  # (T, hd/2) each
         for layer in self.layers.values():
             h = layer(h, cos, sin)  # (B, T, C)
         if self.is_last:
@@ -155,6 +173,8 @@ class PipelinePart(nn.Module):
         self.config = getattr(model, "config", None)
         self.tied = isinstance(model.output, TiedOutput)
         object.__setattr__(self, "mirror", None)  # outside the part: never named or saved
+        ctx = tp_context(model)
+        seq_split = ctx.tp.size if ctx is not None and ctx.sequence_parallel else 1
         mine = [s for s in range(num_stages) if placement[s] == groups.pp_rank]
         starts = [sum(counts[:s]) for s in range(num_stages)]
         self._all_pieces(model, mine, starts, counts)
@@ -169,6 +189,7 @@ class PipelinePart(nn.Module):
             self.norm = model.norm
             if self.tied:
                 head = TiedHead(model.tok_embeddings.weight)
+                copy_style(model.output, head)  # vocab-parallel under tensor parallelism
                 object.__setattr__(self, "mirror", head)
             else:
                 self.output = head = model.output
@@ -178,8 +199,11 @@ class PipelinePart(nn.Module):
             stages.append(StageModule(s, num_stages, model.rope, layers,
                                       model.tok_embeddings if s == 0 else None,
                                       model.norm if s == last else None,
-                                      head if s == last else None))
+                                      head if s == last else None, seq_split))
+            if ctx is not None:  # drop the stage's last region input, as the model's hook
+                stages[-1].register_forward_hook(lambda *args: ctx.clear())
         self.stages: list[StageModule] = stages
+        share_tp_context(model, self)
 
     def _all_pieces(self, model: nn.Module, mine: list[int], starts, counts) -> None:
         """Every piece of the unsplit model in its order, and whether this rank keeps it:
@@ -240,8 +264,10 @@ def split_stages(model: nn.Module, pp_mesh=None, virtual: int = 1,
     Args:
         model: a model shaped like shardwise's ``Transformer`` (``tok_embeddings``,
             ``layers``, ``norm``, ``output``, ``rope``), on any device or meta.
-        pp_mesh: a DeviceMesh with a ``"pp"`` dimension, the pipeline ProcessGroup, or None
-            (the world); see :func:`resolve_pipeline_groups`.
+        pp_mesh: a ParallelMesh, a DeviceMesh with a ``"pp"`` dimension, the pipeline
+            ProcessGroup, or None (the world); see :func:`resolve_pipeline_groups`. A
+            tensor-parallel model (``apply_tp`` first, with the same mesh's ``["tp"]``) is
+            split as it is ([Note: pipeline stages of a tensor-parallel model]).
         virtual: stages per pipeline rank (default 1); there are ``pp * virtual`` stages.
         layers_per_stage: blocks per stage, e.g. ``[3, 2, 2]`` (default None: even split).
         placement: the pipeline rank of each stage, e.g. ``schedule.placement`` (default
@@ -251,8 +277,9 @@ def split_stages(model: nn.Module, pp_mesh=None, virtual: int = 1,
         The :class:`PipelinePart` of this rank.
 
     Raises:
-        ValueError: a model without those pieces, too few layers, a bad ``layers_per_stage``
-            or a placement that does not fit ``pp`` and ``virtual`` (naming the value).
+        ValueError: a model without those pieces, too few layers, a bad ``layers_per_stage``,
+            a placement that does not fit ``pp`` and ``virtual`` (naming the value), or a
+            mesh whose ``tp`` axis the model was not parallelised over.
     """
     missing = [name for name in _NEEDED if not hasattr(model, name)]
     if missing:
@@ -266,5 +293,20 @@ def split_stages(model: nn.Module, pp_mesh=None, virtual: int = 1,
     if len(placement) != pp * virtual or any(placement.count(r) != virtual for r in range(pp)):
         raise ValueError(f"placement {list(placement)} does not put virtual={virtual} stages "
                          f"on each of the pp={pp} ranks")
+    _check_tp(model, groups)
     counts = stage_layer_counts(len(model.layers), pp * virtual, layers_per_stage)
     return PipelinePart(model, groups, placement, counts)
+
+
+def _check_tp(model: nn.Module, groups: PipelineGroups) -> None:
+    """The model's tensor parallelism is the mesh's ``tp`` axis (when the mesh has one)."""
+    ctx = tp_context(model)
+    mine = ctx.tp.ranks if ctx is not None else ()
+    if len(groups.tp_ranks) > 1 and ctx is None:
+        raise ValueError(f"the pipeline mesh has a tp axis of {len(groups.tp_ranks)} ranks but "
+                         f"{type(model).__name__} is not tensor-parallel: apply_tp(model, "
+                         f"mesh['tp']) before split_stages")
+    if ctx is not None and groups.tp_ranks and tuple(mine) != tuple(groups.tp_ranks):
+        raise ValueError(f"{type(model).__name__} is tensor-parallel over ranks {list(mine)}, "
+                         f"but the pipeline mesh's tp group of this rank is "
+                         f"{list(groups.tp_ranks)}: apply_tp with the same mesh's ['tp']")

@@ -19,7 +19,7 @@ from shardwise.parallel.tensor.layers import TPContext, apply_style, replicate_p
 from shardwise.parallel.tensor.plan import default_plan, resolve_plan
 from shardwise.shard.registry import attach_tracker, engine_states
 
-__all__ = ["apply_tp", "tp_context"]
+__all__ = ["apply_tp", "tp_context", "share_tp_context"]
 
 _CTX_ATTR = "_shardwise_tp_context"
 
@@ -151,3 +151,14 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str] | None = None,
 def tp_context(model: nn.Module) -> TPContext | None:
     """The tensor-parallel context of a model passed to :func:`apply_tp` (None otherwise)."""
     return getattr(model, _CTX_ATTR, None)
+
+
+def share_tp_context(model: nn.Module, part: nn.Module) -> None:
+    """Let ``part`` (a piece of ``model`` that is run on its own, e.g. a pipeline rank's
+    stages) answer :func:`tp_context` and report the tensor-parallel buffers as ``model``
+    does. A no-op when ``model`` is not tensor-parallel."""
+    ctx = tp_context(model)
+    if ctx is None:
+        return
+    setattr(part, _CTX_ATTR, ctx)
+    attach_tracker(part, ctx.tracker)

@@ -26,7 +26,7 @@ from shardwise.parallel.tensor.ops import (SequenceInput, copy_to_region, gather
                                            reduce_from_region, scatter_sequence,
                                            sequence_linear)
 
-__all__ = ["TPContext", "STYLES", "apply_style", "replicate_param"]
+__all__ = ["TPContext", "STYLES", "apply_style", "replicate_param", "copy_style"]
 
 STYLES = ("colwise", "rowwise", "vocab", "colwise_output", "sequence", "colwise_gather")
 """Styles a plan may name; ``colwise_gather`` is a column-parallel layer whose output is
@@ -294,3 +294,29 @@ def apply_style(name: str, module: nn.Module, style: str, ctx: TPContext,
     gather = style == "colwise_gather" or (style == "colwise_output" and not ctx.loss_parallel)
     module._shardwise_tp = ModuleTP(ctx, name, gather_output=gather)
     module.__class__ = _styled_class(_MIXINS[style], type(module))
+
+
+def copy_style(src: nn.Module, dst: nn.Module) -> None:
+    """Give ``dst`` the tensor-parallel style of ``src``, in place: the same context, label
+    and output gathering, its class swapped the same way, and each of its direct parameters
+    the placement of ``src``'s parameter of the same name. A no-op when ``src`` has no style.
+
+    Used for the last pipeline stage's mirror of a tied head ([Note: tied embeddings across
+    stages] in pipeline/split.py): it must compute what the styled head computes.
+
+    Raises:
+        ValueError: ``dst`` has a parameter ``src`` lacks, or of another local shape.
+    """
+    tp: ModuleTP | None = getattr(src, "_shardwise_tp", None)
+    if tp is None:
+        return
+    for attr, p in dst._parameters.items():
+        mine = getattr(src, attr, None)
+        if p is None or not isinstance(mine, torch.Tensor) or mine.shape != p.shape:
+            raise ValueError(f"copy_style: {type(dst).__name__}.{attr} has no counterpart of "
+                             f"shape {tuple(p.shape) if p is not None else None} in "
+                             f"{type(src).__name__} ({tp.label})")
+        set_placement(p, placement_of(mine))
+    mixin = type(src).__bases__[0]  # _styled_class puts the style's mixin first
+    dst._shardwise_tp = ModuleTP(tp.ctx, tp.label, gather_output=tp.gather_output)
+    dst.__class__ = _styled_class(mixin, type(dst))
