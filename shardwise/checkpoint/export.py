@@ -340,10 +340,14 @@ def _full_shape(spec, current) -> tuple[int, ...]:
 
 
 def _read_experts(fqn: str, names: list[str], files: _Files, spec, current) -> torch.Tensor:
-    """This rank's experts of a stacked expert tensor, each read from its HF tensor."""
+    """This rank's experts of a stacked expert tensor, each read from its HF tensor (in
+    global expert numbers: expert parallelism and ZeRO cut dim 0 together)."""
     full = _full_shape(spec, current)
     start, stop = (0, full[0]) if spec is None else (spec.row_offset,
                                                       spec.row_offset + spec.local_rows)
+    if spec is not None and spec.placement is not None:
+        start, stop = {d: (a, b) for d, a, b in spec.placement.local_range()}.get(0, (start,
+                                                                                    stop))
     rows = []
     for j in range(start, stop):
         handle, file = files.open(names[j], fqn)

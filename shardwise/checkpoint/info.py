@@ -43,6 +43,8 @@ def _header(path: Path, manifest: dict[str, Any]) -> list[str]:
              f"{lay.get('dp_replicate')}" if stage is not None else "not sharded")
     if lay.get("tp", 1) > 1:
         where += f", tp {lay['tp']}"
+    if lay.get("ep", 1) > 1:
+        where += f", ep {lay['ep']}"
     model = manifest.get("model") or {}
     cfg = model.get("config") or {}
     shape = ", ".join(f"{k} {cfg[k]}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads",

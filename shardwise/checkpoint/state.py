@@ -35,6 +35,7 @@ from shardwise.checkpoint import jsonable
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.distributed import comm_objects
 from shardwise.parallel.pipeline.split import PipelinePart
+from shardwise.parallel.expert import ep_context
 from shardwise.parallel.tensor import tp_context
 from shardwise.shard.registry import engine_states
 from shardwise.sizes import nbytes
@@ -171,22 +172,24 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def layout_of(model: nn.Module) -> dict[str, Any]:
-    """World size, ZeRO stage, data-parallel, tensor-parallel and pipeline degrees of a
-    model."""
+    """World size, ZeRO stage, data-parallel, tensor-parallel, expert-parallel and pipeline
+    degrees of a model."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     ctx = tp_context(model)
     tp = ctx.tp.size if ctx is not None else 1
+    ep_ctx = ep_context(model)
+    ep = ep_ctx.ep.size if ep_ctx is not None else 1
     pp = model.groups.pp_size if isinstance(model, PipelinePart) else 1
     states = engine_states(model)
     if not states:
         return {"world_size": world, "stage": None, "dp_shard": None, "dp_replicate": None,
-                "tp": tp, "pp": pp}
+                "tp": tp, "ep": ep, "pp": pp}
     s = states[-1]  # the outermost call (engine_states lists submodules' first)
     g = s.groups
     return {"world_size": world, "stage": getattr(s, "stage", 0), "dp_shard": g.shard_size,
-            "dp_replicate": g.replicate_size, "tp": tp, "pp": pp}
+            "dp_replicate": g.replicate_size, "tp": tp, "ep": ep, "pp": pp}
 
 
 def model_info(model: nn.Module) -> dict[str, Any]:

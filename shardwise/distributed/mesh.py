@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise.distributed.parallel_dims import AXIS_NAMES, ParallelDims, ParallelMesh
 
 __all__ = ["ParallelDims", "ParallelMesh", "ShardGroups", "NodeGroup", "resolve_groups",
-           "replicated_groups", "node_group"]
+           "replicated_groups", "node_group", "axis_groups"]
 
 
 @dataclass
@@ -41,11 +41,19 @@ class ShardGroups:
     replicate_size: int
     device_mesh: DeviceMesh | None
     dp: dist.ProcessGroup | None = None  # every data rank (replicate x shard), when known
+    # Data-parallel degree the reduced gradients are divided by when it is not dp_size
+    # (expert parameters reduced over edp: edp x ep, see [Note: expert placement]).
+    data_degree: int | None = None
 
     @property
     def dp_size(self) -> int:
-        """Ranks whose gradients are averaged (shard x replicate)."""
+        """Ranks whose gradients are reduced (shard x replicate)."""
         return self.shard_size * self.replicate_size
+
+    @property
+    def grad_divisor(self) -> int:
+        """What the reduced gradient sum is divided by: the ranks whose losses it averages."""
+        return self.data_degree or self.dp_size
 
 
 _SIBLINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -101,7 +109,7 @@ def replicated_groups(groups: ShardGroups) -> ShardGroups:
     all of them replicas (stage 0 expressed as units: gradients all-reduced over the data
     ranks)."""
     if groups.dp_size == 1 or not dist.is_initialized():
-        return ShardGroups(None, None, None, 0, 1, 1, None)
+        return ShardGroups(None, None, None, 0, 1, 1, None, data_degree=groups.data_degree)
     if groups.replicate is None:
         replicate = groups.shard
     elif groups.dp is not None:
@@ -111,7 +119,24 @@ def replicated_groups(groups: ShardGroups) -> ShardGroups:
         if replicate is None:
             raise ValueError("stage 0 with mixed precision over a partial hybrid mesh is not "
                              "supported; pass a 1-D mesh or a ParallelMesh")
-    return ShardGroups(None, None, replicate, 0, 1, groups.dp_size, None)
+    return ShardGroups(None, None, replicate, 0, 1, groups.dp_size, None,
+                       data_degree=groups.data_degree)
+
+
+def axis_groups(group: dist.ProcessGroup | None, data_degree: int | None = None) -> ShardGroups:
+    """The groups of one data axis sharded on its own (no replicas): the ``edp`` ranks that
+    hold the same experts, whose reduced gradients are divided by ``data_degree``.
+
+    Args:
+        group: the axis's process group (None: this rank alone).
+        data_degree: the divisor of the reduced gradients (default: the group's size).
+    """
+    if group is None or not dist.is_initialized():
+        return ShardGroups(None, None, None, 0, 1, 1, None, data_degree=data_degree)
+    n = dist.get_world_size(group)
+    gather = _sibling_group(group) if n > 1 else group
+    return ShardGroups(group, gather, None, dist.get_rank(group), n, 1, None,
+                       data_degree=data_degree)
 
 
 def _named_axes(mesh: DeviceMesh) -> tuple[str, ...] | None:

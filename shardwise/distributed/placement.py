@@ -18,6 +18,15 @@ Gradients are *averaged* over data axes (each data rank's loss is a mean over it
 and *summed* over every other axis in ``grad_reduce`` (the ranks hold partial sums of one
 gradient: a norm weight under sequence parallelism sees only this rank's tokens; a KV head
 copied to several tensor ranks gets a share from each).
+
+[Note: expert placement] Expert parallelism (``apply_ep``) splits an expert parameter's
+dim 0 (the experts) over ``ep`` and names ``edp`` (the data ranks holding the same experts)
+as its ``data_shard``: the ZeRO engine shards and reduces it over ``edp`` instead of the
+shard call's ``dp_shard``. Its gradient is *summed* over ``edp`` and divided by
+``data_degree``, the full data-parallel degree ``edp x ep``, not by the ``edp`` size: the
+all-to-all's backward has already summed the contributions of the ``ep`` ranks' tokens, so
+dividing by ``edp`` alone would weight expert gradients ``ep`` times too heavily (the
+classic EP scaling bug).
 """
 
 from __future__ import annotations
@@ -93,6 +102,11 @@ class Placement:
             over the others).
         norm_reduce: axes the squared gradient norm is summed over: each element of the
             global gradient is counted on exactly one rank of them.
+        data_shard: the data axis the ZeRO engine splits this parameter over in place of its
+            shard call's ``dp_shard`` (expert parameters: ``edp``); None: the call's axes.
+        data_degree: the number of data-parallel ranks whose losses the gradient averages,
+            when it is not the size of the data axes it is reduced over (expert parameters:
+            ``edp x ep``, see [Note: expert placement]); None: those axes' size.
     """
 
     shape: torch.Size
@@ -100,6 +114,8 @@ class Placement:
     replicas: tuple[Axis, ...] = ()
     grad_reduce: tuple[Axis, ...] = ()
     norm_reduce: tuple[Axis, ...] = ()
+    data_shard: Axis | None = None
+    data_degree: int | None = None
 
     @staticmethod
     def replicated(shape) -> "Placement":

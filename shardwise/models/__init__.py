@@ -48,7 +48,8 @@ from shardwise.models.llama import (
 )
 from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import (MoE, MoESettings, MoEStepStats, configure_moe,
-                                  finish_moe_step, moe_aux_loss, moe_layers, set_stats_reducer)
+                                  finish_moe_step, moe_aux_loss, moe_layers,
+                                  set_capacity_groups, set_stats_reducer)
 from shardwise.models.registry import get_model_config, list_model_configs
 
 __all__ = [
@@ -72,5 +73,6 @@ __all__ = [
     "list_model_configs",
     "moe_aux_loss",
     "moe_layers",
+    "set_capacity_groups",
     "set_stats_reducer",
 ]

@@ -53,10 +53,15 @@ from shardwise.models.experts import GroupedExperts
 from shardwise.models.layers import FeedForward
 from shardwise.models.router import Router, expert_capacity, sort_by_expert
 
-__all__ = ["MoE", "MoESettings", "MoEStepStats", "BALANCE_MODES", "moe_layers",
-           "configure_moe", "set_stats_reducer", "moe_aux_loss", "finish_moe_step"]
+__all__ = ["MoE", "MoESettings", "MoEStepStats", "BALANCE_MODES", "STATS_REPLICAS",
+           "moe_layers", "configure_moe", "set_stats_reducer", "set_capacity_groups",
+           "moe_aux_loss", "finish_moe_step"]
 
 BALANCE_MODES = ("aux", "bias", "none")
+STATS_REPLICAS = -2
+"""Index of the replica count ``W`` in the balance-statistics vector ([Note: global balance
+statistics]): a reducer over ranks that split one replica's tokens (tensor ranks under
+sequence parallelism) sets it to the number of replicas whose gradients are averaged."""
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,10 @@ class MoE(nn.Module):
     (:class:`~shardwise.models.experts.GroupedExperts`) and, with ``num_shared_experts``,
     ``shared_experts`` (a :class:`~shardwise.models.layers.FeedForward` of width
     ``num_shared_experts * expert_hidden_dim``). Plain attributes: ``settings``
-    (:class:`MoESettings`) and ``stats_reducer`` (a callable on a float64 vector of local
-    sums returning global sums; identity by default, see [Note: global balance statistics]).
+    (:class:`MoESettings`), ``stats_reducer`` (a callable on a float64 vector of local
+    sums returning global sums; identity by default, see [Note: global balance statistics])
+    and ``capacity_groups`` (1: the capacity applies to the whole input; ``g``: to each of
+    ``g`` equal consecutive groups of sequences, see [Note: assignment order and capacity]).
 
     Args:
         config: the model shape (``num_experts > 0``).
@@ -178,6 +185,7 @@ class MoE(nn.Module):
                 config, hidden_dim=config.num_shared_experts * config.expert_hidden_dim)
         self.settings = settings if settings is not None else MoESettings()
         self.stats_reducer: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.capacity_groups = 1
         self.pending_loss: torch.Tensor | None = None
         self._step: dict[str, torch.Tensor] | None = None
         self._forwards = 0
@@ -189,9 +197,14 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, C)
         n, k = x.shape[0], self.top_k
         route = self.router(x)
-        cf = self.settings.capacity_factor
-        capacity = None if cf is None else expert_capacity(cf, n, k, self.num_experts)
-        dispatch = sort_by_expert(route.expert_ids, self.num_experts, capacity)
+        cf, groups = self.settings.capacity_factor, self.capacity_groups
+        capacity = None
+        if cf is not None:
+            if n % groups:
+                raise ValueError(f"MoE: capacity_groups={groups} does not divide the {n} "
+                                 f"tokens of the input {tuple(shape)}")
+            capacity = expert_capacity(cf, n // groups, k, self.num_experts)
+        dispatch = sort_by_expert(route.expert_ids, self.num_experts, capacity, groups)
         y = self.experts(x[dispatch.order % n], dispatch.counts)  # (M, C)
         w = route.weights.t().reshape(-1)[dispatch.order]  # (M,) weights of the kept rows
         slots = y.new_zeros(k * n, shape[-1]).index_copy(0, dispatch.order,
@@ -289,6 +302,21 @@ def set_stats_reducer(model: nn.Module,
         raise ValueError(f"set_stats_reducer: reducer={reducer!r} is not callable")
     for _, layer in moe_layers(model):
         layer.stats_reducer = reducer
+    return model
+
+
+def set_capacity_groups(model: nn.Module, groups: int) -> nn.Module:
+    """Route every MoE layer's input as ``groups`` equal groups of sequences for the
+    capacity (in place; returns ``model``): a single process computing what ``groups``
+    data-parallel ranks compute, each with its own micro-batch and capacity.
+
+    Raises:
+        ValueError: ``groups`` is not a positive int.
+    """
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"set_capacity_groups: groups={groups!r}, expected an int >= 1")
+    for _, layer in moe_layers(model):
+        layer.capacity_groups = groups
     return model
 
 

@@ -21,6 +21,13 @@ earlier token wins. A dropped assignment contributes nothing (the token keeps it
 experts and the residual path); the kept weights are not renormalised. Dropless routing
 (no capacity) keeps every assignment. The whole computation is a few tensor ops on N * top_k
 integers: no per-token Python, deterministic on every device.
+
+With ``groups > 1`` the ``N`` tokens are ``groups`` equal, consecutive groups (the
+micro-batches of that many data-parallel ranks, concatenated along the batch) and the
+capacity applies per group: ``ceil(capacity_factor * (N / groups) * top_k / E)`` per expert
+and group, each group's assignments in the same priority order. A single process that
+routes the global batch this way drops exactly the assignments the data-parallel ranks
+drop, each routing its own micro-batch (the reference of the expert-parallel parity tests).
 """
 
 from __future__ import annotations
@@ -85,13 +92,15 @@ def expert_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int,
-                   capacity: int | None = None) -> Dispatch:
+                   capacity: int | None = None, groups: int = 1) -> Dispatch:
     """Sort the assignments by expert and apply the capacity.
 
     Args:
         expert_ids: ``(N, top_k)`` int64 chosen experts.
         num_experts: ``E``.
-        capacity: assignments each expert keeps (None: dropless).
+        capacity: assignments each expert keeps (None: dropless), per token group.
+        groups: equal consecutive token groups the capacity applies to separately
+            (default 1; see [Note: assignment order and capacity]).
 
     Returns:
         The :class:`Dispatch`.
@@ -101,10 +110,21 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int,
     experts, order = torch.sort(flat, stable=True)
     if capacity is None:
         return Dispatch(order, routed, routed, None)
-    starts = routed.cumsum(0) - routed  # (E,) first sorted row of each expert
-    rank = torch.arange(order.numel(), device=order.device) - starts[experts]
+    if groups == 1:
+        starts = routed.cumsum(0) - routed  # (E,) first sorted row of each expert
+        rank = torch.arange(order.numel(), device=order.device) - starts[experts]
+        keep = rank < capacity
+        return Dispatch(order[keep], routed.clamp(max=capacity), routed, capacity)
+    n = expert_ids.shape[0]
+    key = experts * groups + (order % n) // (n // groups)  # (M,) (expert, group) of each row
+    per_key = torch.bincount(key, minlength=num_experts * groups)
+    by_key = torch.sort(key, stable=True).indices  # keeps the priority order in each key
+    rank = torch.empty_like(key)
+    rank[by_key] = torch.arange(key.numel(), device=key.device) \
+        - (per_key.cumsum(0) - per_key)[key[by_key]]
     keep = rank < capacity
-    return Dispatch(order[keep], routed.clamp(max=capacity), routed, capacity)
+    counts = per_key.clamp(max=capacity).view(num_experts, groups).sum(1)
+    return Dispatch(order[keep], counts, routed, capacity)
 
 
 class Router(nn.Module):

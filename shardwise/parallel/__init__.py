@@ -3,7 +3,8 @@
 Tensor (and sequence) parallelism: :func:`apply_tp`, :func:`vocab_parallel_cross_entropy`
 (see :mod:`shardwise.parallel.tensor`).
 
-Mixture-of-experts balance statistics over the data ranks: :func:`apply_global_balance`.
+Expert parallelism: :func:`apply_ep` (see :mod:`shardwise.parallel.expert`). Mixture-of-experts
+balance statistics over the data ranks: :func:`apply_global_balance`.
 
 Activation checkpointing and ``torch.compile`` of a model's blocks, applied in this order
 before ``shard`` (docs/compile.md)::
@@ -23,6 +24,7 @@ and the executor runs the same schedule on real ranks (``split_stages``, ``shard
 """
 
 from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
+from shardwise.parallel.expert import apply_ep, dispatch_bytes, ep_context
 from shardwise.parallel.blocks import DEFAULT_BLOCKS, select_blocks
 from shardwise.parallel.checkpointing import (AC_POLICIES, SELECTIVE_SAVE_OPS,
                                               checkpoint_activations, checkpointed_blocks)
@@ -39,6 +41,9 @@ from shardwise.parallel.pipeline import (SCHEDULE_NAMES, Action, Costs, Deadlock
 __all__ = [
     "apply_tp",
     "vocab_parallel_cross_entropy",
+    "apply_ep",
+    "ep_context",
+    "dispatch_bytes",
     "checkpoint_activations",
     "checkpointed_blocks",
     "AC_POLICIES",

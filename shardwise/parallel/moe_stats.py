@@ -11,6 +11,10 @@ the aux loss, the z-loss, the logged token counts and the DeepSeek-V3 bias updat
 of the global batch, and identical on every replica (see [Note: global balance statistics]
 in shardwise/models/moe.py). The reduction is counted under the label ``moe.stats``. With
 expert parallelism the same reducer runs over the data axes the experts' tokens come from.
+Under sequence parallelism the tensor ranks of one data rank route different tokens: the
+reduction then runs over data x tensor ranks, and ``replicas`` (the data-parallel degree,
+over which gradients are averaged; the tensor ranks sum theirs) replaces the reduced
+replica count ``W``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import nn
 
 from shardwise.distributed import comm
 from shardwise.distributed.compiled import refuse_in_compiled_region
-from shardwise.models.moe import moe_layers, set_stats_reducer
+from shardwise.models.moe import STATS_REPLICAS, moe_layers, set_stats_reducer
 from shardwise.parallel.blocks import FORWARD_COLLECTIVES_ATTR
 
 __all__ = ["apply_global_balance", "AllReduceStats"]
@@ -30,23 +34,34 @@ class AllReduceStats:
     """A ``stats_reducer``: the sum of a 1-D tensor over ``group`` (a new tensor).
 
     Args:
-        group: the data-parallel process group (default None: the world).
+        group: the process group of the ranks whose tokens make the global batch (default
+            None: the world).
+        replicas: the number of data-parallel replicas whose gradients are averaged when
+            it is not the group's size (sequence parallelism: the group's size / tp);
+            default None.
     """
 
-    def __init__(self, group=None) -> None:  # noqa: ANN001 - a ProcessGroup or None
-        self.group = group
+    def __init__(self, group=None, replicas: int | None = None) -> None:  # noqa: ANN001
+        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int)
+                                     or replicas < 1):
+            raise ValueError(f"AllReduceStats: replicas={replicas!r}, expected an int >= 1")
+        self.group, self.replicas = group, replicas
 
     def __call__(self, stats: torch.Tensor) -> torch.Tensor:
         refuse_in_compiled_region("MoE balance statistics (moe.stats all-reduce)")
         out = stats.clone()
         comm.all_reduce(out, self.group, label="moe.stats")
+        if self.replicas is not None:
+            out[STATS_REPLICAS] = self.replicas
         return out
 
     def __repr__(self) -> str:
-        return f"AllReduceStats(group={'world' if self.group is None else self.group})"
+        return (f"AllReduceStats(group={'world' if self.group is None else self.group}, "
+                f"replicas={self.replicas})")
 
 
-def apply_global_balance(model: nn.Module, group=None) -> nn.Module:  # noqa: ANN001
+def apply_global_balance(model: nn.Module, group=None,  # noqa: ANN001
+                         replicas: int | None = None) -> nn.Module:
     """Make every MoE layer of ``model`` reduce its balance statistics over ``group``.
 
     Must then run on every rank of ``group``: each training-mode MoE forward issues one
@@ -55,14 +70,17 @@ def apply_global_balance(model: nn.Module, group=None) -> nn.Module:  # noqa: AN
     Args:
         model: a model with :class:`~shardwise.models.moe.MoE` layers (sharded or not;
             a model without any is returned unchanged).
-        group: the data-parallel process group (default None: the world).
+        group: the ranks whose tokens make the global batch: the data-parallel group, or,
+            under sequence parallelism, the data x tensor ranks (default None: the world).
+        replicas: the data-parallel degree when it is not ``group``'s size (sequence
+            parallelism); default None.
 
     Returns:
         ``model``, modified in place.
     """
     layers = moe_layers(model)
     if layers:
-        set_stats_reducer(model, AllReduceStats(group))
+        set_stats_reducer(model, AllReduceStats(group, replicas))
         for _, layer in layers:  # compile_blocks refuses blocks that hold one
             setattr(layer, FORWARD_COLLECTIVES_ATTR, "MoE balance statistics all-reduce")
     return model

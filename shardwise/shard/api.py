@@ -33,7 +33,7 @@ from shardwise.shard.precision import MixedPrecision, cast_floating
 from shardwise.shard.offload.config import Offload
 from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.offload import guard_unwrapped_steps
-from shardwise.shard.placed import PartialGrads, record_data_axes
+from shardwise.shard.placed import PartialGrads, record_data_axes, unit_groups
 from shardwise.shard.registry import attach_state, engine_states, extra_trackers, is_sharded
 from shardwise.shard.replicate import ReplicateState
 from shardwise.shard.state import ShardState
@@ -108,20 +108,35 @@ def _broadcast_buffers(module: nn.Module, groups: ShardGroups) -> None:
         _broadcast_from_first(bufs, groups)
 
 
+def _plan_groups(plans: list[UnitPlan], groups: ShardGroups, replicated: bool
+                 ) -> tuple[ShardGroups, list[ShardGroups]]:
+    """(the call's groups, each unit's): the call's, or its parameters' own data axis
+    ([Note: expert placement]); ``replicated``: stage 0 run as units (every rank a whole
+    copy, see replicated_groups)."""
+    per_unit = [unit_groups([e.param for e in p.entries], [e.fqns[0] for e in p.entries],
+                            groups, p.name or "<root>") for p in plans]
+    if not replicated:
+        return groups, per_unit
+    call = replicated_groups(groups)
+    return call, [call if g is groups else replicated_groups(g) for g in per_unit]
+
+
 def _build_units(module, plans, groups, stage, tracker, init_weights, sync_states,
                  do_materialize: bool, mp: MixedPrecision | None,
-                 target: torch.device | None, quant: CommQuant | None) -> list[Unit]:
+                 target: torch.device | None, quant: CommQuant | None,
+                 per_unit: list[ShardGroups]) -> list[Unit]:
     is_meta = any(e.param.is_meta for p in plans for e in p.entries) or has_meta(module)
     device = None
     if is_meta:
         device = (target or torch.device("cpu")) if do_materialize else torch.device("meta")
-    node = node_group(groups, quant.hierarchy) if quant and quant.hierarchy else None
+    nodes = {id(g): node_group(g, quant.hierarchy) if quant and quant.hierarchy else None
+             for g in per_unit}
     state_id, names = next_state_id(), {}
     real = next((e.param.device for p in plans for e in p.entries), torch.device("cpu"))
     streams = CommStreams(device if device is not None and device.type != "meta" else real)
-    units = [Unit(p.name, p.module, p.entries, groups, stage, tracker, device, mp, node, quant,
-                  UnitTag(state_id, i, p.name or "<root>", names), streams)
-             for i, p in enumerate(plans)]
+    units = [Unit(p.name, p.module, p.entries, g, stage, tracker, device, mp, nodes[id(g)],
+                  quant, UnitTag(state_id, i, p.name or "<root>", names), streams)
+             for i, (p, g) in enumerate(zip(plans, per_unit))]
     where = {id(e.param): (u, i) for u in units for i, e in enumerate(u.entries)}
     if is_meta and not do_materialize:
         pass  # planning mode: shards stay on the meta device, bytes are still accounted
@@ -133,7 +148,7 @@ def _build_units(module, plans, groups, stage, tracker, init_weights, sync_state
     else:
         for u in units:
             if sync_states:
-                _broadcast_from_first([e.param for e in u.entries], groups)
+                _broadcast_from_first([e.param for e in u.entries], u.groups)
             for i, e in enumerate(u.entries):
                 u.load_full(i, e.param.detach())
         if sync_states:
@@ -146,6 +161,11 @@ def _build_units(module, plans, groups, stage, tracker, init_weights, sync_state
 
 def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
                sync_states, target: torch.device | None) -> ReplicateState:
+    # Expert parameters reduce over their own data axis ([Note: expert placement]).
+    per_entry, same = [], {}
+    for e in entries:
+        g = unit_groups([e.param], e.fqns[:1], groups, "<root>")
+        per_entry.append(same.setdefault((id(g.shard), g.data_degree), g))
     if any(e.param.is_meta for e in entries) or has_meta(module):
         fresh: dict[int, torch.Tensor] = {}
 
@@ -160,9 +180,11 @@ def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
             for m, a in e.registrations:
                 m._parameters[a] = new
     elif sync_states:
-        _broadcast_from_first([e.param for e in entries], groups)
+        for g in same.values():
+            _broadcast_from_first([e.param for e, eg in zip(entries, per_entry) if eg is g], g)
         _broadcast_buffers(module, groups)
-    return ReplicateState(module, [e.param for e in entries], groups, bucket_mb, tracker)
+    return ReplicateState(module, [e.param for e in entries], groups, bucket_mb, tracker,
+                          {id(e.param): g for e, g in zip(entries, per_entry)})
 
 
 def _validate_comm(quant, stage: int, reshard_after_forward: bool) -> None:
@@ -260,7 +282,7 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     # Stage 0 with a compute dtype runs as units over one-rank shard groups (see
     # replicated_groups); plain stage 0 keeps DDP-style buckets.
     as_units = stage > 0 or bool(mixed_precision and mixed_precision.param_dtype)
-    plans, _ = plan_units(module, wrap if as_units else None)
+    plans, _ = plan_units(module, wrap if as_units else None, split_data_axes=as_units)
     _check_plans(plans)
     target = torch.device(device) if device is not None else None
     real = next((p.device for p in module.parameters() if not p.is_meta), None)
@@ -273,8 +295,9 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
                       "shardwise.distributed.init(), which does (docs/engine.md, 'Memory over "
                       "long runs').", stacklevel=2)
     tracker = MemoryTracker()
-    if stage == 0 and as_units:
-        groups = replicated_groups(groups)
+    per_unit: list[ShardGroups] = []
+    if as_units:
+        groups, per_unit = _plan_groups(plans, groups, replicated=stage == 0)
     params = [e.param for p in plans for e in p.entries]
     record_data_axes(params, groups, sharded=as_units)  # [Note: placement is data]
     if stage == 0 and not as_units:
@@ -285,7 +308,8 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
             register_state_dict_hooks(module, state)
     else:
         units = _build_units(module, plans, groups, stage, tracker, init_weights,
-                             sync_module_states, materialize, mixed_precision, target, comm)
+                             sync_module_states, materialize, mixed_precision, target, comm,
+                             per_unit)
         state = ShardState(module, units, units[0], groups, stage, reshard_after_forward,
                            prefetch, tracker)
         register_state_dict_hooks(module, state)

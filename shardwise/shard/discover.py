@@ -4,7 +4,9 @@ A module matching ``wrap`` becomes a unit; the module passed to ``shard`` is alw
 unit. A parameter belongs to the unit of the module that registers it, or, when it is
 registered in several modules of different units (tied or shared parameters), to their
 lowest common ancestor unit, whose forward encloses every use. Subtrees already sharded by
-an earlier ``shard`` call (composition) are left alone.
+an earlier ``shard`` call (composition) are left alone. A module whose parameters name their
+own data axis (``apply_ep``'s experts, see [Note: expert placement]) is always a unit of its
+own: a unit communicates over one group.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from shardwise.shard.placed import own_data_axis
 from shardwise.shard.registry import STATE_ATTR
 from shardwise.shard.unit import ParamEntry
 
@@ -78,14 +81,25 @@ def _walk(root: nn.Module, is_unit: Callable[[str, nn.Module], bool]):
     return plans, visits
 
 
-def plan_units(root: nn.Module, wrap) -> tuple[list[UnitPlan], set[int]]:
+def plan_units(root: nn.Module, wrap, split_data_axes: bool = True
+               ) -> tuple[list[UnitPlan], set[int]]:
     """Group ``root``'s parameters into units.
+
+    Args:
+        split_data_axes: make every module whose parameters name their own data axis a
+            unit (default True; False for stage 0's buckets, which need no units).
 
     Returns:
         The unit plans (root first, then in module order) and the ids of parameters owned
         by earlier ``shard`` calls on submodules.
     """
-    plans, visits = _walk(root, wrap_predicate(wrap))
+    wanted = wrap_predicate(wrap)
+    if split_data_axes:
+        def is_unit(name: str, m: nn.Module) -> bool:
+            return wanted(name, m) or own_data_axis(m)
+    else:
+        is_unit = wanted
+    plans, visits = _walk(root, is_unit)
     owned_elsewhere = {id(p) for m in root.modules() if m is not root and hasattr(m, STATE_ATTR)
                        for p in m.parameters()}
     chains: dict[int, list[tuple[int, ...]]] = {}

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed import comm
-from shardwise.distributed.mesh import ShardGroups
+from shardwise.distributed.mesh import ShardGroups, axis_groups
 from shardwise.distributed.placement import Axis, Placement, axis_of_group, placement_of, \
     set_placement
 
-__all__ = ["data_axes", "record_data_axes", "PartialGrads", "model_piece", "global_shape"]
+__all__ = ["data_axes", "record_data_axes", "PartialGrads", "model_piece", "global_shape",
+           "own_data_axis", "unit_groups"]
 
 
 def data_axes(groups: ShardGroups, sharded: bool) -> tuple[Axis | None, tuple[Axis, ...]]:
@@ -48,14 +49,51 @@ def data_axes(groups: ShardGroups, sharded: bool) -> tuple[Axis | None, tuple[Ax
 
 def record_data_axes(params: list[nn.Parameter], groups: ShardGroups, sharded: bool) -> None:
     """Add this ``shard`` call's data axes to every parameter's placement (a parameter with
-    none gets a whole-tensor one first)."""
-    shard, reps = data_axes(groups, sharded)
-    data = [a for a in (shard, *reps) if a is not None]
+    none gets a whole-tensor one first); a parameter whose placement names its own
+    ``data_shard`` (experts: ``edp``) gets that axis instead ([Note: expert placement])."""
+    call = data_axes(groups, sharded)
     for p in params:
         pl = placement_of(p) or Placement.replicated(p.shape)
-        _check_disjoint(pl, data)
+        shard, reps = call
+        if pl.data_shard is not None and dist.is_initialized():
+            shard, reps = (pl.data_shard, ()) if sharded else (None, (pl.data_shard,))
+        _check_disjoint(pl, [a for a in (shard, *reps) if a is not None])
         assert tuple(pl.model_shape()) == tuple(p.shape), (pl.describe(), tuple(p.shape))
         set_placement(p, pl.with_data(shard, reps))
+
+
+def own_data_axis(module: nn.Module) -> bool:
+    """Whether a direct parameter of ``module`` names its own ``data_shard`` (experts): the
+    engine makes such a module a unit of its own, reduced over that axis."""
+    return any(p is not None and getattr(placement_of(p), "data_shard", None) is not None
+               for p in module._parameters.values())
+
+
+def unit_groups(params: list[nn.Parameter], names: list[str], groups: ShardGroups,
+                where: str) -> ShardGroups:
+    """The groups a unit owning ``params`` communicates over: the shard call's ``groups``,
+    or, when their placements name a ``data_shard`` axis, that axis alone with the gradient
+    divided by the placement's ``data_degree`` ([Note: expert placement]).
+
+    Raises:
+        ValueError: parameters of one unit naming different data axes, naming two of them.
+    """
+    found: dict[object, tuple[Placement | None, str]] = {}
+    for p, name in zip(params, names):
+        pl = placement_of(p)
+        axis = pl.data_shard if pl is not None else None
+        found.setdefault(None if axis is None else axis.ranks, (pl, name))
+    if len(found) > 1:
+        (a, (_, n1)), (b, (_, n2)) = list(found.items())[:2]
+        raise ValueError(f"unit {where} holds {n1} (reduced over "
+                         f"{'the shard call' if a is None else f'ranks {list(a)}'}) and {n2} "
+                         f"(reduced over {'the shard call' if b is None else f'ranks {list(b)}'})"
+                         f": expert parameters must sit in a module of their own (apply_ep's "
+                         f"experts module), not in a tied or shared module")
+    pl = next(iter(found.values()))[0] if found else None
+    if pl is None or pl.data_shard is None or not dist.is_initialized():
+        return groups
+    return axis_groups(pl.data_shard.group, pl.data_degree)
 
 
 def _check_disjoint(pl: Placement, data: list[Axis]) -> None:

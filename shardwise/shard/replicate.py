@@ -61,20 +61,27 @@ class Bucket:
         if self.groups.replicate is not None:
             comm.all_reduce(self.buf, self.groups.replicate,
                             label=f"bucket{self.index}.all_reduce_replicate")
-        self.buf.div_(self.groups.dp_size)
+        self.buf.div_(self.groups.grad_divisor)  # [Note: expert placement]
         for p, v in zip(self.params, self.views):
             if p.grad is None or p.grad.data_ptr() != v.data_ptr():
                 p.grad = v
 
 
 class ReplicateState:
-    """Hooks and buckets of one ``shard(..., stage=0)`` call."""
+    """Hooks and buckets of one ``shard(..., stage=0)`` call.
+
+    Args:
+        groups_of: the groups of each parameter (by ``id``) whose gradient is reduced over
+            other ranks than ``groups`` (experts: their ``edp`` axis); default: none.
+    """
 
     stage = 0
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: ShardGroups,
-                 bucket_mb: float, tracker: MemoryTracker) -> None:
+                 bucket_mb: float, tracker: MemoryTracker,
+                 groups_of: dict[int, ShardGroups] | None = None) -> None:
         self.module, self.groups, self.tracker = module, groups, tracker
+        self._groups_of = groups_of or {}
         self.units: list = []
         self.sync = True
         self.launcher = OrderedLauncher(max_inflight=1 << 30)
@@ -91,17 +98,21 @@ class ReplicateState:
         # Like DDP, a small first bucket starts communication early in backward.
         caps = [min(1.0, bucket_mb), bucket_mb]
         groups, cur, size = [], [], 0
+
+        def group_of(p: nn.Parameter) -> ShardGroups:
+            return self._groups_of.get(id(p), self.groups)
         for p in params:
             cap = caps[min(len(groups), 1)] * 2**20
             pbytes = nbytes(p)
-            if cur and (size + pbytes > cap or p.dtype != cur[0].dtype):
+            if cur and (size + pbytes > cap or p.dtype != cur[0].dtype
+                        or group_of(p) is not group_of(cur[0])):
                 groups.append(cur)
                 cur, size = [], 0
             cur.append(p)
             size += pbytes
         if cur:
             groups.append(cur)
-        return [Bucket(i, g, self.groups, self.tracker) for i, g in enumerate(groups)]
+        return [Bucket(i, g, group_of(g[0]), self.tracker) for i, g in enumerate(groups)]
 
     def _post_forward(self, module, args, output):
         if torch.is_grad_enabled():

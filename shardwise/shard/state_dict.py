@@ -133,11 +133,11 @@ def _specs_of_state(state) -> list[tuple[list[str], ShardedParamSpec]]:
                 rows = e.param.shape[0] if e.param.dim() else 1
                 out.append((e.fqns, _spec(state, e.param, 0, rows, None)))
         return out
-    r = state.groups.shard_rank
-    for u in state.units:
+    for u in state.units:  # a unit's own groups: experts shard over edp
+        r = u.groups.shard_rank
         for e, p in zip(u.entries, u.layout.params):
             out.append((e.fqns, _spec(state, e.param, p.row_offset(r), p.local_rows(r),
-                                      state.groups.shard)))
+                                      u.groups.shard)))
     return out
 
 

@@ -108,7 +108,7 @@ class GradientReducer:
         out = self.reduce_out
         if self.groups.replicate is not None:
             comm.all_reduce(out, self.groups.replicate, label=f"{self.label}.all_reduce")
-        out.div_(self.groups.dp_size)
+        out.div_(self.groups.grad_divisor)  # [Note: expert placement]
         staged_out = None
         if out is not self.grad_buf:
             if self._direct:

@@ -171,6 +171,10 @@ class ParallelConfig:
     sequence_parallel: bool | None = None
     """With tp > 1, split norms and residual activations along the sequence between
     tensor-parallel regions (1/tp of their memory; seq_len must divide). Unset: on if tp > 1."""
+    ep: int = 1
+    """Expert-parallel degree: ranks each MoE layer's experts are split over, carved out of
+    the data ranks (it divides dp_shard and the number of experts; does not multiply the
+    world size). Expert weights are ZeRO-sharded over the dp_shard / ep ranks holding them."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (stage 3) and gather them again for backward."""
     prefetch: int = 1

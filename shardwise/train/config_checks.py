@@ -81,6 +81,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.dp_replicate", _positive, "a positive int"),
     ("parallel.dp_shard", lambda v: v == -1 or v > 0, "a positive int or -1 (infer)"),
     ("parallel.tp", _positive, "a positive int (tensor-parallel degree)"),
+    ("parallel.ep", _positive, "a positive int (expert-parallel degree)"),
     ("parallel.prefetch", _non_negative, "an int >= 0"),
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
     ("parallel.timeout_s", _positive, "a positive number of seconds"),
@@ -147,6 +148,13 @@ def _combinations(config) -> None:
                          f"{par.tp} with sequence parallelism (each tensor rank holds "
                          f"seq_len / tp positions); set parallel.sequence_parallel=false or "
                          f"change data.seq_len")
+    if par.ep > 1 and par.tp > 1 and not sequence_parallel(par):
+        raise ValueError(f"parallel.ep={par.ep} with parallel.tp={par.tp} needs sequence "
+                         f"parallelism (each tensor rank dispatches its own sequence shard); "
+                         f"got parallel.sequence_parallel=false")
+    if par.ep > 1 and par.pp > 1:
+        raise ValueError(f"parallel.ep={par.ep} with parallel.pp={par.pp}: expert parallelism "
+                         f"inside pipeline stages is not supported yet; expected ep 1 or pp 1")
     if off.device != "none" and par.stage == 0:
         raise ValueError(f"offload.device={off.device!r} needs parallel.stage 1, 2 or 3 "
                          f"(sharded masters), got 0")
@@ -249,6 +257,9 @@ def resolve_world(config, world_size: int):
         raise ValueError(f"parallel.dp_replicate * parallel.dp_shard{tp_names} = "
                          f"{par.dp_replicate} * {shard}{tp_deg} = {others * shard}, expected "
                          f"the world size {world_size}{per_pp}")
+    if shard % par.ep:
+        raise ValueError(f"parallel.ep={par.ep} must divide parallel.dp_shard={shard} (the "
+                         f"experts are spread over the data ranks of a replica)")
     hierarchy = config.comm.hierarchy
     if hierarchy and shard % hierarchy:
         raise ValueError(f"comm.hierarchy={hierarchy} must divide parallel.dp_shard={shard} "

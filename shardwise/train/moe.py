@@ -70,11 +70,14 @@ def check_moe(cfg: Any, model_cfg: Any) -> None:
                          "expected a rate > 0 (DeepSeek-V3: 0.001) or moe.balance='none'")
 
 
-def apply_moe(model: nn.Module, cfg: Any, group=None) -> nn.Module:  # noqa: ANN001
-    """Give the MoE layers the ``[moe]`` settings and global balance statistics over the
-    data-parallel ``group`` (default: the world). A dense model is returned unchanged."""
+def apply_moe(model: nn.Module, cfg: Any, group=None,  # noqa: ANN001
+              replicas: int | None = None) -> nn.Module:
+    """Give the MoE layers the ``[moe]`` settings and global balance statistics over
+    ``group``, the ranks whose tokens make the global batch (default: the world), with
+    ``replicas`` data-parallel replicas when that is not its size (sequence parallelism).
+    A dense model is returned unchanged."""
     configure_moe(model, build_moe_settings(cfg))
-    return apply_global_balance(model, group)
+    return apply_global_balance(model, group, replicas)
 
 
 def with_moe_loss(model: nn.Module, loss: torch.Tensor, accum: int) -> torch.Tensor:

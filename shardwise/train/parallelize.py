@@ -1,13 +1,14 @@
 """Everything the trainer knows about parallelism, in one place.
 
 Composition order (DESIGN.md, "N-D layouts"): the model is built on the meta device ->
-``apply_tp`` (tensor + sequence parallelism over the mesh's ``tp`` axis) -> activation
-checkpointing -> compile -> sharded by the ZeRO engine over the data axes with the run's
-stage, precision, quantised communication and offload, which materialises it module by
-module. The optimizer is wrapped when
-optimizer state is offloaded; accumulation micro-batches run without gradient
-communication; clipping is over the sharded gradients; the loss is vocab-parallel under
-tensor parallelism. The trainer calls these and nothing else of the engine.
+``apply_tp`` (tensor + sequence parallelism over the mesh's ``tp`` axis) -> ``apply_ep``
+(MoE experts split over ``ep``, their tokens dispatched by all-to-all) -> activation
+checkpointing -> compile -> sharded by the ZeRO engine over the data axes (experts over
+``edp``) with the run's stage, precision, quantised communication and offload, which
+materialises it module by module. The optimizer is wrapped when optimizer state is
+offloaded; accumulation micro-batches run without gradient communication; clipping is over
+the sharded gradients; the loss is vocab-parallel under tensor parallelism. The trainer
+calls these and nothing else of the engine.
 
 Batch semantics (every layout): ``train.batch_size`` sequences per data-parallel rank per
 micro-batch; the global batch is ``batch_size x grad_accum x dp_replicate x dp_shard``; the
@@ -41,7 +42,7 @@ from shardwise.train.pipeline import build_pipeline_model
 __all__ = ["build_mixed_precision", "build_comm_quant", "build_offload", "validate_offload",
            "build_loss_scaler", "build_parallel_model", "wrap_optimizer", "no_sync",
            "clip_grad_norm_", "as_config_keys", "parallel_dims", "data_rank", "cross_entropy",
-           "validate_tp", "describe_layout", "layout_record"]
+           "validate_tp", "validate_ep", "describe_layout", "layout_record"]
 
 # The engine names its arguments (Offload(path='/x')); a trainer user wrote config keys.
 _OFFLOAD_KEYS = {"device": "offload.device", "path": "offload.path",
@@ -80,10 +81,11 @@ def build_loss_scaler(cfg: Config) -> LossScaler:
 
 
 def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
-    """The run's degrees (``parallel.pp``, ``dp_replicate``, ``dp_shard``, ``tp``), resolved."""
+    """The run's degrees (``parallel.pp``, ``dp_replicate``, ``dp_shard``, ``tp``, ``ep``),
+    resolved."""
     par = cfg.parallel
-    return ParallelDims(par.dp_replicate, par.dp_shard, world_size, pp=par.pp,
-                        tp=par.tp).resolved()
+    return ParallelDims(par.dp_replicate, par.dp_shard, world_size, pp=par.pp, tp=par.tp,
+                        ep=par.ep).resolved()
 
 
 def data_rank(cfg: Config, env: dist_env.DistEnv) -> tuple[int, int]:
@@ -111,8 +113,9 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
 
     Returns:
         The sharded model (parameter names unchanged); its MoE layers, if any, have the
-        ``[moe]`` settings and reduce their balance statistics over all ranks. With
-        ``parallel.pp > 1``, this rank's pipeline part, its executor attached
+        ``[moe]`` settings and reduce their balance statistics over every rank that routes
+        its own tokens (the data ranks, and the tensor ranks under sequence parallelism).
+        With ``parallel.pp > 1``, this rank's pipeline part, its executor attached
         (:mod:`shardwise.train.pipeline`).
     """
     from shardwise.models import TransformerBlock, init_module_weights
@@ -121,20 +124,25 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     par = cfg.parallel
     dims = parallel_dims(cfg, env.world_size)
     # The fixed composition order (shared/DESIGN.md), each step leaving a plain nn.Module:
-    # build on meta -> tensor / sequence parallelism -> expert parallelism (not built yet)
-    # -> activation checkpointing -> compile -> pipeline split -> shard -> materialise
-    # (inside shard). Checkpointing before compile: the compiled graph then holds the
-    # recompute (one graph per block). Compile before shard: compile_blocks replaces each
-    # block's forward, and the engine's hooks, installed by shard on the block's __call__,
-    # run eagerly around the compiled graph ([Note: collectives outside compiled regions]).
+    # build on meta -> tensor / sequence parallelism -> expert parallelism -> activation
+    # checkpointing -> compile -> pipeline split -> shard -> materialise (inside shard).
+    # EP after TP: each tensor rank dispatches its own sequence shard. Checkpointing before
+    # compile: the compiled graph then holds the recompute (one graph per block). Compile
+    # before shard: compile_blocks replaces each block's forward, and the engine's hooks,
+    # installed by shard on the block's __call__, run eagerly around the compiled graph
+    # ([Note: collectives outside compiled regions]). EP inside pipeline stages is refused
+    # before launch (config_checks) until the pipeline path applies it.
     if dims.pp > 1:  # split into stages, each piece sharded over its stage's data ranks
         return build_pipeline_model(cfg, model_cfg, env, dict(
             reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch,
             mixed_precision=build_mixed_precision(cfg), comm=build_comm_quant(cfg)))
-    mesh = dims.build_mesh(env.device.type) if dims.dp_replicate > 1 or dims.tp > 1 else None
+    mesh = (dims.build_mesh(env.device.type)
+            if dims.dp_replicate > 1 or dims.tp > 1 or dims.ep > 1 else None)
     model = build(model_cfg, device="meta")
     if dims.tp > 1:  # before sharding: the engine shards each tensor rank's pieces
         shardwise.apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
+    if dims.ep > 1:  # after TP, before ZeRO (experts sharded over edp)
+        shardwise.apply_ep(model, mesh)
     t = cfg.train
     shardwise.checkpoint_activations(model, t.activation_checkpoint, blocks=TransformerBlock)
     if t.compile:
@@ -146,8 +154,11 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
                             mixed_precision=build_mixed_precision(cfg),
                             comm=build_comm_quant(cfg), offload=build_offload(cfg),
                             device=env.device)
-    # Every rank is a data-parallel replica: balance over the global batch.
-    return apply_moe(model, cfg)
+    # Balance over the global batch: under sequence parallelism every rank routes its own
+    # tokens and the data ranks are the replicas; otherwise the data ranks route them.
+    if dims.tp > 1 and sequence_parallel(par):
+        return apply_moe(model, cfg, None, replicas=dims.degree("dp"))
+    return apply_moe(model, cfg, mesh.group("dp") if mesh is not None else None)
 
 
 def cross_entropy(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor
@@ -194,9 +205,30 @@ def validate_tp(cfg: Config, model_cfg: Any, world_size: int) -> None:
                       f"fastest links; keep tp within a node)", stacklevel=2)
 
 
+def validate_ep(cfg: Config, model_cfg: Any) -> None:
+    """Expert-parallel checks that need the model's shape, before any rank starts.
+
+    Raises:
+        ValueError: ``parallel.ep > 1`` for a model without MoE layers, or a number of
+            experts not divisible by it; each message names ``parallel.ep``.
+    """
+    ep = cfg.parallel.ep
+    if ep == 1:
+        return
+    if not model_cfg.is_moe:
+        raise ValueError(f"parallel.ep={ep} needs a mixture-of-experts model; {cfg.model.name!r}"
+                         f" has no MoE layers (num_experts={model_cfg.num_experts}); expected "
+                         f"e.g. --model.name debug-moe, or parallel.ep=1")
+    if model_cfg.num_experts % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the number of experts "
+                         f"(model.num_experts={model_cfg.num_experts}): every ep rank holds "
+                         f"the same number of experts")
+
+
 def describe_layout(cfg: Config, world_size: int) -> str:
     """The layout in words for the start line, e.g. ``"tp 2 (sequence parallel) x dp_shard
-    2, ZeRO stage 3"`` or ``"pp 2 x tp 2 (sequence parallel) x dp_shard 1, ZeRO stage 3"``."""
+    2, ZeRO stage 3"``, ``"pp 2 x tp 2 (sequence parallel) x dp_shard 1, ZeRO stage 3"`` or
+    ``"dp_shard 4 (ep 2)"`` with expert parallelism."""
     dims, par = parallel_dims(cfg, world_size), cfg.parallel
     parts = [f"pp {dims.pp}"] if dims.pp > 1 else []  # outermost first ([Note: rank order])
     if dims.tp > 1:
@@ -204,7 +236,7 @@ def describe_layout(cfg: Config, world_size: int) -> str:
                                         else ""))
     if dims.dp_replicate > 1:
         parts.append(f"dp_replicate {dims.dp_replicate}")
-    parts.append(f"dp_shard {dims.dp_shard}")
+    parts.append(f"dp_shard {dims.dp_shard}" + (f" (ep {dims.ep})" if dims.ep > 1 else ""))
     return " x ".join(parts) + f", ZeRO stage {par.stage}"
 
 

@@ -141,8 +141,9 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
             with no or too little text, a bad ``$SHARDWISE_FAULT``, a ``checkpoint.resume``
             that is missing or was saved from another model shape or vocabulary, ``[moe]``
             settings for a model without MoE layers, heads / vocabulary / widths not
-            divisible by ``parallel.tp``, compile or activation checkpointing
-            with an MoE model, a pipeline the model or the config cannot take.
+            divisible by ``parallel.tp``, ``parallel.ep`` for a dense model or not dividing
+            the number of experts, compile or activation checkpointing with an MoE model, a
+            pipeline the model or the config cannot take.
     """
     cfg = resolve_world(cfg, world_size)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
@@ -164,8 +165,9 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     model_cfg = build_model_config(cfg, data.vocab_size)
     # --parallel.plan auto: the planner's layout (same global batch), then the checks below
     cfg = plan_start(cfg, model_cfg, world_size)
-    from shardwise.train.parallelize import validate_tp  # heads / vocab vs parallel.tp
+    from shardwise.train.parallelize import validate_ep, validate_tp  # degrees vs the shape
     validate_tp(cfg, model_cfg, world_size)
+    validate_ep(cfg, model_cfg)
     check_resume(cfg, model_cfg)
     return cfg, data
 

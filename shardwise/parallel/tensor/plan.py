@@ -13,9 +13,17 @@ matches one dotted component (``"layers.*.attention.wq"``) and the styles are
                     gradients summed over the tensor ranks under sequence parallelism
 ==================  ==========================================================================
 
-Built in: the shardwise Llama (:data:`LLAMA_PLAN`), and any Hugging Face model whose config
-carries ``base_model_tp_plan`` (HF's styles mapped by :data:`HF_STYLES`; the causal-LM
-class's own ``_tp_plan`` adds its head).
+Built in: the shardwise Llama (:data:`LLAMA_PLAN`, with :data:`MOE_PLAN` for its MoE
+blocks), and any Hugging Face model whose config carries ``base_model_tp_plan`` (HF's
+styles mapped by :data:`HF_STYLES`; the causal-LM class's own ``_tp_plan`` adds its head).
+
+[Note: MoE under tensor parallelism] Experts are not split over the tensor ranks: an MoE
+block sits in a sequence-parallel region (after ``ffn_norm``), so with sequence parallelism
+each tensor rank routes its own ``1/tp`` of the sequence through the router, the experts
+(``apply_ep`` dispatches that shard over the ``ep`` ranks of its own tensor coordinate) and
+the shared experts, all held whole (style ``sequence``: replicated, gradients summed over
+the tensor ranks, as for a norm weight). Without sequence parallelism every tensor rank
+routes the same tokens and the MoE block is computed redundantly.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from torch import nn
 from shardwise.models.llama import Transformer
 from shardwise.parallel.tensor.layers import STYLES
 
-__all__ = ["LLAMA_PLAN", "HF_STYLES", "default_plan", "resolve_plan", "hf_plan"]
+__all__ = ["LLAMA_PLAN", "MOE_PLAN", "HF_STYLES", "default_plan", "resolve_plan", "hf_plan"]
 
 LLAMA_PLAN: dict[str, str] = {
     "tok_embeddings": "vocab",
@@ -45,6 +53,12 @@ LLAMA_PLAN: dict[str, str] = {
 }
 """The plan of :class:`shardwise.models.Transformer` (dense, grouped-query attention)."""
 
+MOE_PLAN: dict[str, str] = {
+    "layers.*.feed_forward.router.gate": "sequence",
+    "layers.*.feed_forward.experts": "sequence",
+}
+"""The MoE blocks' part of the Llama plan ([Note: MoE under tensor parallelism])."""
+
 HF_STYLES: dict[str, str] = {"colwise": "colwise", "rowwise": "rowwise",
                              "colwise_rep": "colwise_gather",
                              "colwise_gather_output": "colwise_gather"}
@@ -57,9 +71,6 @@ def _llama_plan(model: nn.Module, tp: int) -> dict[str, str]:
         raise ValueError("the built-in tensor-parallel plan covers grouped-query attention; "
                          "attention='mla' (multi-head latent attention) has none yet: pass "
                          "plan={...} naming its modules")
-    if cfg.num_experts:
-        raise ValueError(f"the built-in tensor-parallel plan covers dense feed-forwards; this "
-                         f"model has num_experts={cfg.num_experts} (MoE), which has none yet")
     if cfg.n_heads % tp:
         raise ValueError(f"n_heads={cfg.n_heads} is not divisible by tp={tp}")
     if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
@@ -67,10 +78,20 @@ def _llama_plan(model: nn.Module, tp: int) -> dict[str, str]:
                          f"not a multiple of it")
     if cfg.vocab_size % tp:
         raise ValueError(f"vocab_size={cfg.vocab_size} is not divisible by tp={tp}")
-    if cfg.ffn_hidden_dim % tp:
+    dense = len(cfg.moe_layer_ids) < cfg.n_layers
+    if dense and cfg.ffn_hidden_dim % tp:
         raise ValueError(f"the feed-forward width {cfg.ffn_hidden_dim} is not divisible by "
                          f"tp={tp}")
-    return dict(LLAMA_PLAN)
+    plan = dict(LLAMA_PLAN)
+    if not dense:  # every block is MoE: no dense feed-forward for the patterns to match
+        for key in ("w1", "w2", "w3"):
+            del plan[f"layers.*.feed_forward.{key}"]
+    if cfg.is_moe:
+        plan.update(MOE_PLAN)
+        if cfg.num_shared_experts:
+            plan.update({f"layers.*.feed_forward.shared_experts.{key}": "sequence"
+                         for key in ("w1", "w2", "w3")})
+    return plan
 
 
 def hf_plan(model: nn.Module) -> dict[str, str] | None:
