@@ -13,8 +13,6 @@ gradient clipping.
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -23,22 +21,19 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise import LossScaler
-from shardwise.distributed import comm
 from shardwise.distributed import env as dist_env
 from shardwise.distributed import watchdog
 from shardwise.train.config import Config
-from shardwise.shard import clip_grads_with_norm_
 from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model,
-                                         cross_entropy, data_rank, describe_layout,
-                                         layout_record, no_sync, wrap_optimizer)
+                                         data_rank, describe_layout,
+                                         layout_record, wrap_optimizer)
 from shardwise.train.metrics import (
-    MetricsLogger, format_summary, peak_rss_mib, plot_losses, rss_mib)
-from shardwise.train.moe import describe_moe, finish_moe_record, with_moe_loss
-from shardwise.train.pipeline import describe_pipeline, pipeline_of
-from shardwise.train.pipeline import grad_norm as total_grad_norm
+    MetricsLogger, format_summary, peak_rss_mib, plot_losses)
+from shardwise.train.moe import describe_moe
+from shardwise.train.pipeline import describe_pipeline
 from shardwise.train.preflight import build_model_config
 from shardwise.train.schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
+from shardwise.train.step import evaluate, gather_stats, train_step
 from shardwise.train.stepguard import StepGuard
 
 __all__ = [
@@ -132,158 +127,6 @@ def _checkpoint_due(step: int, cfg: Config) -> bool:
 
 
 # ----------------------------------------------------------------------------- the loop
-
-
-def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(inputs)  # (B, T, vocab), or (B, T, vocab / tp) under loss parallelism
-    return cross_entropy(model, logits, targets)
-
-
-def _gather_stats(values: list[torch.Tensor | float], env: dist_env.DistEnv) -> torch.Tensor:
-    """Every rank's ``values`` (0-d tensors or floats): (world_size, len(values)) on the host,
-    in one small all-gather and one host read."""
-    local = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(env.device)
-                         for v in values])
-    out = torch.empty(env.world_size * len(values), dtype=torch.float64, device=env.device)
-    comm.all_gather_into_tensor(out, local, label="train.stats")
-    return out.view(env.world_size, len(values)).cpu()
-
-
-@contextlib.contextmanager
-def _sync_debug(cfg: Config, env: dist_env.DistEnv):
-    """``train.sync_debug`` around a region of the step (CUDA only)."""
-    mode = cfg.train.sync_debug
-    if mode == "off" or env.device.type != "cuda":
-        yield
-        return
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
-
-
-def _forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.DistEnv,
-                      scaler: LossScaler, guard: StepGuard | None) -> torch.Tensor:
-    """The step's ``grad_accum`` micro-batches; the summed loss as a device tensor (read on
-    the host once per step, with the other statistics)."""
-    accum = cfg.train.grad_accum
-    pipe = pipeline_of(model)
-    if pipe is not None:  # the schedule's micro-batches are the accumulation (grad_accum 1)
-        inputs, targets = (t.to(env.device) for t in loader.next_batch())
-        return pipe.step(inputs, targets).to(env.device)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=env.device)
-    for micro in range(accum):
-        inputs, targets = (t.to(env.device) for t in loader.next_batch())
-        # Gradients are communicated once per step, on the last micro-batch.
-        with no_sync(model) if micro < accum - 1 else contextlib.nullcontext():
-            loss = _loss(model, inputs, targets) / accum
-            if guard is not None:
-                loss = guard.on_loss(loss)
-            scaler.scale(with_moe_loss(model, loss, accum)).backward()  # + MoE balance losses
-        loss_sum += loss.detach().float()
-    return loss_sum
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, cfg: Config,
-               env: dist_env.DistEnv, step: int, scaler: LossScaler,
-               guard: StepGuard | None = None) -> dict[str, Any]:
-    """One optimizer step: ``grad_accum`` micro-batches, clip, update.
-
-    Host syncs are a constant number per step, whatever the model's size: the loss, the
-    global gradient norm (computed once, shared by the non-finite check and clipping) and
-    the memory figures are read in one small all-gather before the update; fp16 loss
-    scaling adds its overflow flag.
-
-    Args:
-        guard: failure handling (non-finite check before the update, injected faults).
-
-    Returns:
-        The step's record (loss averaged over micro-batches and ranks, lr used, grad norm,
-        tokens/s, per-rank RSS and, on GPUs, peak allocated CUDA memory).
-
-    Raises:
-        RuntimeError: if the loss is not finite on some rank (naming the rank and the step);
-            with a guard, :class:`~shardwise.shard.nonfinite.NonFiniteError` before the update.
-    """
-    start = time.perf_counter()
-    accum = cfg.train.grad_accum
-    lr = optimizer.param_groups[0]["lr"]
-    with _sync_debug(cfg, env):
-        loss_sum = _forward_backward(model, loader, cfg, env, scaler, guard)
-    scaler.unscale_(model)  # fp16: reads the agreed overflow flag (one host read)
-    if guard is not None:
-        guard.after_backward(model)
-    with _sync_debug(cfg, env):
-        norm = total_grad_norm(model)  # over the pipeline ranks too
-    cuda_mib = (torch.cuda.max_memory_allocated(env.device) / 2**20
-                if env.device.type == "cuda" else 0.0)
-    # One small all-gather per step: every rank's loss, the (agreed) gradient norm and each
-    # rank's memory, read on the host once; what follows is decided on agreed values.
-    stats = _gather_stats([loss_sum, norm, rss_mib(), cuda_mib], env)
-    grad_norm = float(stats[0, 1])
-    losses = stats[:, 0].tolist()
-    skip = None
-    bad = [r for r, x in enumerate(losses) if not math.isfinite(x)]
-    if guard is None and bad:
-        raise RuntimeError(f"loss is {losses[bad[0]]} on rank {bad[0]} at step {step} "
-                           f"(ranks with non-finite loss: {bad}); try a lower optim.lr")
-    if guard is not None and (bad or not math.isfinite(grad_norm)):
-        skip = guard.before_update(model, losses[env.rank], step, scaler.enabled)
-    stepped = False
-    if skip is None:
-        if guard is not None:
-            guard.before_optimizer()
-        with _sync_debug(cfg, env):
-            clip_grads_with_norm_(model, cfg.optim.grad_clip or math.inf, norm)
-            stepped = scaler.step(model, optimizer)
-        scaler.update()
-    else:
-        grad_norm = math.nan
-    optimizer.zero_grad(set_to_none=True)
-    moe = finish_moe_record(model, update_bias=skip is None and stepped)
-    elapsed = time.perf_counter() - start
-    tokens = data_rank(cfg, env)[1] * accum * cfg.train.batch_size * cfg.data.seq_len
-    record = {"step": step, "loss": sum(losses) / len(losses), "lr": lr,
-              "grad_norm": float(grad_norm), "tokens": tokens, "tokens_per_s": tokens / elapsed,
-              "step_time_s": elapsed, "rss_mib": [round(m, 1) for m in stats[:, 2].tolist()]}
-    if scaler.enabled:
-        record.update(loss_scale=scaler.scale_value, skipped=not stepped,
-                      skipped_steps=scaler.skipped_steps)
-    if skip is not None:
-        record.update(skipped=True, nonfinite=skip)
-    if env.device.type == "cuda":
-        record["cuda_peak_mib"] = [round(m, 1) for m in stats[:, 3].tolist()]
-    record.update(moe)
-    return record
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, val_ids: torch.Tensor, cfg: Config, env: dist_env.DistEnv,
-             step: int) -> dict[str, Any]:
-    """Mean loss over the first ``train.eval_batches`` held-out global batches, all ranks.
-
-    The windows are unshuffled and the same at every evaluation, so the curve measures the
-    model, not the sample.
-    """
-    from shardwise.data import iter_eval_batches
-
-    rank, ranks = data_rank(cfg, env)  # tensor ranks of one data rank share its batches
-    batches = iter_eval_batches(val_ids, seq_len=cfg.data.seq_len,
-                                batch_size=cfg.train.batch_size, rank=rank,
-                                world_size=ranks, max_batches=cfg.train.eval_batches)
-    pipe = pipeline_of(model)  # a forward-only run of its schedule
-    loss_fn = pipe.evaluate if pipe is not None else lambda x, y: _loss(model, x, y)
-    model.eval()
-    total, count = 0.0, 0
-    for inputs, targets in batches:
-        total += loss_fn(inputs.to(env.device), targets.to(env.device)).item()
-        count += 1
-    model.train()
-    mean = _gather_stats([total / count], env)[:, 0].mean().item()
-    tokens = ranks * count * cfg.train.batch_size * cfg.data.seq_len
-    return {"step": step, "val_loss": mean, "val_tokens": tokens}
 
 
 def validation_note(cfg: Config) -> tuple[str, str]:
@@ -392,7 +235,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv, replan: Any = None
     mem = shardwise.memory_report(model, optimizer)
     if hasattr(optimizer, "close"):  # offloaded optimizer state: remove its files now
         optimizer.close()
-    peak = _gather_stats([peak_rss_mib(), mem.model_state_bytes / 2**20], env)
+    peak = gather_stats([peak_rss_mib(), mem.model_state_bytes / 2**20], env)
     if not env.is_main:
         return None
     return _finish(cfg, env, logger, peak[:, 0].tolist(), train_time,
