@@ -32,7 +32,7 @@ from shardwise.train.config_checks import sequence_parallel
 
 __all__ = ["check_pipeline_config", "pipeline_world", "resolve_microbatches",
            "check_pipeline_model", "build_pipeline_model", "pipeline_of", "grad_norm",
-           "data_parallel", "describe_pipeline"]
+           "describe_pipeline"]
 
 
 def check_pipeline_config(cfg: Any) -> None:
@@ -175,18 +175,6 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     if isinstance(model, PipelinePart):
         return pipeline_grad_norm(model)
     return get_total_norm(model)
-
-
-def data_parallel(model: nn.Module, env: Any) -> tuple[int, int]:
-    """``(data-parallel rank, data-parallel size)``: which batch this rank reads. Every
-    pipeline rank of one replica reads the same batch."""
-    if not isinstance(model, PipelinePart) or model.groups.data_mesh is None:
-        return env.rank, env.world_size
-    mesh = model.groups.data_mesh
-    rank = 0
-    for coord, size in zip(mesh.get_coordinate(), mesh.shape):
-        rank = rank * size + coord
-    return rank, mesh.size()
 
 
 def describe_pipeline(cfg: Any, model: nn.Module) -> str | None:
