@@ -8,9 +8,10 @@ See :mod:`shardwise.parallel.expert.apply` (placement, composition) and
 :mod:`shardwise.parallel.expert.dispatch` (the exchange and its byte count).
 """
 
-from shardwise.parallel.expert.apply import EPContext, apply_ep, ep_context, expert_modules
+from shardwise.parallel.expert.apply import (EPContext, apply_ep, ep_context, expert_modules,
+                                             share_ep_context)
 from shardwise.parallel.expert.dispatch import (EP_LABELS, AllToAll, ExpertGroup,
                                                 dispatch_bytes, dispatch_compute_combine)
 
-__all__ = ["apply_ep", "ep_context", "EPContext", "expert_modules", "ExpertGroup",
-           "AllToAll", "dispatch_compute_combine", "dispatch_bytes", "EP_LABELS"]
+__all__ = ["apply_ep", "ep_context", "share_ep_context", "EPContext", "expert_modules",
+           "ExpertGroup", "AllToAll", "dispatch_compute_combine", "dispatch_bytes", "EP_LABELS"]

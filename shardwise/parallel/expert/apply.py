@@ -34,7 +34,7 @@ from shardwise.parallel.expert.hf import FusedExpertsEP
 from shardwise.parallel.tensor.api import tp_context
 from shardwise.shard.registry import engine_states
 
-__all__ = ["apply_ep", "ep_context", "EPContext", "expert_modules"]
+__all__ = ["apply_ep", "ep_context", "share_ep_context", "EPContext", "expert_modules"]
 
 _CTX_ATTR = "_shardwise_ep_context"
 
@@ -207,3 +207,12 @@ def apply_ep(model: nn.Module, ep_mesh, edp_mesh=None) -> nn.Module:  # noqa: AN
 def ep_context(model: nn.Module) -> EPContext | None:
     """What :func:`apply_ep` recorded on ``model`` (None if it was not applied)."""
     return getattr(model, _CTX_ATTR, None)
+
+
+def share_ep_context(model: nn.Module, part: nn.Module) -> None:
+    """Let ``part`` (a piece of ``model`` that is run on its own, e.g. a pipeline rank's
+    stages) answer :func:`ep_context` as ``model`` does. A no-op when ``model`` is not
+    expert-parallel."""
+    ctx = ep_context(model)
+    if ctx is not None:
+        setattr(part, _CTX_ATTR, ctx)

@@ -13,6 +13,9 @@ together, sends eager and waited at the end of the step ([Note: communication se
 p2p.py, [Note: agreed shapes] in mailbox.py). The batch of ``B`` sequences is cut into the
 schedule's ``microbatches`` equal micro-batches; the last stage's loss of each is divided by
 their number, so the step's gradients and loss are the whole batch's mean, as with pp 1.
+A stage with MoE layers adds the balance losses of each forward to that micro-batch's
+backward ([Note: balance losses in a pipeline] in moe.py); the returned loss stays the LM
+loss.
 
 [Note: pipeline engine controls] The executor drives the ZeRO engine of each stage only
 through its per-micro-batch controls ([Note: per-micro-batch controls] in controls.py):
@@ -47,6 +50,7 @@ import torch.nn.functional as F
 from shardwise.distributed import comm, watchdog
 from shardwise.parallel.pipeline.actions import Action, Kind
 from shardwise.parallel.pipeline.mailbox import Mailbox
+from shardwise.parallel.pipeline.moe import check_moe_schedule, stage_balance_roots
 from shardwise.parallel.pipeline.p2p import steps
 from shardwise.parallel.pipeline.schedule import Schedule
 from shardwise.parallel.pipeline.split import PipelinePart, StageModule
@@ -148,7 +152,8 @@ class PipelineExecutor:
         record_times: keep the timestamps of every step of the list (``last_times``).
 
     Raises:
-        ValueError: the schedule does not fit the part (pp, stages or placement).
+        ValueError: the schedule does not fit the part (pp, stages or placement), or it
+            splits the backward and the model has MoE layers.
     """
 
     def __init__(self, part: PipelinePart, schedule: Schedule, loss_fn: LossFn | None = None,
@@ -159,6 +164,7 @@ class PipelineExecutor:
                              f"stages {list(schedule.placement)} over pp={schedule.pp}; the "
                              f"part was split into {list(part.placement)} over "
                              f"pp={groups.pp_size}: split with placement=schedule.placement")
+        check_moe_schedule(part, schedule)
         self.part, self.schedule, self.groups = part, schedule, groups
         self.loss_fn = loss_fn or default_loss(part)
         self.keep_gathered, self.record_times = keep_gathered, record_times
@@ -274,6 +280,8 @@ class PipelineExecutor:
             self.mailbox.post(("F", s, mb), out)
         if run.train:
             run.acts[(s, mb)] = (x, out)
+            # taken now: the stage's next forward overwrites them (moe.py's Note)
+            run.roots[(s, mb)] = stage_balance_roots(st, self.schedule.microbatches)
 
     def _backward(self, a: Action, st: StageModule, run: _Run) -> None:
         s, mb = a.stage, a.microbatch
@@ -284,7 +292,8 @@ class PipelineExecutor:
         x, out = run.acts.pop((s, mb))
         grad = None if st.is_last else self.mailbox.take(("B", s + 1, mb))
         if a.kind is Kind.B:
-            torch.autograd.backward(out, grad)
+            extra = run.roots.pop((s, mb), [])  # the forward's MoE balance losses
+            torch.autograd.backward([out, *extra], [grad, *[None] * len(extra)])
         else:  # I: the input's gradient now, the weights' later (W)
             if not st.is_first:
                 torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
@@ -317,4 +326,5 @@ class _Run:
         self.xs, self.ts, self.train = xs, ts, train
         self.losses: list[torch.Tensor] = []
         self.acts: dict[tuple[int, int], tuple] = {}   # (stage, mb) -> (input, output)
+        self.roots: dict[tuple[int, int], list] = {}   # (stage, mb) -> extra backward roots
         self.split: dict[tuple[int, int], tuple] = {}  # after I: (input, output, out grad)

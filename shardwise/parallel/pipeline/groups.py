@@ -13,7 +13,9 @@ reads a ``DeviceMesh`` by its dimension names (``"pp"``, and ``"dp_replicate"`` 
 unchanged. The ``tp`` axis (tensor parallelism inside each stage, applied with ``apply_tp``
 before the split) is not the pipeline's: a stage's tensor ranks run the same action list, and
 each pipeline message goes between the ranks of one tensor coordinate (the ``pp`` group of a
-rank is the ranks that share its data and tensor coordinates).
+rank is the ranks that share its data and tensor coordinates). Likewise the ``ep`` axis
+(expert parallelism inside each stage, ``apply_ep`` before the split) is carved out of a
+stage's data ranks, so a stage's expert-parallel peers run the same action list.
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ def resolve_pipeline_groups(mesh=None) -> PipelineGroups:
         The :class:`PipelineGroups`.
 
     Raises:
-        ValueError: a DeviceMesh without a ``"pp"`` dimension, or a mesh with axes this
-            pipeline cannot run over (context or expert parallelism), or another type.
+        ValueError: a DeviceMesh without a ``"pp"`` dimension, or a DeviceMesh with axes
+            this pipeline cannot run over (pass a ParallelMesh for expert parallelism), or
+            another type.
     """
     if not dist.is_initialized():
         if mesh is not None:
@@ -138,10 +141,9 @@ def resolve_pipeline_groups(mesh=None) -> PipelineGroups:
 
 
 def _from_parallel_mesh(mesh: ParallelMesh) -> PipelineGroups:
-    """Groups from the job's N-D mesh: ``pp``, the data axes of the stage, the tensor ranks."""
-    if mesh.size("ep") > 1:
-        raise ValueError(f"{mesh!r}: pipeline stages do not run expert parallelism yet (ep="
-                         f"{mesh.size('ep')}); use ep=1")
+    """Groups from the job's N-D mesh: ``pp``, the data axes of the stage, the tensor ranks.
+    Its ``ep`` / ``edp`` axes (carved out of the stage's data ranks) are ``apply_ep``'s: the
+    expert parameters' placements name them, and the engine shards those over ``edp``."""
     pp = mesh.group("pp")
     data = ("dp_replicate", "dp_shard") if mesh.size("dp_replicate") > 1 else ("dp_shard",)
     return PipelineGroups(pp, dist.get_rank(pp), dist.get_world_size(pp), mesh[data],

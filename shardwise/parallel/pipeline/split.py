@@ -43,6 +43,14 @@ sequence, ``(B, T/tp, C)``, so the messages shrink by ``tp`` too; a stage that r
 rebuilds the sequence length for RoPE as ``tp`` times its length. The last stage returns
 vocab-sharded logits ``(B, T, V/tp)`` with loss parallelism, for the vocab-parallel
 cross-entropy (the executor's default loss then).
+
+[Note: pipeline stages of an MoE model] ``apply_ep`` too runs before the split, on the
+whole model (the composition order): each stage's MoE layers keep this ep rank's experts,
+their placements name the ``ep`` and ``edp`` axes of the stage's data ranks, and the part
+answers ``ep_context`` as the model did. The part records the names of *all* the model's
+MoE layers (``moe_layers``, unsplit order), held here or not, so that every pipeline rank
+knows the same facts about the model (whether balance statistics are gathered, in which
+order) even when its own stages hold none ([Note: balance losses in a pipeline] in moe.py).
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models.llama import TiedOutput
+from shardwise.models.moe import moe_layers
+from shardwise.parallel.expert import share_ep_context
 from shardwise.parallel.pipeline.groups import PipelineGroups, resolve_pipeline_groups
 from shardwise.parallel.pipeline.schedule import looped_placement
 from shardwise.parallel.tensor import copy_style, share_tp_context, tp_context
@@ -163,6 +173,8 @@ class PipelinePart(nn.Module):
         groups: the :class:`PipelineGroups` it runs on.
         tied: whether the head mirrors the embedding ([Note: tied embeddings across stages]).
         config: the unsplit model's config (for checkpoints).
+        moe_layers: the module names of every MoE layer of the unsplit model, in order,
+            held here or not ([Note: pipeline stages of an MoE model]).
     """
 
     def __init__(self, model: nn.Module, groups: PipelineGroups, placement: Sequence[int],
@@ -172,6 +184,7 @@ class PipelinePart(nn.Module):
         self.placement, self.layer_counts, self.groups = tuple(placement), tuple(counts), groups
         self.config = getattr(model, "config", None)
         self.tied = isinstance(model.output, TiedOutput)
+        self.moe_layers = tuple(name for name, _ in moe_layers(model))
         object.__setattr__(self, "mirror", None)  # outside the part: never named or saved
         ctx = tp_context(model)
         seq_split = ctx.tp.size if ctx is not None and ctx.sequence_parallel else 1
@@ -204,6 +217,7 @@ class PipelinePart(nn.Module):
                 stages[-1].register_forward_hook(lambda *args: ctx.clear())
         self.stages: list[StageModule] = stages
         share_tp_context(model, self)
+        share_ep_context(model, self)
 
     def _all_pieces(self, model: nn.Module, mine: list[int], starts, counts) -> None:
         """Every piece of the unsplit model in its order, and whether this rank keeps it:
