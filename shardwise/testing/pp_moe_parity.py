@@ -8,7 +8,8 @@ the schedule's micro-batches. The reference runs global micro-batch ``mb`` as th
 concatenation, in data-rank order, of every rank's ``mb``-th micro-batch, with
 ``capacity_groups = dp`` (capacity mode drops per rank's micro-batch, as the ranks do), and
 backpropagates ``(lm + moe_aux_loss) / microbatches`` per micro-batch ([Note: balance
-losses in a pipeline] in shardwise/parallel/pipeline/moe.py).
+losses in a pipeline] in shardwise/parallel/pipeline/moe.py). The evaluation too runs by
+global micro-batch, as the forward-only schedule does.
 """
 
 from __future__ import annotations
@@ -121,9 +122,10 @@ def pp_moe_reference_run(build: Callable[[], nn.Module], batches: torch.Tensor,
         opt.zero_grad()
         _record(res, finish_moe_step(model))
     model.eval()
-    with torch.no_grad():
-        tokens = batches[-1]
-        res.eval_loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).item()
+    with torch.no_grad():  # by micro-batch too: in capacity mode each has its capacity
+        for mb in range(m):
+            tokens = _global_microbatch(batches[-1], case, mb)
+            res.eval_loss += cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).item() / m
     res.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return res
 
