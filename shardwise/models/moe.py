@@ -116,6 +116,7 @@ class MoEStepStats:
         aux_loss: the aux loss value, averaged over the step's forwards.
         z_loss: the z-loss value, averaged over the step's forwards.
         forwards: training forwards in the step.
+        capacity_factor: the layer's ``settings.capacity_factor`` (None: dropless).
     """
 
     name: str
@@ -125,6 +126,7 @@ class MoEStepStats:
     aux_loss: float
     z_loss: float
     forwards: int
+    capacity_factor: float | None = None
 
     @property
     def tokens_min(self) -> float:
@@ -265,7 +267,8 @@ class MoE(nn.Module):
             self.router.update_bias(acc["counts"], self.settings.bias_update_rate)
         return MoEStepStats(name, acc["counts"].cpu(), acc["dropped"].item(),
                             acc["assignments"].item(), acc["aux_loss"].item() / forwards,
-                            acc["z_loss"].item() / forwards, forwards)
+                            acc["z_loss"].item() / forwards, forwards,
+                            self.settings.capacity_factor)
 
     def extra_repr(self) -> str:
         return f"settings={self.settings}"

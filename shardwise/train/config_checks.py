@@ -152,9 +152,6 @@ def _combinations(config) -> None:
         raise ValueError(f"parallel.ep={par.ep} with parallel.tp={par.tp} needs sequence "
                          f"parallelism (each tensor rank dispatches its own sequence shard); "
                          f"got parallel.sequence_parallel=false")
-    if par.ep > 1 and par.pp > 1:
-        raise ValueError(f"parallel.ep={par.ep} with parallel.pp={par.pp}: expert parallelism "
-                         f"inside pipeline stages is not supported yet; expected ep 1 or pp 1")
     if off.device != "none" and par.stage == 0:
         raise ValueError(f"offload.device={off.device!r} needs parallel.stage 1, 2 or 3 "
                          f"(sharded masters), got 0")

@@ -14,7 +14,10 @@ MoE layers, averaged over micro-batches; logged whatever ``moe.balance`` is),
 fewest / most assignments routed to one expert over the step's global batch, and their
 coefficient of variation) and, in capacity mode, ``moe_dropped_frac`` (per layer: the
 fraction of assignments dropped). The objective is ``loss + aux_loss_coef * aux_loss +
-z_loss_coef * z_loss`` (the aux term with ``balance = "aux"`` only).
+z_loss_coef * z_loss`` (the aux term with ``balance = "aux"`` only). In a pipeline the
+executor adds each stage's balance losses per micro-batch, and the statistics of the layers
+of every pipeline rank are gathered (``finish_pipeline_moe_step``), so the record describes
+all the model's MoE layers whatever rank writes it.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.models import (MoESettings, configure_moe, finish_moe_step, moe_aux_loss,
-                              moe_layers)
+from shardwise.models import MoESettings, configure_moe, finish_moe_step, moe_aux_loss
 from shardwise.parallel import apply_global_balance
+from shardwise.parallel.pipeline import PipelinePart, finish_pipeline_moe_step
 
 __all__ = ["build_moe_settings", "check_moe", "apply_moe", "with_moe_loss", "finish_moe_record",
            "describe_moe"]
@@ -97,7 +100,10 @@ def finish_moe_record(model: nn.Module, update_bias: bool) -> dict[str, Any]:
     Returns:
         The keys described in the module docstring, or ``{}`` for a dense model.
     """
-    stats = finish_moe_step(model, update_bias=update_bias)
+    if isinstance(model, PipelinePart):  # every pipeline rank's layers (collective)
+        stats = finish_pipeline_moe_step(model, update_bias=update_bias)
+    else:
+        stats = finish_moe_step(model, update_bias=update_bias)
     if not stats:
         return {}
     record = {"aux_loss": sum(s.aux_loss for s in stats),
@@ -105,15 +111,9 @@ def finish_moe_record(model: nn.Module, update_bias: bool) -> dict[str, Any]:
               "moe_tokens_min": [s.tokens_min for s in stats],
               "moe_tokens_max": [s.tokens_max for s in stats],
               "moe_tokens_cv": [round(s.tokens_cv, 6) for s in stats]}
-    if _capacity_mode(model):
+    if any(s.capacity_factor is not None for s in stats):  # capacity mode
         record["moe_dropped_frac"] = [round(s.dropped_frac, 6) for s in stats]
     return record
-
-
-def _capacity_mode(model: nn.Module) -> bool:
-    """Whether the MoE layers route with a capacity (and may drop assignments)."""
-    layers = moe_layers(model)
-    return bool(layers) and layers[0][1].settings.capacity_factor is not None
 
 
 def describe_moe(model_cfg: Any, cfg: Any) -> str | None:

@@ -130,8 +130,8 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     # compile: the compiled graph then holds the recompute (one graph per block). Compile
     # before shard: compile_blocks replaces each block's forward, and the engine's hooks,
     # installed by shard on the block's __call__, run eagerly around the compiled graph
-    # ([Note: collectives outside compiled regions]). EP inside pipeline stages is refused
-    # before launch (config_checks) until the pipeline path applies it.
+    # ([Note: collectives outside compiled regions]). A pipeline takes the same steps,
+    # splitting after EP (shardwise.train.pipeline).
     if dims.pp > 1:  # split into stages, each piece sharded over its stage's data ranks
         return build_pipeline_model(cfg, model_cfg, env, dict(
             reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch,

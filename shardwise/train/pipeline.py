@@ -5,12 +5,17 @@
 
     shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.tp 2   # pp x tp
 
+    shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.ep 2 \
+        --parallel.pp_schedule 1f1b --model.name debug-moe               # MoE, EP x PP
+
 Checks that refuse a pipeline before any rank starts, the world split into pipeline, data
-and tensor ranks (one ParallelMesh: pp outermost, tp innermost), the pipelined model (built
-on the meta device, tensor-parallel over the mesh's tp axis, split, each piece sharded with
-the run's ZeRO stage over its stage's data ranks, initialised with the unsplit model's
-numbers), and what the loop needs from it: the step, validation, the global gradient norm
-and the data-parallel rank that picks the batch.
+and tensor ranks (one ParallelMesh: pp outermost, tp innermost, ep carved out of each
+stage's data ranks), the pipelined model (built on the meta device, tensor-parallel over
+the mesh's tp axis, expert-parallel over its ep axis, split, each piece sharded with the
+run's ZeRO stage over its stage's data ranks, experts over ``edp``, initialised with the
+unsplit model's numbers, MoE balance statistics over the stage's data ranks), and what the
+loop needs from it: the step, validation, the global gradient norm and the data-parallel
+rank that picks the batch.
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ import torch
 from torch import nn
 
 from shardwise.distributed.parallel_dims import ParallelDims
-from shardwise.parallel.pipeline import (PipelineExecutor, PipelinePart, build_schedule,
-                                         pipeline_grad_norm, schedule_spec,
+from shardwise.parallel.expert import apply_ep
+from shardwise.parallel.pipeline import (MOE_SCHEDULES, PipelineExecutor, PipelinePart,
+                                         build_schedule, pipeline_grad_norm, schedule_spec,
                                          shard_stages, split_stages, stage_layer_counts)
 from shardwise.parallel.pipeline.schedules import resolve_virtual
 from shardwise.parallel.tensor import apply_tp
 from shardwise.shard.grad import get_total_norm
 from shardwise.train.config_checks import sequence_parallel
+from shardwise.train.moe import apply_moe
 
 __all__ = ["check_pipeline_config", "pipeline_world", "resolve_microbatches",
            "check_pipeline_model", "build_pipeline_model", "pipeline_of", "grad_norm",
@@ -106,7 +113,8 @@ def check_pipeline_model(cfg: Any, model_cfg: Any) -> None:
 
     Raises:
         ValueError: fewer layers than pp x virtual stages, a ``pp_layers_per_stage`` list of
-            the wrong length or sum, or an MoE model (naming the values).
+            the wrong length or sum, or an MoE model with a schedule or tensor parallelism
+            its stages do not run yet (naming the values).
     """
     if cfg.parallel.pp == 1:
         if cfg.parallel.pp_layers_per_stage:
@@ -114,8 +122,7 @@ def check_pipeline_model(cfg: Any, model_cfg: Any) -> None:
                              f"{list(cfg.parallel.pp_layers_per_stage)} needs parallel.pp > 1")
         return
     if model_cfg.is_moe:
-        raise ValueError(f"parallel.pp={cfg.parallel.pp} does not run MoE models yet (model "
-                         f"{cfg.model.name!r} has {model_cfg.num_experts} experts)")
+        _check_moe_pipeline(cfg, model_cfg)
     pp, v, layers = _layout(cfg)
     try:
         stage_layer_counts(model_cfg.n_layers, pp * v, layers)
@@ -124,9 +131,24 @@ def check_pipeline_model(cfg: Any, model_cfg: Any) -> None:
         raise ValueError(f"{key}: {exc} (parallel.pp={pp} x virtual={v})") from None
 
 
+def _check_moe_pipeline(cfg: Any, model_cfg: Any) -> None:
+    """What MoE layers inside pipeline stages do not run with yet."""
+    par = cfg.parallel
+    what = f"model {cfg.model.name!r} has {len(model_cfg.moe_layer_ids)} MoE layers"
+    if par.pp_schedule not in MOE_SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={par.pp_schedule!r} splits the backward into "
+                         f"input and weight passes, which do not carry the MoE balance losses "
+                         f"yet ({what}); expected one of {', '.join(MOE_SCHEDULES)}")
+    if par.tp > 1:
+        raise ValueError(f"parallel.pp={par.pp} with parallel.tp={par.tp} does not run MoE "
+                         f"models yet ({what}); expected parallel.tp=1 or parallel.pp=1")
+
+
 def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict) -> PipelinePart:
     """This rank's stages, sharded, initialised, with their executor (``pipeline_of``);
-    tensor-parallel inside each stage when ``parallel.tp > 1``.
+    tensor-parallel inside each stage when ``parallel.tp > 1``, expert-parallel when
+    ``parallel.ep > 1``; MoE layers with the ``[moe]`` settings, balancing over the stage's
+    data ranks.
 
     Args:
         cfg: the run config.
@@ -144,12 +166,15 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     par = cfg.parallel
     pp, v, layers = _layout(cfg)
     schedule = build_schedule(par.pp_schedule, pp, resolve_microbatches(cfg), v)
-    dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size, pp=pp, tp=par.tp)
+    dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size, pp=pp, tp=par.tp,
+                        ep=par.ep)
     mesh = dims.build_mesh(env.device.type)
     model = build_model(model_cfg, device="meta")
     if par.tp > 1:  # on the whole model, before the split (the composition order)
         apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
     # The executor's loss is then the vocab-parallel cross-entropy (default_loss).
+    if par.ep > 1:  # after TP, before the split: each stage's experts split over its ep ranks
+        apply_ep(model, mesh)
     part = split_stages(model, mesh, v, layers, placement=schedule.placement)
     # Checkpointing and compile wrap each block of this rank's stages, before sharding (the
     # composition order of shardwise.train.parallelize).
@@ -160,6 +185,9 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     torch.manual_seed(cfg.train.seed)
     shard_stages(part, stage=par.stage, init_weights=init_module_weights, device=env.device,
                  **shard_kwargs)
+    # The ranks of one stage whose micro-batches make the global micro-batch: its data ranks
+    # ([Note: balance losses in a pipeline]); the executor adds each forward's balance losses.
+    apply_moe(part, cfg, mesh.group("dp"))
     part.executor = PipelineExecutor(part, schedule,
                                      keep_gathered=not par.reshard_after_forward)
     return part
