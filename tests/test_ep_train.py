@@ -1,8 +1,9 @@
 """Expert parallelism in the trainer (issue 13): ``--parallel.ep``, every refusal before
-launch (EP x PP: tests/test_ep_pp_train.py), the layout in the start line and ``summary.json``, the losses of ``--model.name
-debug-moe --parallel.ep 2`` equal to the ep 1 run's (same global batch, same routing), those
-of ``--parallel.tp 2 --parallel.ep 2`` on 4 ranks equal to ``--parallel.tp 2``'s, and
-``--checkpoint.resume auto`` of an ep 2 checkpoint at ep 1, stage 1.
+launch (those of EP x PP are in tests/test_ep_pp_train.py), the layout in the start line and
+``summary.json``, the losses of ``--model.name debug-moe --parallel.ep 2`` equal to the ep 1
+run's (same global batch, same routing), those of ``--parallel.tp 2 --parallel.ep 2`` on 4
+ranks equal to ``--parallel.tp 2``'s, and ``--checkpoint.resume auto`` of an ep 2
+checkpoint at ep 1, stage 1.
 """
 
 from __future__ import annotations
