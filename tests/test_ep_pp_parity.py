@@ -10,7 +10,8 @@ gathered over the pipeline ranks), aux and z values within 1e-6, capacity drops 
 
 The grid: pp 2 on 2 ranks (ep 1) under GPipe, 1F1B, interleaved 1F1B and looped BFS, and
 on 4 ranks pp 2 x dp_shard 2 at ep 1 and ep 2 (each stage's experts split over its two
-data ranks, gradients divided by the full data degree), ZeRO stages 1 and 3, capacity mode,
+data ranks, gradients divided by the full data degree), ZeRO stages 1 and 3 (and one case
+each at 0 and 2), capacity mode,
 DeepSeek-V3 bias balancing with a shared expert and MoE in every second block (so that
 under interleaved 1F1B pipeline rank 0 holds no MoE layer at all), and stage 3 re-gathering
 per micro-batch. Split-backward schedules (zb1, zbv, dualpipev) are refused for MoE models
@@ -55,7 +56,7 @@ GRID = {
         C("1f1b", 2, 3, dp=2, ep=2, keep_gathered=False),
         C("interleaved_1f1b", 4, 1, dp=2, ep=2),
         C("interleaved_1f1b", 4, 3, dp=2, ep=2, model="bias-shared-every2"),
-        C("looped_bfs", 4, 3, dp=2, ep=2)],
+        C("looped_bfs", 4, 2, dp=2, ep=2), C("1f1b", 2, 0, dp=2, ep=2)],
 }
 if FULL:
     GRID = {w: list({dataclasses.replace(c, stage=s): None for c in cases for s in (1, 3)})

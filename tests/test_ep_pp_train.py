@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 
 from shardwise.testing.dist import run_ranks
+from shardwise.train import plan_layout
 from shardwise.train.cli import main
-from shardwise.train.config import load_config
-from shardwise.train.preflight import preflight
+from shardwise.train.config import load_config, resolve_world
+from shardwise.train.preflight import build_model_config, preflight
 from shardwise.train.trainer import build_env, train
 
 TINY = {"model.name": "debug-moe", "model.dim": "32", "model.n_layers": "4",
@@ -64,6 +65,23 @@ def test_refused_before_launch_naming_the_values(over, world, message, tmp_path)
     with pytest.raises(ValueError) as info:
         preflight(load_config(None, values), world_size=world)
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_planner_layouts_carry_ep_through_pipelines(tmp_path):
+    """``--parallel.plan auto`` prices the run's ep with every pipeline layout it ranks,
+    maps the layout to config keys and back, and keeps only schedules MoE stages run."""
+    over = {**TINY, **PP2, "parallel.ep": "2", "parallel.plan": "auto",
+            "parallel.plan_hardware": "h100-sxm", "log.dir": str(tmp_path)}
+    cfg = resolve_world(load_config(None, over), 4)
+    L = plan_layout.layout_of(cfg)
+    assert (L.pp, L.ep, L.dp_shard) == (2, 2, 2)
+    assert plan_layout.layout_of(plan_layout.with_layout(cfg, L)) == L
+    assert plan_layout.trainer_keys(L)["parallel.ep"] == 2
+    assert plan_layout.describe(L).startswith("pp 2 (1f1b) x dp_shard 2 (ep 2)")
+    ranked = plan_layout.rank_layouts(cfg, build_model_config(cfg, 256), 4)
+    assert ranked and all(e.layout.ep == 2 for e in ranked)
+    assert {e.layout.pp_schedule for e in ranked} <= {"gpipe", "1f1b", "interleaved_1f1b",
+                                                      "looped_bfs"}
 
 
 def _train(cfg, data):

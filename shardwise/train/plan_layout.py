@@ -7,9 +7,11 @@
 these config keys (``PLAN_KEYS``): ``zero`` <-> ``parallel.stage``, ``dp_replicate`` /
 ``dp_shard`` / ``tp``, ``sp`` <-> ``parallel.sequence_parallel``, ``microbatch`` <->
 ``train.batch_size``, ``pp_microbatches`` <-> ``train.grad_accum``, ``ac`` <->
-``train.activation_checkpoint``. The trainer builds no pipeline, context or expert
-parallelism yet, so ``pp = cp = ep = 1``; offload and quantised communication stay as
-configured (they are the user's choice of numerics and of host memory). The global batch
+``train.activation_checkpoint``, ``pp`` and the ``pp_*`` keys <-> the schedule,
+``ep`` <-> ``parallel.ep``. The trainer builds no context parallelism yet, so ``cp = 1``;
+the expert-parallel degree, offload and quantised communication stay as configured (the
+user's choice of where experts live, of numerics and of host memory); ``ep`` composes with
+every pipeline layout the search offers (EP x PP). The global batch
 (``batch_size x grad_accum x dp_replicate x dp_shard`` sequences), the sequence length,
 optimizer and learning-rate schedule are never changed: only how the same batch is split.
 Keys the user set (``parallel.plan_fixed``) are fixed in the search. A layout the planner
@@ -31,7 +33,7 @@ from shardwise.planner.search import search
 from shardwise.planner.workload import Workload
 from shardwise.train.config import Config, resolve_world, validate
 from shardwise.train.config_checks import check_model_combinations, sequence_parallel
-from shardwise.train.parallelize import validate_tp
+from shardwise.train.parallelize import validate_ep, validate_tp
 from shardwise.train.pipeline import (check_pipeline_config, check_pipeline_model,
                                       pipeline_world, resolve_microbatches)
 from shardwise.parallel.pipeline import schedule_spec
@@ -49,7 +51,7 @@ def layout_of(cfg: Config) -> Layout:
     micro-batches are ``train.grad_accum`` micro-batches of ``batch_size``."""
     par, t = cfg.parallel, cfg.train
     common = dict(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
-                  zero=par.stage, ac=t.activation_checkpoint,
+                  ep=par.ep, zero=par.stage, ac=t.activation_checkpoint,
                   sp=sequence_parallel(par) and par.tp > 1,
                   offload="cpu" if cfg.offload.device == "cpu" else "none",
                   comm_weights=cfg.comm.weights, comm_grads=cfg.comm.grads)
@@ -64,7 +66,7 @@ def layout_of(cfg: Config) -> Layout:
 def with_layout(cfg: Config, L: Layout) -> Config:
     """``cfg`` with the layout keys of ``L`` (the other keys unchanged)."""
     par = dataclasses.replace(cfg.parallel, stage=L.zero, dp_replicate=L.dp_replicate,
-                              dp_shard=L.dp_shard, tp=L.tp,
+                              dp_shard=L.dp_shard, tp=L.tp, ep=L.ep,
                               sequence_parallel=L.sp if L.tp > 1 else None, pp=L.pp)
     if L.pp > 1:  # the schedule's micro-batches are the accumulation
         par = dataclasses.replace(par, pp_schedule=L.pp_schedule,
@@ -83,7 +85,7 @@ def trainer_keys(L: Layout) -> dict[str, Any]:
     """The layout as the config keys it sets (for plan_history.jsonl)."""
     out = {"parallel.stage": L.zero, "parallel.dp_replicate": L.dp_replicate,
            "parallel.dp_shard": L.dp_shard, "parallel.tp": L.tp,
-           "parallel.sequence_parallel": L.sp, "parallel.pp": L.pp}
+           "parallel.sequence_parallel": L.sp, "parallel.pp": L.pp, "parallel.ep": L.ep}
     if L.pp > 1:
         out.update({"parallel.pp_schedule": L.pp_schedule,
                     "parallel.pp_microbatches": L.pp_microbatches,
@@ -102,7 +104,7 @@ def describe(L: Layout) -> str:
     parts += [f"tp {L.tp}" + (" (sp)" if L.sp else "")] if L.tp > 1 else []
     if L.dp_replicate > 1:
         parts.append(f"dp_replicate {L.dp_replicate}")
-    parts.append(f"dp_shard {L.dp_shard}")
+    parts.append(f"dp_shard {L.dp_shard}" + (f" (ep {L.ep})" if L.ep > 1 else ""))
     return (" x ".join(parts) + f", stage {L.zero}, batch {L.microbatch} x "
             f"{L.pp_microbatches}, ac {L.ac}")
 
@@ -136,7 +138,7 @@ def plan_constraints(cfg: Config) -> dict[str, Any]:
     """The planner's fixed keys: what the trainer cannot build or must not change, plus the
     layout keys the user set (``parallel.plan_fixed``)."""
     L = layout_of(cfg)
-    fixed: dict[str, Any] = {"cp": 1, "ep": 1, "offload": L.offload,
+    fixed: dict[str, Any] = {"cp": 1, "ep": L.ep, "offload": L.offload,
                              "comm_weights": L.comm_weights, "comm_grads": L.comm_grads}
     if cfg.model.num_experts or cfg.train.compile:
         fixed["ac"] = L.ac  # checkpointing is refused with experts; compile keeps its graphs
@@ -183,6 +185,7 @@ def _buildable(cfg: Config, model_cfg: Any, world_size: int) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tp across nodes: a warning, said at launch
             validate_tp(cfg, model_cfg, world_size)
+        validate_ep(cfg, model_cfg)
     except ValueError:
         return False
     return True
