@@ -14,9 +14,12 @@ data ranks, gradients divided by the full data degree), ZeRO stages 1 and 3 (and
 each at 0 and 2), capacity mode,
 DeepSeek-V3 bias balancing with a shared expert and MoE in every second block (so that
 under interleaved 1F1B pipeline rank 0 holds no MoE layer at all), and stage 3 re-gathering
-per micro-batch. Split-backward schedules (zb1, zbv, dualpipev) are refused for MoE models
-until the executor's I / W passes take the balance roots. ``SHARDWISE_PP_FULL=1`` runs
-every case at both ZeRO stages. One launch of ranks per world size runs all its cases.
+per micro-batch; pp 2 x tp 2 (sequence parallelism: each tensor rank routes its sequence
+shard, the balance statistics summed over the stage's data and tensor ranks) on 4 ranks, and
+pp 2 x tp 2 x dp_shard 2 with ep 2 on 8. Split-backward schedules (zb1, zbv, dualpipev) are
+refused for MoE models until the executor's I / W passes take the balance roots.
+``SHARDWISE_PP_FULL=1`` runs every case at both ZeRO stages. One launch of ranks per world
+size runs all its cases.
 """
 
 from __future__ import annotations
@@ -56,7 +59,10 @@ GRID = {
         C("1f1b", 2, 3, dp=2, ep=2, keep_gathered=False),
         C("interleaved_1f1b", 4, 1, dp=2, ep=2),
         C("interleaved_1f1b", 4, 3, dp=2, ep=2, model="bias-shared-every2"),
-        C("looped_bfs", 4, 2, dp=2, ep=2), C("1f1b", 2, 0, dp=2, ep=2)],
+        C("looped_bfs", 4, 2, dp=2, ep=2), C("1f1b", 2, 0, dp=2, ep=2),
+        C("1f1b", 4, 3, tp=2), C("interleaved_1f1b", 4, 1, tp=2, model="bias-shared-every2")],
+    8: [C("1f1b", 4, 3, dp=2, ep=2, tp=2),
+        C("interleaved_1f1b", 2, 1, dp=2, ep=2, tp=2, model="bias-shared-every2")],
 }
 if FULL:
     GRID = {w: list({dataclasses.replace(c, stage=s): None for c in cases for s in (1, 3)})

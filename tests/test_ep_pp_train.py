@@ -1,12 +1,13 @@
 """MoE models in pipelines in the trainer (issue 13, EP x PP).
 
 * refusals before launch, naming the values: split-backward schedules (zb1, zbv, dualpipev)
-  and tensor parallelism with an MoE model in a pipeline, ep not dividing a stage's data
-  ranks, activation checkpointing with experts;
+  with an MoE model in a pipeline, ep not dividing a stage's data ranks or the experts, ep
+  with tp but without sequence parallelism, activation checkpointing with experts;
 * ``--parallel.pp 2`` with ``debug-moe`` on 2 ranks (bias balancing) trains and validates like
   pp 1 on one rank with the same micro-batches (``batch_size / pp_microbatches`` x
   ``grad_accum``): loss, gradient norm, aux and z losses, per-layer token counts of *all*
   layers (rank 0 holds half of them) and validation loss; its checkpoint resumes at pp 1;
+* pp 2 x tp 2 on 4 ranks trains and validates like pp 1 x tp 2 on 2;
 * ``shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.ep 2 --model.name
   debug-moe``: the layout line, ``summary.json`` and the checkpoint's layout say pp 2 x ep 2,
   and the numbers are those of pp 2 x ep 1 on the same 4 ranks; its step-2 checkpoint
@@ -52,8 +53,8 @@ MOE_KEYS = ("loss", "grad_norm", "aux_loss", "z_loss")
     ({"parallel.pp_schedule": "zbv"}, 2, "parallel.pp_schedule='zbv' splits the backward"),
     ({"parallel.pp_schedule": "dualpipev", "parallel.pp_microbatches": "4"}, 2,
      "parallel.pp_schedule='dualpipev' splits the backward"),
-    ({"parallel.tp": "2"}, 4, "parallel.pp=2 with parallel.tp=2 does not run MoE models yet "
-     "(model 'debug-moe' has 4 MoE layers); expected parallel.tp=1 or parallel.pp=1"),
+    ({"parallel.tp": "2", "parallel.ep": "2", "parallel.sequence_parallel": "false"}, 8,
+     "parallel.ep=2 with parallel.tp=2 needs sequence parallelism"),
     ({"parallel.ep": "4"}, 4, "parallel.ep=4 must divide parallel.dp_shard=2"),
     ({"parallel.ep": "4", "model.num_experts": "6"}, 8,
      "parallel.ep=4 must divide the number of experts (model.num_experts=6)"),
@@ -132,6 +133,17 @@ def test_pp2_moe_trains_validates_and_resumes_like_pp1(tmp_path):
     back = _resume(tmp_path / "pp2", tmp_path / "back", 1, **PP1, **BIAS)
     assert sorted(_by_step(back, "loss")) == [3, 4]
     _same(back, pp1, steps={3, 4})
+
+
+def test_pp2_tp2_moe_trains_and_validates_like_pp1_tp2(tmp_path):
+    """Tensor and sequence parallelism inside each stage: each tensor rank routes its
+    sequence shard, the balance statistics are summed over the stage's data and tensor
+    ranks; the numbers are those of pp 1 x tp 2 with the same micro-batches."""
+    pp2 = _run(tmp_path / "pp2", 4, **PP2, **{"parallel.tp": "2"})
+    pp1 = _run(tmp_path / "pp1", 2, **PP1, **{"parallel.tp": "2"})
+    _same(pp2, pp1, MOE_KEYS + ("val_loss",))
+    for key in ("moe_tokens_min", "moe_tokens_max"):
+        assert _by_step(pp2, key) == _by_step(pp1, key), key
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ expert parallelism the same reducer runs over the data axes the experts' tokens 
 Under sequence parallelism the tensor ranks of one data rank route different tokens: the
 reduction then runs over data x tensor ranks, and ``replicas`` (the data-parallel degree,
 over which gradients are averaged; the tensor ranks sum theirs) replaces the reduced
-replica count ``W``.
+replica count ``W``. In a pipeline those are the ranks of one stage, which no single group
+spans: the reduction then runs over the data group and the tensor group in turn.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class AllReduceStats:
 
     Args:
         group: the process group of the ranks whose tokens make the global batch (default
-            None: the world).
+            None: the world), or a tuple of process groups of independent axes whose
+            product is those ranks (summed over each in turn: e.g. a pipeline stage's data
+            and tensor ranks, which no single group spans).
         replicas: the number of data-parallel replicas whose gradients are averaged when
             it is not the group's size (sequence parallelism: the group's size / tp);
             default None.
@@ -50,7 +53,8 @@ class AllReduceStats:
     def __call__(self, stats: torch.Tensor) -> torch.Tensor:
         refuse_in_compiled_region("MoE balance statistics (moe.stats all-reduce)")
         out = stats.clone()
-        comm.all_reduce(out, self.group, label="moe.stats")
+        for group in self.group if isinstance(self.group, tuple) else (self.group,):
+            comm.all_reduce(out, group, label="moe.stats")
         if self.replicas is not None:
             out[STATS_REPLICAS] = self.replicas
         return out
@@ -71,7 +75,9 @@ def apply_global_balance(model: nn.Module, group=None,  # noqa: ANN001
         model: a model with :class:`~shardwise.models.moe.MoE` layers (sharded or not;
             a model without any is returned unchanged).
         group: the ranks whose tokens make the global batch: the data-parallel group, or,
-            under sequence parallelism, the data x tensor ranks (default None: the world).
+            under sequence parallelism, the data x tensor ranks (default None: the world);
+            a tuple of groups of independent axes sums over their product (a pipeline
+            stage's ``(mesh.group("dp"), mesh.group("tp"))``).
         replicas: the data-parallel degree when it is not ``group``'s size (sequence
             parallelism); default None.
 

@@ -26,7 +26,7 @@ from shardwise.distributed import comm
 from shardwise.distributed.mesh import ParallelDims
 from shardwise.models import (finish_moe_step, init_module_weights, moe_aux_loss,
                               set_capacity_groups)
-from shardwise.parallel import apply_ep, apply_global_balance
+from shardwise.parallel import apply_ep, apply_global_balance, apply_tp
 from shardwise.parallel.expert import expert_modules
 from shardwise.parallel.pipeline import (PipelineExecutor, build_schedule, clip_pipeline_grad_norm_,
                                          cross_entropy_loss, finish_pipeline_moe_step,
@@ -48,15 +48,17 @@ class PPMoECase:
     model: str = "base"        # a key of the test's model variants
     keep_gathered: bool = True
     pp: int = 2
+    tp: int = 1                # tensor (and sequence) parallelism inside each stage
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
     @property
     def name(self) -> str:
         extra = "".join([f"-dp{self.dp}" if self.dp > 1 else "",
                          f"-ep{self.ep}" if self.ep > 1 else "",
+                         f"-tp{self.tp}" if self.tp > 1 else "",
                          "" if self.keep_gathered else "-regather",
                          "" if self.model == "base" else f"-{self.model}"])
         return f"pp{self.pp}-{self.schedule}-m{self.microbatches}-stage{self.stage}{extra}"
@@ -133,14 +135,17 @@ def pp_moe_reference_run(build: Callable[[], nn.Module], batches: torch.Tensor,
 def pp_moe_run(build: Callable[[], nn.Module], batches: torch.Tensor, case: PPMoECase,
                clip: float, meshes: dict) -> PPMoEResult:
     """Train ``build()`` (a meta-device MoE model) as ``case`` lays it out; call on every
-    rank: ParallelDims(pp, ep) -> apply_ep -> split -> shard_stages -> global balance over
-    the stage's data ranks."""
-    dims = ParallelDims(world_size=dist.get_world_size(), pp=case.pp, ep=case.ep).resolved()
+    rank: ParallelDims(pp, tp, ep) -> apply_tp (sequence parallel) -> apply_ep -> split ->
+    shard_stages -> global balance over the stage's data (x tensor) ranks."""
+    dims = ParallelDims(world_size=dist.get_world_size(), pp=case.pp, tp=case.tp,
+                        ep=case.ep).resolved()
     if dims not in meshes:  # one set of process groups per layout (collective)
         meshes[dims] = dims.build_mesh()
     mesh = meshes[dims]
     schedule = build_schedule(case.schedule, pp=case.pp, microbatches=case.microbatches)
     model = build()
+    if case.tp > 1:
+        apply_tp(model, mesh["tp"], sequence_parallel=True)
     if case.ep > 1:
         apply_ep(model, mesh)
     res = PPMoEResult()
@@ -148,7 +153,10 @@ def pp_moe_run(build: Callable[[], nn.Module], batches: torch.Tensor, case: PPMo
     part = split_stages(model, mesh, schedule.virtual, placement=schedule.placement)
     torch.manual_seed(0)
     shard_stages(part, stage=case.stage, init_weights=init_module_weights)
-    apply_global_balance(part, mesh.group("dp"))
+    if case.tp > 1:  # each tensor rank routes its sequence shard; the data ranks are replicas
+        apply_global_balance(part, (mesh.group("dp"), mesh.group("tp")), replicas=case.dp)
+    else:
+        apply_global_balance(part, mesh.group("dp"))
     pipe = PipelineExecutor(part, schedule, keep_gathered=case.keep_gathered)
     opt = torch.optim.SGD(part.parameters(), lr=0.05, momentum=0.9)
     r, dp_group = mesh.local_rank("dp"), mesh.group("dp")

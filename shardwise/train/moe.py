@@ -76,7 +76,8 @@ def check_moe(cfg: Any, model_cfg: Any) -> None:
 def apply_moe(model: nn.Module, cfg: Any, group=None,  # noqa: ANN001
               replicas: int | None = None) -> nn.Module:
     """Give the MoE layers the ``[moe]`` settings and global balance statistics over
-    ``group``, the ranks whose tokens make the global batch (default: the world), with
+    ``group``, the ranks whose tokens make the global batch (default: the world; a tuple
+    of groups whose product they are, e.g. a pipeline stage's data and tensor ranks), with
     ``replicas`` data-parallel replicas when that is not its size (sequence parallelism).
     A dense model is returned unchanged."""
     configure_moe(model, build_moe_settings(cfg))

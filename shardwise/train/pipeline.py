@@ -113,8 +113,8 @@ def check_pipeline_model(cfg: Any, model_cfg: Any) -> None:
 
     Raises:
         ValueError: fewer layers than pp x virtual stages, a ``pp_layers_per_stage`` list of
-            the wrong length or sum, or an MoE model with a schedule or tensor parallelism
-            its stages do not run yet (naming the values).
+            the wrong length or sum, or an MoE model with a schedule its stages do not run
+            yet (naming the values).
     """
     if cfg.parallel.pp == 1:
         if cfg.parallel.pp_layers_per_stage:
@@ -132,16 +132,13 @@ def check_pipeline_model(cfg: Any, model_cfg: Any) -> None:
 
 
 def _check_moe_pipeline(cfg: Any, model_cfg: Any) -> None:
-    """What MoE layers inside pipeline stages do not run with yet."""
+    """The schedules MoE layers inside pipeline stages do not run with yet."""
     par = cfg.parallel
     what = f"model {cfg.model.name!r} has {len(model_cfg.moe_layer_ids)} MoE layers"
     if par.pp_schedule not in MOE_SCHEDULES:
         raise ValueError(f"parallel.pp_schedule={par.pp_schedule!r} splits the backward into "
                          f"input and weight passes, which do not carry the MoE balance losses "
                          f"yet ({what}); expected one of {', '.join(MOE_SCHEDULES)}")
-    if par.tp > 1:
-        raise ValueError(f"parallel.pp={par.pp} with parallel.tp={par.tp} does not run MoE "
-                         f"models yet ({what}); expected parallel.tp=1 or parallel.pp=1")
 
 
 def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict) -> PipelinePart:
@@ -185,9 +182,13 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     torch.manual_seed(cfg.train.seed)
     shard_stages(part, stage=par.stage, init_weights=init_module_weights, device=env.device,
                  **shard_kwargs)
-    # The ranks of one stage whose micro-batches make the global micro-batch: its data ranks
+    # The ranks of one stage whose tokens make the global micro-batch: its data ranks, and
+    # under sequence parallelism its data x tensor ranks, the data ranks the replicas
     # ([Note: balance losses in a pipeline]); the executor adds each forward's balance losses.
-    apply_moe(part, cfg, mesh.group("dp"))
+    if par.tp > 1 and sequence_parallel(par):
+        apply_moe(part, cfg, (mesh.group("dp"), mesh.group("tp")), replicas=dims.degree("dp"))
+    else:
+        apply_moe(part, cfg, mesh.group("dp"))
     part.executor = PipelineExecutor(part, schedule,
                                      keep_gathered=not par.reshard_after_forward)
     return part
