@@ -174,7 +174,8 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree: ranks each MoE layer's experts are split over, carved out of
     the data ranks (it divides dp_shard and the number of experts; does not multiply the
-    world size). Expert weights are ZeRO-sharded over the dp_shard / ep ranks holding them."""
+    world size). Expert weights are ZeRO-sharded over the dp_shard / ep ranks holding them.
+    With pp > 1 it splits each stage's experts over that stage's data ranks."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (stage 3) and gather them again for backward."""
     prefetch: int = 1
@@ -192,7 +193,8 @@ class ParallelConfig:
     pp x dp_replicate x dp_shard = world size; docs/parallelism.md)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb1" (ZB-H1), "zbv",
-    "dualpipev" or "looped_bfs"."""
+    "dualpipev" or "looped_bfs" (MoE models: one without a split backward, i.e. not zb1,
+    zbv or dualpipev)."""
     pp_microbatches: int = 0
     """Micro-batches each rank's train.batch_size sequences are split into (must divide it;
     0: the schedule's fewest, pp, or 2 pp for dualpipev)."""
