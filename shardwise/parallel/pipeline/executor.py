@@ -226,7 +226,7 @@ class PipelineExecutor:
         wd = watchdog.active()
         times: list[ActionTime] = []
         for i, step in enumerate(prog.steps):
-            text = " ".join(map(str, step)) if step[0].is_comm else step[0].describe()
+            text = _describe(step) if wd is not None or self.record_times else ""
             if wd is not None:  # left in place if the action raises: the report names it
                 wd.context["pp action"] = text
             start = time.perf_counter()
@@ -322,6 +322,10 @@ class PipelineExecutor:
         if self.groups.pp is not None and self.groups.pp_size > 1:
             comm.all_reduce(total, self.groups.pp, label="pp.loss")
         return total
+
+
+def _describe(step: tuple[Action, ...]) -> str:
+    return " ".join(map(str, step)) if step[0].is_comm else step[0].describe()
 
 
 class _Run:
