@@ -52,6 +52,7 @@ from shardwise.parallel.pipeline import (Costs, PipelineExecutor, Simulation, Ti
                                          resolve_pipeline_groups, simulate, split_stages)
 from shardwise.parallel.pipeline.actions import Action
 from shardwise.parallel.pipeline.formulas import reference_bubble
+from shardwise.parallel.pipeline.replay import replay
 from shardwise.testing import run_ranks
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -99,13 +100,14 @@ def _one_way_latency(shape) -> float:
     return float(elapsed)
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process) of one step, the slowest rank's each."""
     comm_objects.barrier(label="bench.step")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fn()
-    t = torch.tensor([time.perf_counter() - start])
+    t = torch.tensor([time.perf_counter() - start, time.process_time() - cpu])
     comm.all_reduce(t, op=dist.ReduceOp.MAX, label="bench.step")
-    return float(t)
+    return float(t[0]), float(t[1])
 
 
 def _run_torch(sched, part, x, y) -> None:
@@ -132,9 +134,10 @@ def _bench_schedule(name: str, pp: int, microbatches: int, steps: int, rounds: i
         fn()
         part.zero_grad(set_to_none=True)
     times: dict[str, list[list[float]]] = {k: [] for k in runs}
+    cpu: dict[str, list[list[float]]] = {k: [] for k in runs}
     traces = []
     for _ in range(rounds):
-        per: dict[str, list[float]] = {k: [] for k in runs}
+        per: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
         for i in range(steps):  # alternate which runtime goes first: load hits both alike
             for key in (list(runs) if i % 2 == 0 else list(reversed(runs))):
                 per[key].append(_timed(runs[key]))
@@ -142,8 +145,9 @@ def _bench_schedule(name: str, pp: int, microbatches: int, steps: int, rounds: i
                 if key == "ours":
                     traces.append([(t.text, t.compute, t.start, t.end) for t in ours.last_times])
         for key in runs:
-            times[key].append(per[key])
-    return {"times": times, "traces": traces, "torch_error": error,
+            times[key].append([w for w, _ in per[key]])
+            cpu[key].append([c for _, c in per[key]])
+    return {"times": times, "cpu": cpu, "traces": traces, "torch_error": error,
             "stages": [st.index for st in part.stages]}
 
 
@@ -159,11 +163,26 @@ def _worker(schedules, pp: int, microbatches: dict, steps: int, rounds: int, thr
 # ----------------------------------------------------------------------------- analysis
 
 
-def _measured(schedule, per_rank: list[dict], name: str) -> tuple[float, Costs, list]:
+def _replayed(schedule, rows, latency: float) -> float:
+    """The simulator's bubble for one step fed that step's own durations, action by action
+    (rather than per-stage means): what is left of the measured bubble is the executor's
+    own waiting, not the spread of the actions' durations."""
+    own = {(a.stage, a.kind, a.microbatch): e - s for row in rows for a, s, e in row}
+    times = replay(schedule.ranks, schedule.placement,
+                   lambda a: own[(a.stage, a.kind, a.microbatch)], latency)
+    spans = [[t for a, t in zip(acts, times[r]) if a.is_compute]
+             for r, acts in enumerate(schedule.ranks)]
+    start, end = min(c[0][0] for c in spans), max(c[-1][1] for c in spans)
+    busy = sum(e - s for c in spans for s, e in c)
+    return 1 - busy / (len(spans) * (end - start))
+
+
+def _measured(schedule, per_rank: list[dict], name: str) -> tuple[float, Costs, list, float]:
     """Mean measured bubble over the timed steps, the per-stage mean costs, one step's
-    timeline (rank -> [(action, start, end)] relative to its start)."""
+    timeline (rank -> [(action, start, end)] relative to its start), and the mean replayed
+    bubble (:func:`_replayed`)."""
     steps = len(per_rank[0]["schedules"][name]["traces"])
-    bubbles, durations, first = [], {}, None
+    bubbles, durations, first, replays = [], {}, None, []
     for i in range(steps):
         rows = []
         for res in per_rank:
@@ -174,6 +193,7 @@ def _measured(schedule, per_rank: list[dict], name: str) -> tuple[float, Costs, 
         end = max(row[-1][2] for row in rows)
         busy = sum(e - s for row in rows for _, s, e in row)
         bubbles.append(1 - busy / (len(rows) * (end - start)))
+        replays.append(_replayed(schedule, rows, per_rank[0]["latency_s"]))
         for row in rows:
             for a, s, e in row:
                 durations.setdefault((a.kind.value, a.stage), []).append(e - s)
@@ -185,7 +205,7 @@ def _measured(schedule, per_rank: list[dict], name: str) -> tuple[float, Costs, 
         return [statistics.mean(durations.get((kind, s), [0.0])) for s in range(n)]
     costs = Costs(f=per_stage("F"), b=per_stage("B"), i=per_stage("I"), w=per_stage("W"),
                   comm=per_rank[0]["latency_s"])
-    return statistics.mean(bubbles), costs, first
+    return statistics.mean(bubbles), costs, first, statistics.mean(replays)
 
 
 def _draw(schedule, first, bubble: float, path: Path) -> None:
@@ -200,29 +220,34 @@ def _draw(schedule, first, bubble: float, path: Path) -> None:
                                    f"{bubble:.1%} (time in ms)")
 
 
-def analyse(pp: int, per_rank: list[dict], microbatches: dict, draw: bool) -> list[dict]:
+def analyse(pp: int, per_rank: list[dict], microbatches: dict, draw: Path | None
+            ) -> list[dict]:
     rows = []
     for name, res in per_rank[0]["schedules"].items():
         schedule = build_schedule(name, pp, microbatches[name])
-        bubble, costs, first = _measured(schedule, per_rank, name)
+        bubble, costs, first, replayed = _measured(schedule, per_rank, name)
         sim = simulate(schedule, costs)
         formula = reference_bubble(name, pp, schedule.microbatches, schedule.virtual)
         ours = [statistics.median(r) for r in res["times"]["ours"]]
         theirs = [statistics.median(r) for r in res["times"].get("torch", [])]
         ratios = [a / b for a, b in zip(ours, theirs)]
+        cpu_ours = [statistics.median(r) for r in res["cpu"]["ours"]]
+        cpu_theirs = [statistics.median(r) for r in res["cpu"].get("torch", [])]
         rows.append({"schedule": name, "pp": pp, "microbatches": schedule.microbatches,
                      "virtual": schedule.virtual, "bubble_measured": bubble,
-                     "bubble_simulated": float(sim.bubble),
+                     "bubble_simulated": float(sim.bubble), "bubble_replayed": replayed,
                      "step_simulated_s": float(sim.step_time),
                      "bubble_formula": float(formula[1]) if formula else None,
                      "formula": formula[0] if formula else None,
                      "ours_s": ours, "torch_s": theirs, "ratio": ratios,
+                     "cpu_ours_s": cpu_ours, "cpu_torch_s": cpu_theirs,
+                     "cpu_ratio": [a / b for a, b in zip(cpu_ours, cpu_theirs)],
                      "torch_error": res["torch_error"],
                      "costs_ms": {k: [round(1e3 * c, 2) for c in getattr(costs, k)]
                                   for k in ("f", "b", "i", "w")},
                      "latency_ms": round(1e3 * costs.comm, 3)})
-        if draw:
-            folder = OUT / "pp_timelines"
+        if draw is not None:
+            folder = draw / "pp_timelines"
             folder.mkdir(parents=True, exist_ok=True)
             _draw(schedule, first, bubble, folder / f"{name}.png")
     return rows
@@ -243,11 +268,16 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['rounds']} round(s) x {meta['steps']} timed steps (forward + backward) "
              f"per runtime; torch {meta['torch']}, commit {meta['commit']}.", "",
              "Bubble = idle rank-time / (p x step time). Simulated: the simulator on the "
-             "measured mean F/B/I/W per stage and message latency. Step time: median per "
-             "round, the range over rounds; ratio = ours / torch.distributed.pipelining.", "",
-             "| pp | schedule | m | v | bubble measured | simulated | formula | "
-             "|measured - simulated| | ours (s) | torch (s) | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "measured mean F/B/I/W per stage and message latency (the target's figure). "
+             "Replayed: the simulator fed each step's own action durations (not means), "
+             "averaged over the steps; measured - replayed is the executor's own waiting "
+             "beyond the message latency, simulated - replayed the effect of the actions' "
+             "spread. Step time: median per round, the range over rounds; ratio = ours / "
+             "torch.distributed.pipelining; CPU ratio: the same of the CPU time the slowest "
+             "rank's process used per step (median per round).", "",
+             "| pp | schedule | m | v | bubble measured | simulated | replayed | formula | "
+             "|measured - simulated| | ours (s) | torch (s) | ratio | CPU ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         label = f"{r['pp']}" + (" (oversubscribed)" if r["pp"] > meta["cores"] else "")
         formula = f"{r['bubble_formula']:.1%}" if r["bubble_formula"] is not None else "-"
@@ -255,9 +285,10 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         torch_s = _range(r["torch_s"], "{:.3f}") if r["torch_s"] else \
             f"n/a ({r['torch_error'][:60]})"
         lines.append(f"| {label} | {r['schedule']} | {r['microbatches']} | {r['virtual']} | "
-                     f"{r['bubble_measured']:.1%} | {r['bubble_simulated']:.1%} | {formula} | "
+                     f"{r['bubble_measured']:.1%} | {r['bubble_simulated']:.1%} | "
+                     f"{r['bubble_replayed']:.1%} | {formula} | "
                      f"{100 * gap:.1f} pt | {_range(r['ours_s'], '{:.3f}')} | {torch_s} | "
-                     f"{_range(r['ratio'], '{:.2f}')} |")
+                     f"{_range(r['ratio'], '{:.2f}')} | {_range(r['cpu_ratio'], '{:.2f}')} |")
     lines += ["", *_verdicts(rows, meta), "", "Measured per-stage costs (ms, mean) and "
               "message latency:", ""]
     for r in rows:
@@ -274,7 +305,9 @@ def _verdicts(rows: list[dict], meta: dict) -> list[str]:
     out = ["Targets (pp within the core count; a ratio target is met only when every round "
            "holds it):", ""]
     if load is not None:
+        end = meta.get("load_at_end")
         out += [f"Load average at start (1/5/15 min): {', '.join(f'{x:.1f}' for x in load)}"
+                + (f"; at the end {', '.join(f'{x:.1f}' for x in end)}" if end else "")
                 + (" - other jobs shared the machine, so time figures are not settled."
                    if busy else "."), ""]
     for r in rows:
@@ -295,37 +328,48 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, default=0,
                         help="micro-batches (default: 4 pp; dualpipev at least 2 pp)")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--wait-load", type=float, default=0.0,
+                        help="first wait up to this many minutes for a load average < 1")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rounds = 2, 1
     names = args.schedules.split(",")
+    _wait_for_quiet(args.wait_load)
+    load_at_start = os.getloadavg()
     rows = []
     for i, pp in enumerate(args.pp):
         m = {n: args.microbatches or 4 * pp for n in names}
         per_rank = run_ranks(_worker, pp, args=(names, pp, m, args.steps, args.rounds,
                                                 args.threads),
                              timeout_s=3600, threads=args.threads)
-        rows += analyse(pp, per_rank, m, draw=i == 0)
-        print(to_markdown(rows, _meta(args)), flush=True)
-    meta = _meta(args)
+        rows += analyse(pp, per_rank, m, draw=args.out if i == 0 else None)
+        print(to_markdown(rows, _meta(args, load_at_start)), flush=True)
+    meta = _meta(args, load_at_start)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pp_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / "pp_bench.md").write_text(to_markdown(rows, meta))
 
 
-def _meta(args) -> dict:
+def _wait_for_quiet(minutes: float) -> None:
+    """Wait up to ``minutes`` for the 1-minute load average to drop below 1.0."""
+    deadline = time.time() + 60 * minutes
+    while minutes > 0 and os.getloadavg()[0] >= 1.0 and time.time() < deadline:
+        time.sleep(15)
+
+
+def _meta(args, load: tuple) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=Path(__file__).parent).stdout.strip()
     return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit,
             "cores": os.cpu_count(), "threads": args.threads, "steps": args.steps,
             "rounds": args.rounds, "machine": platform.platform(),
-            "load": os.getloadavg()}
+            "load": load, "load_at_end": os.getloadavg()}
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from shardwise.distributed import comm
 from shardwise.distributed.optrack import P2P_GROUP, Op
 from shardwise.sizes import nbytes
 
-__all__ = ["Message", "batch_isend_irecv"]
+__all__ = ["Message", "batch_isend_irecv", "early_receives_safe"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,14 @@ def batch_isend_irecv(messages: Sequence[Message], group=None) -> list:
                                exc) from exc
     return [_Tracked(w, _op(m), tracker) if w is not None else _Done()
             for w, m in zip(works, messages)]
+
+
+def early_receives_safe(group=None) -> bool:
+    """Whether receives on ``group`` may be posted before the rank needs them without holding
+    back its other messages: on Gloo (each message progresses on its own), not on NCCL (the
+    messages between two ranks share one stream, in posting order). See [Note: early
+    receives] in shardwise/parallel/pipeline/mailbox.py."""
+    return dist.is_initialized() and dist.get_backend(group) == "gloo"
 
 
 def _op(m: Message) -> tuple:

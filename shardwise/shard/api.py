@@ -124,14 +124,14 @@ def _plan_groups(plans: list[UnitPlan], groups: ShardGroups, replicated: bool
 def _build_units(module, plans, groups, stage, tracker, init_weights, sync_states,
                  do_materialize: bool, mp: MixedPrecision | None,
                  target: torch.device | None, quant: CommQuant | None,
-                 per_unit: list[ShardGroups]) -> list[Unit]:
+                 per_unit: list[ShardGroups], state_id: int) -> list[Unit]:
     is_meta = any(e.param.is_meta for p in plans for e in p.entries) or has_meta(module)
     device = None
     if is_meta:
         device = (target or torch.device("cpu")) if do_materialize else torch.device("meta")
     nodes = {id(g): node_group(g, quant.hierarchy) if quant and quant.hierarchy else None
              for g in per_unit}
-    state_id, names = next_state_id(), {}
+    names: dict = {}
     real = next((e.param.device for p in plans for e in p.entries), torch.device("cpu"))
     streams = CommStreams(device if device is not None and device.type != "meta" else real)
     units = [Unit(p.name, p.module, p.entries, g, stage, tracker, device, mp, nodes[id(g)],
@@ -295,6 +295,9 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
                       "shardwise.distributed.init(), which does (docs/engine.md, 'Memory over "
                       "long runs').", stacklevel=2)
     tracker = MemoryTracker()
+    # Every call takes one number, whatever its stage ([Note: gather identity]): ranks that
+    # shard different modules (pipeline stages) count alike.
+    state_id = next_state_id()
     per_unit: list[ShardGroups] = []
     if as_units:
         groups, per_unit = _plan_groups(plans, groups, replicated=stage == 0)
@@ -309,7 +312,7 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     else:
         units = _build_units(module, plans, groups, stage, tracker, init_weights,
                              sync_module_states, materialize, mixed_precision, target, comm,
-                             per_unit)
+                             per_unit, state_id)
         state = ShardState(module, units, units[0], groups, stage, reshard_after_forward,
                            prefetch, tracker)
         register_state_dict_hooks(module, state)

@@ -24,16 +24,28 @@ last micro-batch's weight pass, which runs with sync on. The parameters must sti
 gathered when it runs: keep them (``set_reshard_after_backward(model, False)``) or
 :func:`unshard` first; and its ``inputs=`` are :func:`graph_parameters` (the gathered full
 parameters, which the graph holds, not the sharded ones that ``model.parameters()`` yields).
+
+A weight-gradient pass may also be computed piecewise (the pipeline executor's split
+backward, [Note: split backward] in shardwise/parallel/pipeline/split_backward.py): several
+``torch.autograd.grad`` calls that *return* the weights' gradients from gradients captured
+during the input-gradient pass, then one ``torch.autograd.backward`` that accumulates them.
+The ``grad`` calls are not backward passes of the model: inside
+:func:`paused_backward_hooks` the engine's output hooks ignore them (no gather, no
+end-of-backward, no reduction), and the accumulating call is the pass the engine sees.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from torch import nn
 
 from shardwise.shard.registry import engine_states
 
 __all__ = ["set_gradient_sync", "set_reshard_after_forward", "set_reshard_after_backward",
-           "unshard", "reshard", "graph_parameters"]
+           "unshard", "reshard", "graph_parameters", "graph_parameter_groups",
+           "paused_backward_hooks"]
 
 
 def _states(model: nn.Module, what: str) -> list:
@@ -119,9 +131,43 @@ def graph_parameters(model: nn.Module) -> list:
     Raises:
         ValueError: ``model`` is not sharded.
     """
-    found = []
+    return [p for group in graph_parameter_groups(model) for p in group]
+
+
+def graph_parameter_groups(model: nn.Module) -> list[list]:
+    """:func:`graph_parameters`, one list per engine state (one ``shard`` call) of ``model``.
+    A backward pass that accumulates into at least one tensor of a group is a backward
+    pass of that state (its end reduces when gradient sync is on).
+
+    Raises:
+        ValueError: ``model`` is not sharded.
+    """
+    groups = []
     for s in _states(model, "graph_parameters"):
+        found = []
         for u in getattr(s, "units", []):
             found.extend(u.full_params[:len(u.trainable)])
         found.extend(p for b in getattr(s, "buckets", []) for p in b.params)
-    return found
+        groups.append(found)
+    return groups
+
+
+@contextlib.contextmanager
+def paused_backward_hooks(model: nn.Module) -> Iterator[None]:
+    """Autograd calls made inside are not backward passes of ``model`` for the engine: its
+    hooks on module outputs do nothing (no gather, no end-of-backward callback, so no
+    reduction). For ``torch.autograd.grad`` calls that return gradients computed from saved
+    activations; see [Note: per-micro-batch controls].
+
+    Raises:
+        ValueError: ``model`` is not sharded.
+    """
+    states = _states(model, "paused_backward_hooks")
+    before = [s.paused for s in states]
+    for s in states:
+        s.paused = True
+    try:
+        yield
+    finally:
+        for s, was in zip(states, before):
+            s.paused = was

@@ -84,6 +84,7 @@ class ReplicateState:
         self._groups_of = groups_of or {}
         self.units: list = []
         self.sync = True
+        self.paused = False  # controls.paused_backward_hooks
         self.launcher = OrderedLauncher(max_inflight=1 << 30)
         trainable = [p for p in reversed(params) if p.requires_grad]
         self.buckets = self._build_buckets(trainable, bucket_mb)
@@ -120,7 +121,7 @@ class ReplicateState:
         return None
 
     def _start_backward(self) -> None:
-        if self._backward_started:
+        if self._backward_started or self.paused:
             return
         self._backward_started = True
         # Counted per backward pass, not per forward: forwards and backward passes may

@@ -97,6 +97,7 @@ class ShardState:
         self.reshard_after_forward = reshard_after_forward and stage == 3
         self.reshard_after_backward = stage == 3  # [Note: per-micro-batch controls]
         self.sync = True
+        self.paused = False  # controls.paused_backward_hooks
         self.launcher = OrderedLauncher()
         self.fwd_order: list[Unit] = []       # previous step's pre-forward order
         self.bwd_order: list[Unit] = []       # this step's reversed post-forward order
@@ -217,6 +218,8 @@ class ShardState:
         self.launcher.start([u for u in order if u.trainable])
 
     def _pre_backward(self, u: Unit) -> None:
+        if self.paused:
+            return
         if not self._backward_started:
             self._start_backward()
         if u.phase in (Phase.BACKWARD, Phase.BACKWARD_DONE):

@@ -270,10 +270,12 @@ def _checkpoint_path(cfg: Config, step: int) -> str:
 def _align_shard_calls() -> None:
     """Agree on the number of the next ``shard`` call before the model is rebuilt in the
     same processes ([Note: gather identity] in shardwise/shard/identity.py): every rank
-    takes numbers up to the largest any rank reached. A pipeline layout can leave the ranks'
-    counts apart (each rank numbers the pieces it does not hold too, but a rank of a 2-stage
-    pipeline was seen one call ahead of the other), and the next layout's gathers would
-    then carry different numbers for the same unit and be refused."""
+    takes numbers up to the largest any rank reached, so the next layout's gathers carry the
+    same number for the same unit. Every ``shard`` call and every piece a pipeline rank does
+    not hold take one number ([Note: piece identity] in pipeline/sharding.py), so the ranks
+    of a layout built here agree already (a stage-0 ``shard`` once took none, which left the
+    ranks of a pipeline with different piece counts one apart); this keeps a re-plan safe
+    from any other code that shards on some ranks only."""
     mine = next_state_id()
     top = max(comm_objects.all_gather_object(mine, label="replan.shard_calls"))
     while mine < top:

@@ -22,16 +22,20 @@ through its per-micro-batch controls ([Note: per-micro-batch controls] in contro
 
 * gradient sync is off for every backward pass of a stage but its last (the last ``B`` or
   ``W`` of the stage in this rank's list), so gradients are reduced once per step, after
-  the last micro-batch, however many passes ran. An ``I`` pass computes no weight gradient
-  (``inputs=`` the stage input); its ``W`` pass later takes ``inputs=graph_parameters``;
+  the last micro-batch, however many passes ran. An ``I`` pass computes the stage input's
+  gradient and defers the weight-gradient work, which its ``W`` pass does later and
+  accumulates into ``graph_parameters`` in one backward call ([Note: split backward] in
+  split_backward.py; the ``grad`` calls before it run under ``paused_backward_hooks``);
 * stage 3 (``keep_gathered=True``, the default): a stage's parameters are gathered at its
   first action and kept (``set_reshard_after_forward/backward(False)``) until its last
   action of the step, then freed (``reshard``): one all-gather per piece per step, and the
   stage's full parameters (1/pp of the model's, or 1/(pp v) per stage) in memory through
   the step. ``keep_gathered=False`` frees them after each backward pass (the engine's
   defaults): memory between actions drops to the shards, at the price of re-gathering for
-  every micro-batch's forward, and again for a ``W`` after its ``I`` (the engine gathers in
-  the pass's hooks): about M to 2M all-gathers per piece per step instead of 1.
+  every micro-batch's forward (its ``I`` or ``B`` reads the weights gathered in the pass's
+  hooks; a split ``W`` reads only saved activations and gathers nothing, the ``W`` of an
+  activation-checkpointed stage re-gathers): about M (2M with checkpointing and a
+  zero-bubble schedule) all-gathers per piece per step instead of 1.
 
 A rank's watchdog context (``watchdog.active().context["pp action"]``) names the action it
 is on, so a rank that fails or hangs inside a schedule is reported with it.
@@ -53,7 +57,9 @@ from shardwise.parallel.pipeline.mailbox import Mailbox
 from shardwise.parallel.pipeline.moe import check_moe_schedule, stage_balance_roots
 from shardwise.parallel.pipeline.p2p import steps
 from shardwise.parallel.pipeline.schedule import Schedule
+from shardwise.parallel.checkpointing import checkpointed_blocks
 from shardwise.parallel.pipeline.split import PipelinePart, StageModule
+from shardwise.parallel.pipeline.split_backward import DeferredWeights, input_pass, weight_pass
 from shardwise.parallel.pipeline.ties import TiedWeights
 from shardwise.parallel.tensor import tp_context, vocab_parallel_cross_entropy
 from shardwise.shard import controls
@@ -125,10 +131,14 @@ class _Program:
     steps: list[tuple[Action, ...]]
     last_grad: dict[int, int] = field(default_factory=dict)
     last_action: dict[int, int] = field(default_factory=dict)
+    next_comm: dict[int, int] = field(default_factory=dict)
+    """Communication step index -> index of the next communication step."""
 
     @classmethod
     def of(cls, actions) -> _Program:
         prog = cls(steps(actions))
+        comm_steps = [i for i, step in enumerate(prog.steps) if step[0].is_comm]
+        prog.next_comm = dict(zip(comm_steps, comm_steps[1:]))
         for i, step in enumerate(prog.steps):
             a = step[0]
             if a.is_compute:
@@ -171,6 +181,8 @@ class PipelineExecutor:
         self.train_program = _Program.of(schedule.ranks[groups.pp_rank])
         self.eval_program = _Program.of(forward_schedule(schedule).ranks[groups.pp_rank])
         self.sharded = {st.index: bool(engine_states(st)) for st in part.stages}
+        # [Note: split backward]: checkpointed stages recompute once per autograd call.
+        self.splittable = {st.index: not checkpointed_blocks(st) for st in part.stages}
         device = next(part.parameters()).device
         self.mailbox = Mailbox(part.placement, groups.pp_rank, groups.global_rank, groups.pp,
                                device)
@@ -220,12 +232,14 @@ class PipelineExecutor:
         wd = watchdog.active()
         times: list[ActionTime] = []
         for i, step in enumerate(prog.steps):
-            text = " ".join(map(str, step)) if step[0].is_comm else step[0].describe()
+            text = _describe(step) if wd is not None or self.record_times else ""
             if wd is not None:  # left in place if the action raises: the report names it
                 wd.context["pp action"] = text
             start = time.perf_counter()
             if step[0].is_comm:
                 self.mailbox.run_batch(step)
+                if i in prog.next_comm:  # [Note: early receives] in mailbox.py
+                    self.mailbox.prepost(prog.steps[prog.next_comm[i]])
             else:
                 self._compute(step[0], run, prog, i)
             if self.record_times:
@@ -285,26 +299,27 @@ class PipelineExecutor:
 
     def _backward(self, a: Action, st: StageModule, run: _Run) -> None:
         s, mb = a.stage, a.microbatch
-        if a.kind is Kind.W:
-            x, out, grad = run.split.pop((s, mb))
-            torch.autograd.backward(out, grad, inputs=self._weights(st))
+        if a.kind is Kind.W:  # [Note: split backward]
+            pause = (lambda: controls.paused_backward_hooks(st)) if self.sharded[s] else None
+            weight_pass(run.split.pop((s, mb)), self._weight_groups(st), pause)
             return
         x, out = run.acts.pop((s, mb))
         grad = None if st.is_last else self.mailbox.take(("B", s + 1, mb))
+        extra = run.roots.pop((s, mb), [])  # the forward's MoE balance losses (moe.py)
+        outs, grads = [out, *extra], [grad, *[None] * len(extra)]
         if a.kind is Kind.B:
-            extra = run.roots.pop((s, mb), [])  # the forward's MoE balance losses
-            torch.autograd.backward([out, *extra], [grad, *[None] * len(extra)])
+            torch.autograd.backward(outs, grads)
+        elif st.is_first:  # I: no input gradient to send; W runs the whole backward
+            run.split[(s, mb)] = DeferredWeights(whole=(outs, grads))
         else:  # I: the input's gradient now, the weights' later (W)
-            if not st.is_first:
-                torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
-            run.split[(s, mb)] = (x, out, grad)
+            run.split[(s, mb)] = input_pass(outs, grads, x, split=self.splittable[s])
         if not st.is_first:
             self.mailbox.post(("B", s, mb), x.grad)
 
-    def _weights(self, st: StageModule) -> list[torch.Tensor]:
+    def _weight_groups(self, st: StageModule) -> list[list[torch.Tensor]]:
         if self.sharded[st.index]:
-            return controls.graph_parameters(st)
-        return [p for p in st.parameters() if p.requires_grad]
+            return controls.graph_parameter_groups(st)
+        return [[p for p in st.parameters() if p.requires_grad]]
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The batch's mean loss, summed from the last stage's rank to every pipeline rank."""
@@ -317,6 +332,10 @@ class PipelineExecutor:
         if self.groups.pp is not None and self.groups.pp_size > 1:
             comm.all_reduce(total, self.groups.pp, label="pp.loss")
         return total
+
+
+def _describe(step: tuple[Action, ...]) -> str:
+    return " ".join(map(str, step)) if step[0].is_comm else step[0].describe()
 
 
 class _Run:
