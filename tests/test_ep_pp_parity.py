@@ -8,16 +8,16 @@ norms within 1e-6 relative, final weights within 1e-5, the evaluation loss withi
 global token counts per expert of every layer equal (on every rank: the statistics are
 gathered over the pipeline ranks), aux and z values within 1e-6, capacity drops equal.
 
-The grid: pp 2 on 2 ranks (ep 1) under GPipe, 1F1B, interleaved 1F1B and looped BFS, and
-on 4 ranks pp 2 x dp_shard 2 at ep 1 and ep 2 (each stage's experts split over its two
-data ranks, gradients divided by the full data degree), ZeRO stages 1 and 3 (and one case
-each at 0 and 2), capacity mode,
-DeepSeek-V3 bias balancing with a shared expert and MoE in every second block (so that
-under interleaved 1F1B pipeline rank 0 holds no MoE layer at all), and stage 3 re-gathering
-per micro-batch; pp 2 x tp 2 (sequence parallelism: each tensor rank routes its sequence
-shard, the balance statistics summed over the stage's data and tensor ranks) on 4 ranks, and
-pp 2 x tp 2 x dp_shard 2 with ep 2 on 8. Split-backward schedules (zb1, zbv, dualpipev) are
-refused for MoE models until the executor's I / W passes take the balance roots.
+The grid: pp 2 on 2 ranks (ep 1) under every schedule (GPipe, 1F1B, interleaved 1F1B,
+looped BFS, and the split-backward ZB-H1, ZB-V and DualPipeV, whose input and weight passes
+both start from the balance roots), and on 4 ranks pp 2 x dp_shard 2 at ep 1 and ep 2 (each
+stage's experts split over its two data ranks, gradients divided by the full data degree),
+ZeRO stages 1 and 3 (and one case each at 0 and 2), capacity mode, DeepSeek-V3 bias
+balancing with a shared expert and MoE in every second block (so that under interleaved
+1F1B pipeline rank 0 holds no MoE layer at all), and stage 3 re-gathering per micro-batch;
+pp 2 x tp 2 (sequence parallelism: each tensor rank routes its sequence shard, the balance
+statistics summed over the stage's data and tensor ranks) on 4 ranks, and pp 2 x tp 2 x
+dp_shard 2 with ep 2 on 8.
 ``SHARDWISE_PP_FULL=1`` runs every case at both ZeRO stages. One launch of ranks per world
 size runs all its cases.
 """
@@ -32,8 +32,6 @@ import pytest
 import torch
 
 from shardwise.models import MoESettings, build_model, configure_moe, get_model_config
-from shardwise.parallel.pipeline import (PipelineExecutor, build_schedule, pipeline_mesh,
-                                         split_stages)
 from shardwise.testing import run_ranks
 from shardwise.testing.parity import max_rel_err
 from shardwise.testing.pp_moe_parity import (PPMoECase, pp_moe_batches, pp_moe_reference_run,
@@ -52,7 +50,9 @@ FULL = os.environ.get("SHARDWISE_PP_FULL") == "1"
 C = PPMoECase
 GRID = {
     2: [C("gpipe", 2, 3), C("1f1b", 4, 1), C("1f1b", 3, 3, model="capacity"),
-        C("interleaved_1f1b", 4, 3, model="bias-shared-every2"), C("looped_bfs", 2, 1)],
+        C("interleaved_1f1b", 4, 3, model="bias-shared-every2"), C("looped_bfs", 2, 1),
+        C("zb1", 4, 3), C("zbv", 4, 1, model="bias-shared-every2"),
+        C("dualpipev", 4, 3, model="capacity")],
     4: [C("1f1b", 4, 3, dp=2), C("interleaved_1f1b", 2, 1, dp=2, model="bias-shared-every2"),
         C("gpipe", 2, 1, dp=2, ep=2), C("gpipe", 4, 3, dp=2, ep=2),
         C("1f1b", 4, 3, dp=2, ep=2), C("1f1b", 3, 1, dp=2, ep=2, model="capacity"),
@@ -60,14 +60,19 @@ GRID = {
         C("interleaved_1f1b", 4, 1, dp=2, ep=2),
         C("interleaved_1f1b", 4, 3, dp=2, ep=2, model="bias-shared-every2"),
         C("looped_bfs", 4, 2, dp=2, ep=2), C("1f1b", 2, 0, dp=2, ep=2),
-        C("1f1b", 4, 3, tp=2), C("interleaved_1f1b", 4, 1, tp=2, model="bias-shared-every2")],
+        C("zb1", 4, 3, dp=2, ep=2), C("zb1", 2, 1, dp=2, ep=2, keep_gathered=False),
+        C("zbv", 4, 1, dp=2, ep=2, model="bias-shared-every2"),
+        C("dualpipev", 4, 3, dp=2, ep=2, model="capacity"),
+        C("1f1b", 4, 3, tp=2), C("interleaved_1f1b", 4, 1, tp=2, model="bias-shared-every2"),
+        C("zbv", 4, 3, tp=2)],
     8: [C("1f1b", 4, 3, dp=2, ep=2, tp=2),
-        C("interleaved_1f1b", 2, 1, dp=2, ep=2, tp=2, model="bias-shared-every2")],
+        C("interleaved_1f1b", 2, 1, dp=2, ep=2, tp=2, model="bias-shared-every2"),
+        C("zb1", 4, 3, dp=2, ep=2, tp=2)],
 }
+assert all(len({c.name for c in cases}) == len(cases) for cases in GRID.values())
 if FULL:
     GRID = {w: list({dataclasses.replace(c, stage=s): None for c in cases for s in (1, 3)})
             for w, cases in GRID.items()}
-REFUSED = ("zb1", "zbv", "dualpipev")
 
 
 def _build(model: str, meta: bool):
@@ -93,27 +98,10 @@ def _reference(model: str, microbatches: int, dp: int):
         torch.set_num_threads(threads)
 
 
-def _refusals() -> dict[str, str]:
-    """The executor refuses split-backward schedules for an MoE model, before any message."""
-    out = {}
-    for name in REFUSED:
-        schedule = build_schedule(name, pp=2, microbatches=4)
-        part = split_stages(_build("base", True), pipeline_mesh(2), schedule.virtual,
-                            placement=schedule.placement)
-        try:
-            PipelineExecutor(part, schedule)
-            out[name] = "accepted"
-        except ValueError as exc:
-            out[name] = str(exc)
-    return out
-
-
 def _worker(cases: list[PPMoECase]) -> dict:
     meshes: dict = {}
-    out = {c.name: pp_moe_run(functools.partial(_build, c.model, True), _batches(c), c, CLIP,
-                              meshes) for c in cases}
-    out["refusals"] = _refusals()
-    return out
+    return {c.name: pp_moe_run(functools.partial(_build, c.model, True), _batches(c), c, CLIP,
+                               meshes) for c in cases}
 
 
 @pytest.fixture(scope="module", params=sorted(GRID), ids=lambda w: f"world{w}")
@@ -175,13 +163,3 @@ def test_the_grid_exercises_capacity_bias_and_a_rank_without_moe_layers(results)
             assert ref.names[0] == ["layers.1.feed_forward", "layers.3.feed_forward"]
             biases = [v for k, v in ref.state.items() if k.endswith("expert_bias")]
             assert biases and all(b.any() for b in biases)
-
-
-def test_split_backward_schedules_are_refused_for_moe_models(results):
-    _, per_rank = results
-    for name in REFUSED:
-        got = per_rank[-1]["refusals"][name]
-        assert got.startswith(f"schedule {name!r} splits the backward into input and weight "
-                              f"passes (I, W), which do not carry the MoE balance losses yet; "
-                              f"the model has 4 MoE layers; expected one of gpipe, 1f1b, "
-                              f"interleaved_1f1b, looped_bfs"), got

@@ -193,8 +193,7 @@ class ParallelConfig:
     pp x dp_replicate x dp_shard = world size; docs/parallelism.md)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb1" (ZB-H1), "zbv",
-    "dualpipev" or "looped_bfs" (MoE models: one without a split backward, i.e. not zb1,
-    zbv or dualpipev)."""
+    "dualpipev" or "looped_bfs"."""
     pp_microbatches: int = 0
     """Micro-batches each rank's train.batch_size sequences are split into (must divide it;
     0: the schedule's fewest, pp, or 2 pp for dualpipev)."""

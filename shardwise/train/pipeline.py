@@ -5,8 +5,8 @@
 
     shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.tp 2   # pp x tp
 
-    shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.ep 2 \
-        --parallel.pp_schedule 1f1b --model.name debug-moe               # MoE, EP x PP
+    shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.ep 2 \\
+        --model.name debug-moe                                           # MoE, EP x PP
 
 Checks that refuse a pipeline before any rank starts, the world split into pipeline, data
 and tensor ranks (one ParallelMesh: pp outermost, tp innermost, ep carved out of each
@@ -28,9 +28,9 @@ from torch import nn
 
 from shardwise.distributed.parallel_dims import ParallelDims
 from shardwise.parallel.expert import apply_ep
-from shardwise.parallel.pipeline import (MOE_SCHEDULES, PipelineExecutor, PipelinePart,
-                                         build_schedule, pipeline_grad_norm, schedule_spec,
-                                         shard_stages, split_stages, stage_layer_counts)
+from shardwise.parallel.pipeline import (PipelineExecutor, PipelinePart, build_schedule,
+                                         pipeline_grad_norm, schedule_spec, shard_stages,
+                                         split_stages, stage_layer_counts)
 from shardwise.parallel.pipeline.schedules import resolve_virtual
 from shardwise.parallel.tensor import apply_tp
 from shardwise.shard.grad import get_total_norm
@@ -112,33 +112,20 @@ def check_pipeline_model(cfg: Any, model_cfg: Any) -> None:
     """The split against the model's shape, before any rank starts.
 
     Raises:
-        ValueError: fewer layers than pp x virtual stages, a ``pp_layers_per_stage`` list of
-            the wrong length or sum, or an MoE model with a schedule its stages do not run
-            yet (naming the values).
+        ValueError: fewer layers than pp x virtual stages, or a ``pp_layers_per_stage`` list
+            of the wrong length or sum (naming the values).
     """
     if cfg.parallel.pp == 1:
         if cfg.parallel.pp_layers_per_stage:
             raise ValueError(f"parallel.pp_layers_per_stage="
                              f"{list(cfg.parallel.pp_layers_per_stage)} needs parallel.pp > 1")
         return
-    if model_cfg.is_moe:
-        _check_moe_pipeline(cfg, model_cfg)
     pp, v, layers = _layout(cfg)
     try:
         stage_layer_counts(model_cfg.n_layers, pp * v, layers)
     except ValueError as exc:
         key = "parallel.pp_layers_per_stage" if layers else "model.n_layers"
         raise ValueError(f"{key}: {exc} (parallel.pp={pp} x virtual={v})") from None
-
-
-def _check_moe_pipeline(cfg: Any, model_cfg: Any) -> None:
-    """The schedules MoE layers inside pipeline stages do not run with yet."""
-    par = cfg.parallel
-    what = f"model {cfg.model.name!r} has {len(model_cfg.moe_layer_ids)} MoE layers"
-    if par.pp_schedule not in MOE_SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule={par.pp_schedule!r} splits the backward into "
-                         f"input and weight passes, which do not carry the MoE balance losses "
-                         f"yet ({what}); expected one of {', '.join(MOE_SCHEDULES)}")
 
 
 def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict) -> PipelinePart:

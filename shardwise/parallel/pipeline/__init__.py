@@ -32,7 +32,7 @@ from shardwise.parallel.pipeline.executor import (ActionTime, PipelineExecutor,
                                                   cross_entropy_loss, default_loss,
                                                   forward_schedule, split_microbatches)
 from shardwise.parallel.pipeline.norms import clip_pipeline_grad_norm_, pipeline_grad_norm
-from shardwise.parallel.pipeline.moe import MOE_SCHEDULES, finish_pipeline_moe_step
+from shardwise.parallel.pipeline.moe import finish_pipeline_moe_step
 
 __all__ = [
     "Action",
@@ -72,5 +72,4 @@ __all__ = [
     "pipeline_grad_norm",
     "clip_pipeline_grad_norm_",
     "finish_pipeline_moe_step",
-    "MOE_SCHEDULES",
 ]

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from shardwise.distributed import comm, watchdog
 from shardwise.parallel.pipeline.actions import Action, Kind
 from shardwise.parallel.pipeline.mailbox import Mailbox
-from shardwise.parallel.pipeline.moe import check_moe_schedule, stage_balance_roots
+from shardwise.parallel.pipeline.moe import stage_balance_roots
 from shardwise.parallel.pipeline.p2p import steps
 from shardwise.parallel.pipeline.schedule import Schedule
 from shardwise.parallel.checkpointing import checkpointed_blocks
@@ -162,8 +162,7 @@ class PipelineExecutor:
         record_times: keep the timestamps of every step of the list (``last_times``).
 
     Raises:
-        ValueError: the schedule does not fit the part (pp, stages or placement), or it
-            splits the backward and the model has MoE layers.
+        ValueError: the schedule does not fit the part (pp, stages or placement).
     """
 
     def __init__(self, part: PipelinePart, schedule: Schedule, loss_fn: LossFn | None = None,
@@ -174,7 +173,6 @@ class PipelineExecutor:
                              f"stages {list(schedule.placement)} over pp={schedule.pp}; the "
                              f"part was split into {list(part.placement)} over "
                              f"pp={groups.pp_size}: split with placement=schedule.placement")
-        check_moe_schedule(part, schedule)
         self.part, self.schedule, self.groups = part, schedule, groups
         self.loss_fn = loss_fn or default_loss(part)
         self.keep_gathered, self.record_times = keep_gathered, record_times

@@ -18,17 +18,20 @@ the MoE layers, and each of its forwards leaves their weighted balance losses (a
 the same stage would overwrite them: under 1F1B several micro-batches are in flight. So the
 executor takes them (:func:`stage_balance_roots`) right after the stage's forward of that
 micro-batch, scaled by ``1 / M`` like the loss, and keeps them with the forward's output;
-that micro-batch's backward of the stage then runs from the output (with the gradient
-received from the next stage) *and* these extra roots (gradient 1). The sum over stages and
+that micro-batch's backward of the stage (``B``, or ``I`` then ``W``) then runs from the
+output (with the gradient received from the next stage) *and* these extra roots
+(gradient 1). The sum over stages and
 micro-batches is exactly the gradient of ``sum_mb (lm_mb + aux_mb) / M`` that one process
 computes with the same micro-batch grouping. The statistics a layer balances are reduced
 over the stage's data ranks (``apply_global_balance(part, mesh.group("dp"))``: the ranks of
 one pipeline coordinate whose micro-batches together make the global micro-batch); the
 replica count is that group's size, the degree the engine averages the gradients over.
 
-Schedules that split the backward into an input pass and a weight pass (zb1, zbv,
-dualpipev) are refused for MoE models for now (:func:`check_moe_schedule`): both passes must
-start from the same roots, which the split backward does not take yet.
+Schedules that split the backward (zb1, zbv, dualpipev) hand the same roots to the input
+pass and the weight pass ([Note: split backward] in split_backward.py): the input pass
+backpropagates the output and the balance losses to the stage input (the dispatch and
+combine all-to-alls of expert parallelism run there, once), the weight pass computes the
+deferred weight gradients of both.
 
 At the end of a step each rank's layers give their statistics (``finish_moe_step``: global
 counts, aux and z values, the bias update of ``balance = "bias"``); rank 0, which writes the
@@ -44,15 +47,9 @@ from torch import nn
 
 from shardwise.distributed import comm_objects
 from shardwise.models.moe import MoEStepStats, finish_moe_step, moe_aux_loss
-from shardwise.parallel.pipeline.actions import Kind
-from shardwise.parallel.pipeline.schedule import Schedule
 from shardwise.parallel.pipeline.split import PipelinePart
 
-__all__ = ["MOE_SCHEDULES", "stage_balance_roots", "check_moe_schedule",
-           "finish_pipeline_moe_step"]
-
-MOE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
-"""The named schedules that run MoE models (a full backward per micro-batch)."""
+__all__ = ["stage_balance_roots", "finish_pipeline_moe_step"]
 
 
 def stage_balance_roots(stage: nn.Module, microbatches: int) -> list[torch.Tensor]:
@@ -71,23 +68,6 @@ def stage_balance_roots(stage: nn.Module, microbatches: int) -> list[torch.Tenso
     """
     aux = moe_aux_loss(stage)
     return [] if aux is None else [aux / microbatches]
-
-
-def check_moe_schedule(part: PipelinePart, schedule: Schedule) -> None:
-    """Refuse a schedule that splits the backward for a model with MoE layers.
-
-    Raises:
-        ValueError: ``schedule`` has input / weight passes (I, W) and the model has MoE
-            layers (naming the schedule and the schedules that run them).
-    """
-    if not part.moe_layers:
-        return
-    split = any(a.kind in (Kind.I, Kind.W) for acts in schedule.ranks for a in acts)
-    if split:
-        raise ValueError(f"schedule {schedule.name!r} splits the backward into input and "
-                         f"weight passes (I, W), which do not carry the MoE balance losses "
-                         f"yet; the model has {len(part.moe_layers)} MoE layers; expected one "
-                         f"of {', '.join(MOE_SCHEDULES)}")
 
 
 def finish_pipeline_moe_step(part: PipelinePart, update_bias: bool = True
