@@ -21,10 +21,11 @@ micro-batch, scaled by ``1 / M`` like the loss, and keeps them with the forward'
 that micro-batch's backward of the stage (``B``, or ``I`` then ``W``) then runs from the
 output (with the gradient received from the next stage) *and* these extra roots (gradient
 1). The sum over stages and micro-batches is exactly the gradient of ``sum_mb (lm_mb +
-aux_mb) / M`` that one process computes with the same micro-batch grouping. The
-statistics a layer balances are reduced over the stage's data ranks (``apply_global_balance(part, mesh.group("dp"))``: the ranks of
-one pipeline coordinate whose micro-batches together make the global micro-batch); the
-replica count is that group's size, the degree the engine averages the gradients over.
+aux_mb) / M`` that one process computes with the same micro-batch grouping. The statistics a
+layer balances are reduced over the stage's data ranks (``apply_global_balance(part,
+mesh.group("dp"))``: the ranks of one pipeline coordinate whose micro-batches together make
+the global micro-batch); the replica count is that group's size, the degree the engine
+averages the gradients over.
 
 Schedules that split the backward (zb1, zbv, dualpipev) hand the same roots to the input
 pass and the weight pass ([Note: split backward] in split_backward.py): the input pass
