@@ -178,9 +178,10 @@ class StageCoster:
 
     def _tp_comm(self, act: float, tp: int, sp: bool, ac: str, gemm: float,
                  replay_gemm: float) -> float:
-        """Exposed tensor-parallel seconds of one layer and micro-batch ([Note: tensor-
-        parallel collectives]); ``act``: bytes of the layer's activation, ``gemm``: its
-        forward multiplies' seconds, ``replay_gemm``: those ``alternate_mm`` replays."""
+        """Exposed tensor-parallel seconds of one layer and micro-batch
+        ([Note: tensor-parallel collectives]); ``act``: bytes of the layer's activation,
+        ``gemm``: its forward multiplies' seconds, ``replay_gemm``: those ``alternate_mm``
+        replays."""
         hw = self.hw
         grp = comm_model.place(tp, 1, hw.gpus_per_node)
         if sp:  # all-gathers before both column-parallel blocks, reduce-scatters after
