@@ -16,7 +16,11 @@ collectives are priced per unit with comm_model from the bytes of
 :func:`shardwise.distributed.comm_bytes` (quantised payloads from the engine's
 ``packed_nbytes``) and hide behind compute as the engine schedules them: gradient
 reductions behind the last micro-batch's backward, stage-3 gathers behind the computing
-unit, stage-1/2 gathers behind the next forward.
+unit, stage-1/2 gathers behind the next forward. A stack that synchronises gradients only
+after the step's last backward (``dp_sync_after_backward``: torch.distributed.pipelining
+with FSDP2 disables gradient sync in every micro-batch's backward and then runs each
+stage's post-backward reductions, ``PipelineStage``) leaves its reductions exposed and,
+keeping parameters gathered between micro-batches, gathers once per step.
 
 Every component is reported; the largest one is the layout's ``bottleneck`` (compute
 includes the device optimizer step; context-parallel exchanges count as tp_comm).
@@ -182,7 +186,7 @@ class CostModel:
                            list(experts.items())))
         rep = comm_model.place(L.dp_replicate, L.dp_shard * L.cp * L.tp, g)
         gather = first_g = red = last_r = 0.0
-        rb = wl.act_bytes if L.zero > 0 else wl.param_bytes
+        rb = 4 if wl.reduce_fp32 else wl.act_bytes if L.zero > 0 else wl.param_bytes
         for grp, units in groups:
             for shapes, count in units:
                 if not shapes:
@@ -219,6 +223,8 @@ class CostModel:
     def _dp_exposed(self, L: Layout, rt: RankTimes, layers, first, last) -> float:
         gather, first_g, red, last_r = self._dp_times(L, layers, first, last)
         m = L.pp_microbatches
+        if self.wl.dp_sync_after_backward:
+            return self._dp_after_backward(L, rt, gather, first_g, red)
         if L.zero == 3:
             per_mb = (2 if self.wl.reshard_after_forward else 1) * gather
             total_gather = m * per_mb
@@ -229,6 +235,20 @@ class CostModel:
         if not self.wl.overlap_dp:
             return total_gather + red
         return hidden + max(0.0, red - rt.bwd) + last_r
+
+    def _dp_after_backward(self, L: Layout, rt: RankTimes, gather: float, first_g: float,
+                           red: float) -> float:
+        """Exposed data-parallel seconds when the stack synchronises gradients once, after
+        the step's last backward ([Note: step time]): the reductions run then, behind no
+        compute; stage 3 gathers once per step (twice when it reshards after forward),
+        behind the first micro-batch's compute, since nothing reshards between
+        micro-batches."""
+        if L.zero == 3:
+            per_step = (2 if self.wl.reshard_after_forward else 1) * gather
+            hidden = max(0.0, per_step - rt.busy) + first_g
+        else:
+            hidden = max(0.0, gather - rt.fwd) + first_g if gather else 0.0
+        return hidden + red
 
     # ------------------------------------------------------------------ the step
     def _all_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:

@@ -8,12 +8,14 @@
 states: model, hardware, GPU count, sequence length, global batch, the layout keys it
 reports and the software's behaviour (``stack``); keys the source leaves out (micro-batch
 size, virtual stages) are chosen by the planner's search within the schedules that software
-offered. The prediction is converted to the source's own metric (step time, tokens/s/GPU,
-Megatron-LM 2021's recompute-inclusive TFLOP/s, model TFLOP/s) and compared there. Runs
-marked ``fit`` fitted the hardware families' constants; the others (``judge``) measure the
-error. With ``--choose`` the planner also searches freely on each run's job and checks that
-the published layout is in its search space and that its choice is predicted at least as
-fast within the same device memory.
+offered, unless the software's own configuration at the commit of the figures fixes them
+(the run's ``note``). The prediction is converted to the source's own metric (step time,
+tokens/s/GPU, Megatron-LM 2021's recompute-inclusive TFLOP/s, model TFLOP/s) and compared
+there. Runs marked ``fit`` fitted the hardware families' constants or, one each, a software
+version's (``fit_runs.STACK_FITS``); the others (``judge``) measure the error. With
+``--choose`` the planner also searches freely on each run's job and checks that the
+published layout is in its search space and that its choice is predicted at least as fast
+within the same device memory.
 """
 
 from __future__ import annotations

@@ -190,7 +190,8 @@ def _ffn(spec, moe: bool, t: float, tp: int, ep: int, a: int, fused: bool):
 
 
 def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 1,
-               attention: str = "flash", act_bytes: int = 2, fused: bool = True) -> LayerWork:
+               attention: str = "flash", act_bytes: int = 2, fused: bool = True,
+               fused_norm: bool = False) -> LayerWork:
     """The forward work of one layer (see the module docstring).
 
     Args:
@@ -203,18 +204,21 @@ def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 
         act_bytes: bytes per activation element (2 for bf16 / fp16).
         fused: fused bandwidth-bound kernels (True) or eager PyTorch ([Note: fused and
             eager kernels]).
+        fused_norm: the norms alone run as fused kernels in an otherwise eager model
+            (torchtitan's ``fused_rmsnorm``).
     """
     t, a, d = float(tokens), act_bytes, spec.dim
     lw, lio = _linears(spec, moe, tp, ep)
     gemms, model, executed, (rep_att, tp_att, core, cheap_att), rope, core_bytes = _attention(
         spec, t, seq, tp, attention, a, fused)
     f_gemms, tp_ffn, rep_ffn, f_bytes, cheap_ffn = _ffn(spec, moe, t, tp, ep, a, fused)
-    norm_saved = _norm_saved(spec, a, fused) * d + (0 if spec.norm == "layernorm" else 4)
+    nf = fused or fused_norm
+    norm_saved = _norm_saved(spec, a, nf) * d + (0 if spec.norm == "layernorm" else 4)
     flash = attention == "flash"  # selective then drops what bandwidth-bound ops saved
-    cheap_rep = 2 * (_norm_saved(spec, a, fused) - a) * d if flash else 0.0
+    cheap_rep = 2 * (_norm_saved(spec, a, nf) - a) * d if flash else 0.0
     drop_saved = d if spec.dropout else 0  # one-byte masks after attention and MLP
     saved_rep = 2 * norm_saved + 2 * drop_saved + rep_att + rep_ffn
-    norms = 2 * op_bytes(spec.norm, a, fused) * d
+    norms = 2 * op_bytes(spec.norm, a, nf) * d
     residual = 2 * op_bytes("residual", a, fused) * d
     dropout = 2 * op_bytes("dropout", a, fused) * d if spec.dropout else 0
     return LayerWork(

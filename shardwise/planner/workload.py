@@ -15,6 +15,8 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
+from shardwise.planner.recompute import check_selective
+
 __all__ = ["Workload", "DTYPE_BYTES", "parse_workload"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -38,9 +40,15 @@ class Workload:
         fused_kernels: bandwidth-bound ops run as fused kernels (Megatron-LM, Transformer
             Engine, torch.compile); False (default): eager PyTorch, as shardwise.models runs
             (see [Note: fused and eager kernels] in work.py).
+        fused_norm: the norms alone run as fused kernels in an otherwise eager model
+            (torchtitan's ``norm_type = "fused_rmsnorm"``), default False.
         overlap_dp: data-parallel collectives overlap compute (default True).
-        overlap_tp: tensor-parallel collectives overlap their matrix multiplies (async TP:
-            what exceeds the multiplies stays exposed).
+        overlap_tp: tensor-parallel collectives of the forward passes overlap the matrix
+            multiplies they feed (torch's AsyncTP: what exceeds the multiplies stays exposed,
+            and the backward's stay exposed; [Note: tensor-parallel collectives]).
+        overlap_tp_fraction: with ``overlap_tp``, the share of those collectives the
+            software actually fuses (default 1.0: all; a version whose pattern matching
+            misses some fuses fewer: fitted per version, see docs/planner.md).
         overlap_pp: pipeline sends overlap compute in the steady state (default True).
         overlap_ep: expert all-to-alls overlap compute (DualPipe-style: what exceeds the
             layer's compute stays exposed), default False.
@@ -49,6 +57,13 @@ class Workload:
         comm_sm_fraction: share of the device's cores that communication kernels occupy
             while they overlap compute, which the model's kernels then lack (DeepSeek-V3
             reserves 20 of the H800's 132 SMs: 0.15); default 0.
+        dp_sync_after_backward: data-parallel gradients are reduced once per step, after
+            the last micro-batch's backward and behind no compute, and stage-3 parameters
+            stay gathered between micro-batches (torch.distributed.pipelining with FSDP2);
+            default False (reductions overlap the last backward).
+        reduce_fp32: data-parallel gradient reductions run in fp32 (FSDP2 with
+            ``reduce_dtype=float32``, torchtitan's only choice in 2024); default False
+            (the compute dtype at ZeRO stages 1-3).
         prefetch: units gathered ahead at ZeRO stage 3 (default 1).
         reshard_after_forward: ZeRO stage 3 frees gathered parameters after each unit's
             forward and gathers them again for its backward (True, the engine's default);
@@ -57,6 +72,10 @@ class Workload:
         p2p_scatter_gather: without sequence parallelism, pipeline sends carry 1/tp of the
             activations and tensor-parallel ranks all-gather them over NVLink (Megatron-
             LM's optimisation); False sends the whole activation from every rank.
+        selective_ac: what ``ac=selective`` replays in this software ([Note: selective
+            policies] in recompute.py): "ops" (default, shardwise: the bandwidth-bound
+            ops), "alternate_mm" (torchtitan's op policy: also every second matrix
+            multiply) or "layers:N" (torchtitan's layer policy: every N-th block fully).
     """
 
     seq_len: int
@@ -66,15 +85,20 @@ class Workload:
     optimizer: str = "adamw"
     attention: str = "flash"
     fused_kernels: bool = False
+    fused_norm: bool = False
     overlap_dp: bool = True
     overlap_tp: bool = False
+    overlap_tp_fraction: float = 1.0
     overlap_pp: bool = True
     overlap_ep: bool = False
     ep_node_limit: int = 0
     comm_sm_fraction: float = 0.0
+    dp_sync_after_backward: bool = False
+    reduce_fp32: bool = False
     prefetch: int = 1
     reshard_after_forward: bool = True
     p2p_scatter_gather: bool = False
+    selective_ac: str = "ops"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
@@ -87,6 +111,10 @@ class Workload:
                                  f"{', '.join(DTYPE_BYTES)}")
         if self.attention not in ("flash", "unfused"):
             raise ValueError(f"attention={self.attention!r}, expected flash or unfused")
+        check_selective(self.selective_ac)
+        if not 0 <= self.overlap_tp_fraction <= 1:
+            raise ValueError(f"overlap_tp_fraction={self.overlap_tp_fraction!r}, expected a "
+                             f"fraction in [0, 1]")
         if not 0 <= self.comm_sm_fraction < 1:
             raise ValueError(f"comm_sm_fraction={self.comm_sm_fraction!r}, expected a fraction "
                              f"in [0, 1)")

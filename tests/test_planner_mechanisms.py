@@ -1,0 +1,126 @@
+"""The cost model's mechanisms that published runs exposed (docs/planner.md, "Validated
+against published runs"): sequence-parallel collectives, AsyncTP, the stacks' selective
+checkpointing policies, gradient synchronisation after the last backward, fp32 reductions
+and fused norms. Each is checked against its definition on one layer or one layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardwise.planner import comm_model, get_hardware, get_model_spec
+from shardwise.planner.cost_model import CostModel
+from shardwise.planner.layout import Layout
+from shardwise.planner.recompute import check_selective, layer_ac, replayed_matmuls
+from shardwise.planner.stage_cost import StageCoster
+from shardwise.planner.work import layer_work
+from shardwise.planner.workload import Workload, parse_workload
+
+H100 = get_hardware("h100")
+LLAMA8 = get_model_spec("llama3-8b")
+LLAMA70 = get_model_spec("llama3-70b")
+
+
+def _layer(wl: Workload, spec=LLAMA70, tp=8, sp=True, ac="full", mb=2):
+    return StageCoster(spec, H100, wl).layer(False, tp, 1, sp, 1, mb, ac)
+
+
+def test_sequence_parallel_moves_the_bytes_of_two_all_reduces():
+    """Two all-gathers and two reduce-scatters per layer and pass (Korthikanti et al. 2022,
+    4.2.2): the same bytes as tensor parallelism's two all-reduces."""
+    wl = Workload(seq_len=8192, global_batch=8)
+    act = 2 * 8192 * LLAMA70.dim * wl.act_bytes
+    grp = comm_model.place(8, 1, H100.gpus_per_node)
+    one = 2 * (comm_model.all_gather_time(act / 8, grp, H100)
+               + comm_model.reduce_scatter_time(act / 8, grp, H100))
+    for ac, passes in (("none", 2), ("selective", 2), ("full", 3)):
+        sp, no_sp = _layer(wl, sp=True, ac=ac), _layer(wl, sp=False, ac=ac)
+        assert sp.tp_comm == pytest.approx(passes * one)
+        assert sp.tp_comm == pytest.approx(no_sp.tp_comm, rel=0.01)  # latency terms differ
+
+
+def test_async_tp_hides_the_forward_passes_only():
+    base = Workload(seq_len=8192, global_batch=8, compute_dtype="fp8", fused_kernels=True)
+    plain = _layer(base)
+    one = plain.tp_comm / 3  # forward, replayed forward, backward
+    fused = _layer(dataclasses.replace(base, overlap_tp=True))
+    hidden_fwd = max(0.0, one - plain.wgrad)  # what exceeds the forward's multiplies
+    assert fused.tp_comm == pytest.approx(one + 2 * hidden_fwd)
+    assert fused.tp_comm >= one  # the backward's collectives stay exposed
+    none = _layer(dataclasses.replace(base, overlap_tp=True, overlap_tp_fraction=0.0))
+    assert none.tp_comm == pytest.approx(plain.tp_comm)
+    part = _layer(dataclasses.replace(base, overlap_tp=True, overlap_tp_fraction=0.4))
+    assert fused.tp_comm < part.tp_comm < plain.tp_comm
+    with pytest.raises(ValueError, match="overlap_tp_fraction=1.5"):
+        Workload(seq_len=8, global_batch=1, overlap_tp_fraction=1.5)
+
+
+def test_alternate_mm_replays_every_second_matmul_of_the_block():
+    """torchtitan's op policy: wq, wk, wv, wo, w1, w3, w2 run; wk, wo and w3 are replayed."""
+    t, d, kv, f = 8192, LLAMA8.dim, LLAMA8.kv_heads * LLAMA8.hd, LLAMA8.ffn_dim
+    w = layer_work(LLAMA8, False, t, t, 1, 1, "flash", 2, fused=False)
+    assert replayed_matmuls(LLAMA8, False, t, 1, w.gemms) == [2 * t * d * kv, 2 * t * d * d,
+                                                              2 * t * d * f]
+    ops = Workload(seq_len=t, global_batch=1)
+    alt = dataclasses.replace(ops, selective_ac="alternate_mm")
+    a = _layer(ops, LLAMA8, tp=1, sp=False, ac="selective", mb=1)
+    b = _layer(alt, LLAMA8, tp=1, sp=False, ac="selective", mb=1)
+    replay = sum(H100.matmul_time(x, "bf16") for x in replayed_matmuls(LLAMA8, False, t, 1,
+                                                                     w.gemms))
+    assert b.recompute == pytest.approx(a.recompute + replay)
+    assert b.recompute_flops == pytest.approx(a.recompute_flops + 2 * t * d * (kv + d + f))
+    assert b.recompute < _layer(ops, LLAMA8, tp=1, sp=False, ac="full", mb=1).recompute
+
+
+def test_layer_policy_checkpoints_every_nth_block_fully():
+    assert [layer_ac("selective", "layers:2", i) for i in range(4)] == [
+        "none", "full", "none", "full"]
+    assert layer_ac("full", "layers:2", 0) == "full"
+    assert layer_ac("selective", "ops", 0) == "selective"
+    wl = Workload(seq_len=8192, global_batch=8)
+    costs = {}
+    for ac, policy in (("none", "ops"), ("selective", "layers:2"), ("full", "ops")):
+        cm = CostModel(LLAMA8, H100, dataclasses.replace(wl, selective_ac=policy))
+        rt = cm.stages.rank(Layout(ac=ac), list(range(LLAMA8.n_layers)), True, True)
+        costs[ac] = rt
+    half = costs["selective"]
+    assert half.recompute_flops == pytest.approx(costs["full"].recompute_flops / 2)
+    assert costs["full"].saved < half.saved < costs["none"].saved
+    for bad in ("layers:0", "layer:2", "every_other"):
+        with pytest.raises(ValueError, match="selective_ac"):
+            check_selective(bad)
+    assert parse_workload("selective_ac=layers:3") == {"selective_ac": "layers:3"}
+
+
+def _pp_fsdp(**stack) -> tuple[CostModel, Layout]:
+    wl = Workload(seq_len=8192, global_batch=64, reshard_after_forward=False, **stack)
+    L = Layout(dp_shard=8, tp=8, pp=8, zero=3, microbatch=1, pp_microbatches=8,
+               pp_schedule="1f1b", ac="full", sp=True)
+    return CostModel(get_model_spec("llama3-405b"), H100, wl), L
+
+
+def test_gradient_sync_after_the_last_backward_is_exposed():
+    """torch.distributed.pipelining with FSDP2 reduces each stage's gradients after its last
+    backward (behind no compute) and keeps parameters gathered between micro-batches."""
+    cm, L = _pp_fsdp()
+    after, L2 = _pp_fsdp(dp_sync_after_backward=True)
+    plan = cm._rank_plan(L, 0)
+    gather, _, red, _ = cm._dp_times(L, *plan)
+    overlapped = cm.estimate(L).breakdown["dp_comm"]
+    exposed = after.estimate(L2).breakdown["dp_comm"]
+    assert exposed >= red > overlapped
+    assert cm.dp_collective_seconds(L) > gather + red  # a gather per micro-batch there
+    fp32, L3 = _pp_fsdp(dp_sync_after_backward=True, reduce_fp32=True)
+    _, _, red32, _ = fp32._dp_times(L3, *plan)
+    assert red32 == pytest.approx(2 * red, rel=0.01)  # fp32 instead of bf16 gradients
+    assert fp32.estimate(L3).breakdown["dp_comm"] > exposed
+
+
+def test_fused_norm_prices_only_the_norms_as_fused():
+    eager = layer_work(LLAMA8, False, 8192, 8192, 1, 1, "flash", 2, fused=False)
+    norm = layer_work(LLAMA8, False, 8192, 8192, 1, 1, "flash", 2, fused=False,
+                      fused_norm=True)
+    fused = layer_work(LLAMA8, False, 8192, 8192, 1, 1, "flash", 2, fused=True)
+    assert fused.elementwise_rep == norm.elementwise_rep < eager.elementwise_rep
+    assert norm.elementwise_tp == eager.elementwise_tp > fused.elementwise_tp  # RoPE, SwiGLU
