@@ -32,6 +32,8 @@ import torch
 
 from shardwise.distributed import comm_bytes
 from shardwise.planner.cost_model import CostModel
+from shardwise.planner.cpu_bench import measure_cpu
+from shardwise.planner.cpu_costs import CpuCosts
 from shardwise.planner.fit import fit_constants, log_error
 
 __all__ = ["StepMeasurement", "calibrate", "measure_local", "write_calibration",
@@ -232,6 +234,9 @@ class LocalMeasurements:
     collectives: dict[int, list[tuple[str, int, float]]] = field(default_factory=dict)
     ranks: int = 2
     memory_bytes: float = 0.0
+    cores: int = 0
+    cpu: CpuCosts | None = None
+    """The trainer's kernels, update and collectives on CPU ranks ([Note: CPU kernels])."""
 
 
 def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeasurements:
@@ -257,7 +262,8 @@ def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeas
     for world in sorted({2, ranks}):
         coll[world] = measure_collectives(world, msg, repeats=2 if quick else 3)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return LocalMeasurements(matmul, copy, coll, ranks, float(mem))
+    cpu = measure_cpu(ranks, quick)  # kernels on one thread, as a training rank runs them
+    return LocalMeasurements(matmul, copy, coll, ranks, float(mem), os.cpu_count() or 1, cpu)
 
 
 def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
@@ -279,6 +285,7 @@ def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
              f"hbm_gib = {per_rank / 2**30:.4g}",
              f"hbm_gbs = {meas.copy_bandwidth / 1e9:.4g}",
              f"gpus_per_node = {meas.ranks}",
+             f"cores = {meas.cores}", 'backend = "gloo"',
              f"intra_gbs = {beta / 1e9:.4g}", f"inter_gbs = {beta / 1e9:.4g}",
              f"intra_latency_us = {alpha * 1e6:.4g}", f"inter_latency_us = {alpha * 1e6:.4g}",
              f"pcie_gbs = {meas.copy_bandwidth / 1e9:.4g}",
@@ -294,6 +301,8 @@ def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
     for world, rows in meas.collectives.items():
         lines.append(f"collectives_{world}_ranks = [" + ", ".join(
             f'["{k}", {b}, {t:.6g}]' for k, b, t in rows) + "]")
+    if meas.cpu is not None:
+        lines += [""] + meas.cpu.toml_lines("local")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,274 @@
+"""Micro-benchmarks of what a CPU rank runs, for ``--calibrate`` ([Note: CPU kernels] in
+cpu_costs.py): the trainer's eager kernels, its optimizer update and the engine's Gloo
+collectives, each timed at a few sizes and fitted.
+
+    costs = measure_cpu(ranks=4)   # -> CpuCosts, about 20 s on 2 cores
+
+Kernels are timed on one thread (a rank's share of the cores, as ``measure_local`` sets),
+each call the best of several (the minimum filters out time slices other processes take).
+Collectives run on real Gloo ranks through the engine's own calls
+(``shardwise.distributed.comm``) and take the median of their calls: a collective's time
+is its slowest rank's, and under time-sharing (more ranks than cores) the waits are part
+of what the trainer sees.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.planner.cpu_costs import CpuCosts, Fit, Kernel
+
+__all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
+           "fit_terms"]
+
+
+def _best(fn, repeats: int = 3, min_seconds: float = 0.02, max_calls: int = 50) -> float:
+    fn()
+    best, calls, start = math.inf, 0, time.perf_counter()
+    while calls < repeats or (time.perf_counter() - start < min_seconds and calls < max_calls):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        calls += 1
+    return best
+
+
+def fit_terms(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
+    """Non-negative coefficients ``c`` with ``seconds ~ sum(c_j x_j)``, least squares on the
+    relative error, from ``((x_1, ..., x_k), seconds)`` rows (a term whose coefficient
+    comes out negative is dropped and the rest refitted)."""
+    k = len(rows[0][0])
+    keep = list(range(k))
+    while keep:
+        a = torch.tensor([[x[j] / t for j in keep] for x, t in rows], dtype=torch.float64)
+        sol = torch.linalg.lstsq(a, torch.ones(len(rows), 1, dtype=torch.float64)).solution
+        coef = sol.flatten().tolist()
+        if min(coef) >= 0:
+            out = [0.0] * k
+            for j, c in zip(keep, coef, strict=True):
+                out[j] = c
+            return out
+        keep = [j for j, c in zip(keep, coef, strict=True) if c >= 0]
+    return [0.0] * k
+
+
+def _fwd_bwd(make, sizes) -> Kernel:
+    """Fit a kernel from ``make(size) -> (forward(), forward_backward())`` at each size."""
+    fwd, bwd = [], []
+    for n in sizes:
+        f, fb = make(n)
+        tf, tfb = _best(f), _best(fb)
+        fwd.append(((1.0, n), tf))
+        bwd.append(((1.0, n), max(tfb - tf, 1e-7)))
+    return Kernel(Fit(*fit_terms(fwd)), Fit(*fit_terms(bwd)))
+
+
+def _grad_of(out_fn, inputs, grad):
+    return lambda: torch.autograd.grad(out_fn(), inputs, grad)
+
+
+def _elementwise(name: str, n: int):
+    """(forward, forward + backward) of kernel ``name`` on ``n`` elements (a multiple of
+    512), as shardwise.models calls it: widths of 512, heads of 64."""
+    from shardwise.models.layers import RMSNorm, apply_rotary, repeat_kv, rope_tables
+
+    d, rows = 512, max(1, n // 512)
+    if name == "rmsnorm":
+        norm, x = RMSNorm(d, 1e-5), torch.randn(rows, d, requires_grad=True)
+        fn = lambda: norm(x)  # noqa: E731
+        return fn, _grad_of(fn, (x, norm.weight), torch.randn(rows, d))
+    if name == "rope":  # (B, T, H, hd) = (1, rows, 8, 64)
+        cos, sin = rope_tables(64, rows, 10000.0)
+        x = torch.randn(1, rows, 8, 64, requires_grad=True)
+        fn = lambda: apply_rotary(x, cos, sin)  # noqa: E731
+        return fn, _grad_of(fn, (x,), torch.randn(1, rows, 8, 64))
+    if name == "repeat_kv":  # (1, 4, rows, 64) -> (1, 8, rows, 64): n output elements
+        x = torch.randn(1, 4, rows, 64, requires_grad=True)
+        fn = lambda: repeat_kv(x, 2)  # noqa: E731
+        return fn, _grad_of(fn, (x,), torch.randn(1, 8, rows, 64))
+    if name == "swiglu":
+        a, b = (torch.randn(rows, d, requires_grad=True) for _ in range(2))
+        fn = lambda: F.silu(a) * b  # noqa: E731
+        return fn, _grad_of(fn, (a, b), torch.randn(rows, d))
+    if name == "residual":  # forward: the add; backward: summing the stream's two grads
+        x, y = (torch.randn(rows, d, requires_grad=True) for _ in range(2))
+        g1, g2 = torch.randn(rows, d), torch.randn(rows, d)
+        return (lambda: x + y), (lambda: (x + y, g1 + g2))
+    if name == "copy":  # n bytes
+        src, dst = torch.empty(n // 4), torch.empty(n // 4)
+        return (lambda: dst.copy_(src)), (lambda: dst.copy_(src))
+    raise ValueError(f"unknown kernel {name!r}")
+
+
+def _attention(quick: bool) -> tuple[Kernel, Kernel]:
+    """The flash kernel, fitted to its FLOPs (attention) and causal scores (softmax)."""
+    shapes = [(4, 8, 128, 32), (4, 8, 128, 64), (2, 8, 256, 64)]
+    if not quick:
+        shapes += [(4, 16, 128, 32), (2, 4, 256, 128)]
+    fwd, bwd = [], []
+    for b, h, t, hd in shapes:
+        q, k, v = (torch.randn(b, h, t, hd, requires_grad=True) for _ in range(3))
+        fn = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        tf = _best(fn)
+        tfb = _best(_grad_of(fn, (q, k, v), torch.randn(b, h, t, hd)))
+        x = (1.0, 2.0 * b * h * t * t * hd, b * h * t * t / 2)  # latency, FLOPs, scores
+        fwd.append((x, tf))
+        bwd.append((x, max(tfb - tf, 1e-7)))
+    cf, cb = fit_terms(fwd), fit_terms(bwd)
+    return (Kernel(Fit(cf[0], cf[1]), Fit(cb[0], cb[1])),
+            Kernel(Fit(0.0, cf[2]), Fit(0.0, cb[2])))
+
+
+def _embedding_and_loss() -> tuple[Kernel, Kernel]:
+    emb_f, emb_b, ce_f, ce_b = [], [], [], []
+    for vocab, t in ((256, 512), (8192, 512), (8192, 2048)):
+        w = torch.randn(vocab, 512, requires_grad=True)
+        idx = torch.randint(0, vocab, (t,))
+        fn = lambda w=w, idx=idx: F.embedding(idx, w)  # noqa: E731
+        tf, tfb = _best(fn), _best(_grad_of(fn, (w,), torch.randn(t, 512)))
+        emb_f.append(((1.0, t * 512), tf))
+        emb_b.append(((1.0, (vocab + t) * 512), max(tfb - tf, 1e-7)))
+        logits = torch.randn(t, vocab, requires_grad=True)
+        lfn = lambda x=logits, idx=idx: F.cross_entropy(x.float(), idx)  # noqa: E731
+        tf, tfb = _best(lfn), _best(_grad_of(lfn, (logits,), torch.tensor(1.0)))
+        ce_f.append(((1.0, t * vocab), tf))
+        ce_b.append(((1.0, t * vocab), max(tfb - tf, 1e-7)))
+    return (Kernel(Fit(*fit_terms(emb_f)), Fit(*fit_terms(emb_b))),
+            Kernel(Fit(*fit_terms(ce_f)), Fit(*fit_terms(ce_b))))
+
+
+def measure_kernels(quick: bool = False) -> dict[str, Kernel]:
+    """Every kernel of [Note: CPU kernels], fitted (one thread: call inside the thread
+    setting of ``measure_local``)."""
+    sizes = [1 << 15, 1 << 18, 1 << 20] if quick else [1 << 15, 1 << 17, 1 << 19, 1 << 21]
+    out = {name: _fwd_bwd(lambda n, name=name: _elementwise(name, n), sizes)
+           for name in ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual")}
+    out["copy"] = _fwd_bwd(lambda n: _elementwise("copy", n), [1 << 18, 1 << 22, 1 << 25])
+    out["attention"], out["softmax"] = _attention(quick)
+    out["embedding"], out["cross_entropy"] = _embedding_and_loss()
+    return out
+
+
+def measure_optimizer() -> Fit:
+    """The trainer's update -- the engine's foreach norm, the clip's foreach multiply and
+    ``torch.optim.AdamW.step`` (per-tensor loop on CPU) -- per tensor and per element."""
+    rows = []
+    for k, n in ((8, 1 << 14), (8, 1 << 19), (64, 1 << 14), (32, 1 << 17)):
+        ps = [torch.nn.Parameter(torch.randn(n)) for _ in range(k)]
+        for p in ps:
+            p.grad = torch.randn(n)
+        opt = torch.optim.AdamW(ps, lr=1e-4)
+        grads = [p.grad for p in ps]
+
+        def update(opt=opt, grads=grads):
+            norm = torch.stack(torch._foreach_norm(grads, 2.0)).norm()
+            torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+            opt.step()
+        rows.append(((k, k * n), _best(update)))
+    return Fit(*fit_terms(rows))
+
+
+def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
+                 queue) -> None:
+    import torch.distributed as dist
+
+    from shardwise.distributed import comm, comm_objects
+    from shardwise.distributed.env import quiet_flight_recorder
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    quiet_flight_recorder("gloo")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = []
+    for nbytes in sizes:
+        numel = max(1, nbytes // 4)
+        shard, out = torch.ones(numel), torch.empty(numel * world)
+        full, scratch = torch.ones(numel * world), torch.empty(numel * world)
+        peer = rank ^ 1 if (rank ^ 1) < world else rank
+        ops = {"all_gather": lambda: comm.all_gather_into_tensor(out, shard, label="cal"),
+               "reduce_scatter": lambda: comm.reduce_scatter_tensor(shard, full, label="cal",
+                                                                   scratch=scratch),
+               "all_reduce": lambda: comm.all_reduce(shard, label="cal"),
+               "send_recv": lambda: _send_recv(shard, rank, peer)}
+        for kind, fn in ops.items():
+            comm_objects.barrier(label="calibrate")
+            fn()
+            times = []
+            for _ in range(calls):  # the same calls on every rank
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            rows.append((kind, nbytes, statistics.median(times)))
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def _send_recv(t: torch.Tensor, rank: int, peer: int) -> None:
+    import torch.distributed as dist
+
+    if peer == rank:
+        return
+    ops = [dist.P2POp(dist.isend if rank < peer else dist.irecv, t, peer),
+           dist.P2POp(dist.irecv if rank < peer else dist.isend, t, peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+
+def measure_gloo(world: int, sizes: list[int], calls: int = 5, timeout_s: float = 120.0
+                 ) -> list[tuple[str, int, float]]:
+    """(kind, payload bytes, median seconds) of the engine's collectives on ``world`` Gloo
+    ranks (payload: the gathered shard, the reduced shard, the all-reduced tensor, one
+    message each way)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, sizes, calls, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return queue.get(timeout=timeout_s)
+    except Exception:  # queue.Empty: a rank died or hung; its traceback is on stderr
+        raise RuntimeError(f"collective micro-benchmark on {world} Gloo ranks did not finish "
+                           f"within {timeout_s:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def fit_collectives(rows_by_world: dict[int, list[tuple[str, int, float]]]
+                    ) -> dict[str, dict[int, Fit]]:
+    """kind -> group size -> ``latency + bytes / bandwidth`` fit."""
+    out: dict[str, dict[int, Fit]] = {}
+    for world, rows in rows_by_world.items():
+        for kind in sorted({k for k, _, _ in rows}):
+            pts = [((1.0, float(b)), t) for k, b, t in rows if k == kind]
+            out.setdefault(kind, {})[world] = Fit(*fit_terms(pts))
+    return out
+
+
+def measure_cpu(ranks: int, quick: bool = False) -> CpuCosts:
+    """Kernels and update on one thread, then the collectives on 2 and ``ranks`` ranks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kernels, opt = measure_kernels(quick), measure_optimizer()
+    finally:
+        torch.set_num_threads(threads)
+    sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
+                                                        1 << 23]
+    rows = {w: measure_gloo(w, sizes, calls=3 if quick else 5) for w in sorted({2, ranks})}
+    return CpuCosts(kernels, opt, fit_collectives(rows))
