@@ -4,8 +4,9 @@ collectives, each timed at a few sizes and fitted.
 
     costs = measure_cpu(ranks=4)   # -> CpuCosts, about 20 s on 2 cores
 
-Kernels are timed on one thread (a rank's share of the cores, as ``measure_local`` sets),
-each call the best of several (the minimum filters out time slices other processes take).
+Kernels are timed on one thread (what a training rank runs), each the least CPU time of
+this thread over several calls (``time.thread_time``: the time slices other processes take
+on a shared machine are not counted, and the minimum filters out their cache pollution).
 Collectives run on real Gloo ranks through the engine's own calls
 (``shardwise.distributed.comm``) and take the median of their calls: a collective's time
 is its slowest rank's, and under time-sharing (more ranks than cores) the waits are part
@@ -30,12 +31,13 @@ __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo"
 
 
 def _best(fn, repeats: int = 3, min_seconds: float = 0.02, max_calls: int = 50) -> float:
+    """The least CPU time of this thread over the calls (see the module docstring)."""
     fn()
     best, calls, start = math.inf, 0, time.perf_counter()
     while calls < repeats or (time.perf_counter() - start < min_seconds and calls < max_calls):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.thread_time() - t0)
         calls += 1
     return best
 
@@ -179,7 +181,7 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
                  queue) -> None:
     import torch.distributed as dist
 
-    from shardwise.distributed import comm, comm_objects
+    from shardwise.distributed import comm_objects
     from shardwise.distributed.env import quiet_flight_recorder
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -187,16 +189,7 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = []
     for nbytes in sizes:
-        numel = max(1, nbytes // 4)
-        shard, out = torch.ones(numel), torch.empty(numel * world)
-        full, scratch = torch.ones(numel * world), torch.empty(numel * world)
-        peer = rank ^ 1 if (rank ^ 1) < world else rank
-        ops = {"all_gather": lambda: comm.all_gather_into_tensor(out, shard, label="cal"),
-               "reduce_scatter": lambda: comm.reduce_scatter_tensor(shard, full, label="cal",
-                                                                   scratch=scratch),
-               "all_reduce": lambda: comm.all_reduce(shard, label="cal"),
-               "send_recv": lambda: _send_recv(shard, rank, peer)}
-        for kind, fn in ops.items():
+        for kind, fn in _gloo_ops(rank, world, nbytes).items():
             comm_objects.barrier(label="calibrate")
             fn()
             times = []
@@ -208,6 +201,21 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
+
+
+def _gloo_ops(rank: int, world: int, nbytes: int) -> dict:
+    """The engine's collectives on payloads of ``nbytes`` (see :func:`measure_gloo`)."""
+    from shardwise.distributed import comm
+
+    numel = max(1, nbytes // 4)
+    shard, out = torch.ones(numel), torch.empty(numel * world)
+    full, scratch = torch.ones(numel * world), torch.empty(numel * world)
+    peer = rank ^ 1 if (rank ^ 1) < world else rank
+    return {"all_gather": lambda: comm.all_gather_into_tensor(out, shard, label="cal"),
+            "reduce_scatter": lambda: comm.reduce_scatter_tensor(shard, full, label="cal",
+                                                                scratch=scratch),
+            "all_reduce": lambda: comm.all_reduce(shard, label="cal"),
+            "send_recv": lambda: _send_recv(shard, rank, peer)}
 
 
 def _send_recv(t: torch.Tensor, rank: int, peer: int) -> None:

@@ -18,12 +18,12 @@ forward and forward + backward with autograd, exactly as shardwise.models calls 
 and fits ``seconds = latency + per_unit * size`` per kernel and pass (cpu_bench.py). The
 size is elements, except attention (its executed forward FLOPs, work.py's
 ``attn_exec_flops``, plus a ``softmax`` term per causal score: fitted jointly over head
-widths, as a narrow head spends more of its time in the softmax), the embedding's backward (``vocab x dim + tokens x dim``: it zeroes
-the whole table) and ``copy`` (bytes: the engine's gather copy-out, gradient packing and
-reduce-scatter sum). The optimizer update (the engine's foreach norm, the clip and
-``torch.optim.AdamW.step`` over per-parameter tensors) is fitted per tensor and per
-element. Matrix multiplies keep the device's efficiency curve (hardware.py), fitted on the
-same machine.
+widths, as a narrow head spends more of its time in the softmax), the embedding's
+backward (``vocab x dim + tokens x dim``: it zeroes the whole table) and ``copy`` (bytes:
+the engine's gather copy-out, gradient packing and averaging). The optimizer update (the
+engine's foreach norm, the clip and ``torch.optim.AdamW.step`` over per-parameter
+tensors) is fitted per tensor and per element. Matrix multiplies keep the device's
+efficiency curve (hardware.py), fitted on the same machine.
 
 Collectives are timed per kind as the engine issues them on Gloo (all-gather into a flat
 buffer, the reduce-scatter as an all-to-all plus a local sum, all-reduce, a send/receive
