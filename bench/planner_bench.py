@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:
         report_only(Path(args.out))
         return
+    from shardwise.planner.calibrate import usable_cores
     from shardwise.planner.hardware import get_hardware
 
     start = time.perf_counter()
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     for rnd in range(args.rounds):
         _measure_round(rows, grid, args, hw, rnd)
     meta = {"rounds": args.rounds, "seq": args.seq, "batch": args.batch,
-            "cores": os.cpu_count(), "calibration_s": secs,
+            "cores": usable_cores(), "calibration_s": secs,
             "calibration": Path(path).read_text(), "steps": args.steps,
             "duration_s": time.perf_counter() - start}
     inputs = _inputs(rows, args.seq, args.batch, hw)

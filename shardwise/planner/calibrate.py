@@ -37,7 +37,7 @@ from shardwise.planner.cpu_costs import CpuCosts
 from shardwise.planner.fit import fit_constants, log_error
 
 __all__ = ["StepMeasurement", "calibrate", "measure_local", "write_calibration",
-           "fit_matmul_curve", "fit_alpha_beta"]
+           "fit_matmul_curve", "fit_alpha_beta", "usable_cores"]
 
 _FITTABLE = {"matmul_max": (0.05, 1.5), "memory_efficiency": (0.05, 1.5),
              "intra_efficiency": (0.02, 1.5), "inter_efficiency": (0.02, 1.5)}
@@ -247,16 +247,26 @@ class LocalMeasurements:
     """The trainer's kernels, update and collectives on CPU ranks ([Note: CPU kernels])."""
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a ``taskset`` or a container's
+    cpuset, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeasurements:
     """Run the micro-benchmarks (about ``budget_s`` seconds; smaller budgets measure
     fewer sizes) on this machine's CPU and Gloo ranks."""
     quick = budget_s < 15
-    ranks = ranks or max(2, min(4, os.cpu_count() or 2))
+    cores = usable_cores()
+    ranks = ranks or max(2, min(4, cores))
     sizes = [64, 128, 256, 384] if quick else [64, 128, 256, 512, 768, 1024]
     threads = torch.get_num_threads()
     # One rank's share of the cores, as each training rank gets: it is one rank's speed
     # that is priced, and fewer threads than cores avoid waiting on descheduled ones.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    torch.set_num_threads(max(1, cores // ranks))
     try:
         matmul = measure_matmul(sizes, repeats=2 if quick else 3)
         n = 1 << (22 if quick else 25)  # 16 / 128 MiB fp32
@@ -271,7 +281,7 @@ def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeas
         coll[world] = measure_collectives(world, msg, repeats=2 if quick else 3)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = measure_cpu(ranks, quick)  # kernels on one thread, as a training rank runs them
-    return LocalMeasurements(matmul, copy, coll, ranks, float(mem), os.cpu_count() or 1, cpu)
+    return LocalMeasurements(matmul, copy, coll, ranks, float(mem), cores, cpu)
 
 
 def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:

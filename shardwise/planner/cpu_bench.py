@@ -61,15 +61,37 @@ def fit_terms(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
     return [0.0] * k
 
 
-def _fwd_bwd(make, sizes) -> Kernel:
-    """Fit a kernel from ``make(size) -> (forward(), forward_backward())`` at each size."""
+def _fwd_bwd(make, sizes, engine: float = 0.0) -> Kernel:
+    """Fit a kernel from ``make(size) -> (forward(), forward_backward())`` at each size;
+    ``engine``: the fixed cost of one ``autograd.grad`` call, which a training step pays
+    once per backward, not per kernel (subtracted)."""
     fwd, bwd = [], []
     for n in sizes:
         f, fb = make(n)
         tf, tfb = _best(f), _best(fb)
         fwd.append(((1.0, n), tf))
-        bwd.append(((1.0, n), max(tfb - tf, 1e-7)))
+        bwd.append(((1.0, n), max(tfb - tf - engine, 1e-7)))
     return Kernel(Fit(*fit_terms(fwd)), Fit(*fit_terms(bwd)))
+
+
+def _engine_call() -> float:
+    """Seconds of one ``autograd.grad`` call around a view (its graph task, nothing to
+    compute)."""
+    x = torch.randn(8, requires_grad=True)
+    g = torch.randn(8)
+    return max(0.0, _best(_grad_of(lambda: x.view(2, 4), (x,), g.view(2, 4)), 20)
+               - _best(lambda: x.view(2, 4), 20))
+
+
+def _linear(engine: float) -> Kernel:
+    """``F.linear`` beyond its multiplies: the transposes, views and autograd nodes around
+    them (a call's fixed seconds; the multiplies are priced by the matmul curve)."""
+    x, w = torch.randn(4, 8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    a, b = torch.randn(32, 8), torch.randn(8, 8)
+    mm = _best(lambda: torch.mm(a, b), 20)
+    tf = _best(lambda: F.linear(x, w), 20)
+    tfb = _best(_grad_of(lambda: F.linear(x, w), (x, w), torch.randn(4, 8, 8)), 20)
+    return Kernel(Fit(max(0.0, tf - mm), 0.0), Fit(max(0.0, tfb - tf - engine - 2 * mm), 0.0))
 
 
 def _grad_of(out_fn, inputs, grad):
@@ -109,7 +131,7 @@ def _elementwise(name: str, n: int):
     raise ValueError(f"unknown kernel {name!r}")
 
 
-def _attention(quick: bool) -> tuple[Kernel, Kernel]:
+def _attention(quick: bool, engine: float = 0.0) -> tuple[Kernel, Kernel]:
     """The flash kernel, fitted to its FLOPs (attention) and causal scores (softmax)."""
     shapes = [(4, 8, 128, 32), (4, 8, 128, 64), (2, 8, 256, 64)]
     if not quick:
@@ -122,13 +144,13 @@ def _attention(quick: bool) -> tuple[Kernel, Kernel]:
         tfb = _best(_grad_of(fn, (q, k, v), torch.randn(b, h, t, hd)))
         x = (1.0, 2.0 * b * h * t * t * hd, b * h * t * t / 2)  # latency, FLOPs, scores
         fwd.append((x, tf))
-        bwd.append((x, max(tfb - tf, 1e-7)))
+        bwd.append((x, max(tfb - tf - engine, 1e-7)))
     cf, cb = fit_terms(fwd), fit_terms(bwd)
     return (Kernel(Fit(cf[0], cf[1]), Fit(cb[0], cb[1])),
             Kernel(Fit(0.0, cf[2]), Fit(0.0, cb[2])))
 
 
-def _embedding_and_loss() -> tuple[Kernel, Kernel]:
+def _embedding_and_loss(engine: float = 0.0) -> tuple[Kernel, Kernel]:
     emb_f, emb_b, ce_f, ce_b = [], [], [], []
     for vocab, t in ((256, 512), (8192, 512), (8192, 2048)):
         w = torch.randn(vocab, 512, requires_grad=True)
@@ -136,12 +158,12 @@ def _embedding_and_loss() -> tuple[Kernel, Kernel]:
         fn = lambda w=w, idx=idx: F.embedding(idx, w)  # noqa: E731
         tf, tfb = _best(fn), _best(_grad_of(fn, (w,), torch.randn(t, 512)))
         emb_f.append(((1.0, t * 512), tf))
-        emb_b.append(((1.0, (vocab + t) * 512), max(tfb - tf, 1e-7)))
+        emb_b.append(((1.0, (vocab + t) * 512), max(tfb - tf - engine, 1e-7)))
         logits = torch.randn(t, vocab, requires_grad=True)
         lfn = lambda x=logits, idx=idx: F.cross_entropy(x.float(), idx)  # noqa: E731
         tf, tfb = _best(lfn), _best(_grad_of(lfn, (logits,), torch.tensor(1.0)))
         ce_f.append(((1.0, t * vocab), tf))
-        ce_b.append(((1.0, t * vocab), max(tfb - tf, 1e-7)))
+        ce_b.append(((1.0, t * vocab), max(tfb - tf - engine, 1e-7)))
     return (Kernel(Fit(*fit_terms(emb_f)), Fit(*fit_terms(emb_b))),
             Kernel(Fit(*fit_terms(ce_f)), Fit(*fit_terms(ce_b))))
 
@@ -150,11 +172,13 @@ def measure_kernels(quick: bool = False) -> dict[str, Kernel]:
     """Every kernel of [Note: CPU kernels], fitted (one thread: call inside the thread
     setting of ``measure_local``)."""
     sizes = [1 << 15, 1 << 18, 1 << 20] if quick else [1 << 15, 1 << 17, 1 << 19, 1 << 21]
-    out = {name: _fwd_bwd(lambda n, name=name: _elementwise(name, n), sizes)
+    engine = _engine_call()
+    out = {name: _fwd_bwd(lambda n, name=name: _elementwise(name, n), sizes, engine)
            for name in ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual")}
     out["copy"] = _fwd_bwd(lambda n: _elementwise("copy", n), [1 << 18, 1 << 22, 1 << 25])
-    out["attention"], out["softmax"] = _attention(quick)
-    out["embedding"], out["cross_entropy"] = _embedding_and_loss()
+    out["attention"], out["softmax"] = _attention(quick, engine)
+    out["embedding"], out["cross_entropy"] = _embedding_and_loss(engine)
+    out["linear"] = _linear(engine)
     return out
 
 

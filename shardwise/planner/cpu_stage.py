@@ -38,7 +38,8 @@ def _calls(spec, tokens: float, seq: int, tp: int, sp: bool, exec_flops: float):
     calls = [("rmsnorm", rep * d, 2), ("residual", rep * d, 2), ("rope", tokens * h * hd, 1),
              ("rope", tokens * kv * hd, 1), ("swiglu", tokens * spec.ffn_dim // tp, 1),
              # the flash kernel: its multiplies (FLOPs) and its softmax (causal scores)
-             ("attention", exec_flops, 1), ("softmax", tokens * seq * h / 2, 1)]
+             ("attention", exec_flops, 1), ("softmax", tokens * seq * h / 2, 1),
+             ("linear", 1, 7)]  # q, k, v, o; w1, w3, w2: their calls beyond the multiplies
     if kv < h:  # k and v expanded to every query head before the kernel
         calls.append(("repeat_kv", tokens * h * hd, 2))
     return calls
@@ -68,8 +69,10 @@ def head_kernels(hw, spec, tokens: float, tp: int, sp: bool, first: bool, last: 
         bwd += c.kernel("embedding", spec.vocab_size * d + tokens * d, backward=True)
     if last:
         rep = tokens / (tp if sp else 1)
-        fwd += c.kernel("rmsnorm", rep * d) + c.kernel("cross_entropy", tokens * v)
-        bwd += c.kernel("rmsnorm", rep * d, True) + c.kernel("cross_entropy", tokens * v, True)
+        fwd += (c.kernel("rmsnorm", rep * d) + c.kernel("cross_entropy", tokens * v)
+                + c.kernel("linear", 1))
+        bwd += (c.kernel("rmsnorm", rep * d, True) + c.kernel("cross_entropy", tokens * v, True)
+                + c.kernel("linear", 1, True))
     return fwd / hw.memory_efficiency, bwd / hw.memory_efficiency
 
 
@@ -86,15 +89,15 @@ def engine_copy_seconds(hw, units, world: int, zero: int, gathers: float, act_by
                         param_bytes: int) -> float:
     """The engine's own copies on the compute thread in one step: each gather's copy-out
     into the full parameters (``gathers`` per unit), the gradient packing and the
-    averaging; stage 0: the averaging of the all-reduced buckets. (The Gloo
+    averaging; stage 0: the packing into buckets and their averaging. (The Gloo
     reduce-scatter's local sum is part of its calibrated time.)"""
     c, total = hw.cpu, 0.0
     for u in units:
         s = unit_state(tuple(u), world if zero else 1)
         if not s.n_params:
             continue
-        if zero == 0:
-            total += c.kernel("copy", s.numel * param_bytes)
+        if zero == 0:  # packed into the buckets, then averaged
+            total += 2 * c.kernel("copy", s.numel * param_bytes)
             continue
         full = s.full_numel * act_bytes
         total += gathers * c.kernel("copy", full) + c.kernel("copy", full)
