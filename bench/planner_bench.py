@@ -5,8 +5,10 @@
     python bench/planner_bench.py --only "debug x2" --steps 2        # a quick look
 
 First ``shardwise plan --hardware local --calibrate``'s micro-benchmarks run (matmul
-throughput by size, copy bandwidth, Gloo all-reduce / all-gather on 2 and 4 ranks) and are
-written as the ``local`` device (unless ``--calibration`` names an existing file). Then,
+throughput by size, copy bandwidth, the trainer's eager kernels and optimizer update on one
+thread, the engine's Gloo collectives per kind on 2 and 4 ranks: [Note: CPU kernels] in
+shardwise/planner/cpu_costs.py) and are written as the ``local`` device, with the cores
+this process may use (unless ``--calibration`` names an existing file). Then,
 for each case of the grid (the debug and small models at 1, 2 and 4 ranks, ZeRO stages 0-3,
 tensor parallelism 2, a 2-stage 1F1B pipeline), every round launches the ranks (one thread
 each), builds the model exactly as ``shardwise train`` does (``build_parallel_model``) and
@@ -34,9 +36,11 @@ measures:
 The load average (``os.getloadavg()``) is recorded with every case of every round.
 
 Random tokens of the model's vocabulary feed both (the numbers do not depend on the
-text). The machine is shared and has 2 cores: 4 ranks time-share them, and other jobs
-disturb every timing; the rounds' ranges show how much. Writes
-``bench/results/planner_bench.{md,json}``.
+text). With 2 cores, 4 ranks time-share them ([Note: CPU ranks share the cores] in
+shardwise/planner/cpu_stage.py); other jobs disturb every timing, so the table is only
+meaningful from a quiet machine (load average below ~1.5). Writes
+``bench/results/planner_bench.{md,json}`` (``--out`` elsewhere). A target is met only when
+every round holds it.
 """
 
 from __future__ import annotations

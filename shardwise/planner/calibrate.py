@@ -280,7 +280,7 @@ def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeas
     for world in sorted({2, ranks}):
         coll[world] = measure_collectives(world, msg, repeats=2 if quick else 3)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cpu = measure_cpu(ranks, quick)  # kernels on one thread, as a training rank runs them
+    cpu = measure_cpu(ranks, quick, cores)  # kernels on one thread, as a training rank runs them
     return LocalMeasurements(matmul, copy, coll, ranks, float(mem), cores, cpu)
 
 

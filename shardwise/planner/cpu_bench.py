@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from shardwise.planner.cpu_costs import CpuCosts, Fit, Kernel
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
-           "fit_terms"]
+           "measure_contention", "fit_terms", "fit_collectives"]
 
 
 def _best(fn, repeats: int = 3, min_seconds: float = 0.02, max_calls: int = 50) -> float:
@@ -292,15 +292,63 @@ def fit_collectives(rows_by_world: dict[int, list[tuple[str, int, float]]]
     return out
 
 
-def measure_cpu(ranks: int, quick: bool = False) -> CpuCosts:
-    """Kernels and update on one thread, then the collectives on 2 and ``ranks`` ranks."""
+def _mixed_work(calls: int) -> float:
+    """Median thread CPU seconds of a multiply and a SiLU-gated product (a block's two
+    kinds of work) on one thread."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(512, 512), torch.randn(512, 1024)
+    x, y = torch.randn(1 << 19), torch.randn(1 << 19)
+
+    def fn():
+        torch.mm(a, b)
+        F.silu(x) * y
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
+def _contention_worker(barrier, queue, calls: int) -> None:
+    barrier.wait()
+    queue.put(_mixed_work(calls))
+
+
+def measure_contention(cores: int, calls: int = 30) -> float:
+    """How much slower one core computes when every core computes ([Note: CPU ranks share
+    the cores]): the mixed work's median on each of ``cores`` processes started together,
+    the slowest, over its median on one process alone (>= 1)."""
+    if cores <= 1:
+        return 1.0
+    ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
+    out = []
+    for k in (1, cores):
+        barrier, queue = ctx.Barrier(k), ctx.Queue()
+        procs = [ctx.Process(target=_contention_worker, args=(barrier, queue, calls))
+                 for _ in range(k)]
+        for p in procs:
+            p.start()
+        try:
+            out.append(max(queue.get(timeout=120) for _ in procs))
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+    return max(1.0, out[1] / out[0])
+
+
+def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
+    """Kernels and update on one thread, the slowdown with every core busy, then the
+    collectives on 2 and ``ranks`` ranks."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         kernels, opt = measure_kernels(quick), measure_optimizer()
     finally:
         torch.set_num_threads(threads)
+    busy = measure_contention(cores, calls=10 if quick else 30)
     sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
                                                         1 << 23]
     rows = {w: measure_gloo(w, sizes, calls=3 if quick else 5) for w in sorted({2, ranks})}
-    return CpuCosts(kernels, opt, fit_collectives(rows))
+    return CpuCosts(kernels, opt, fit_collectives(rows), busy)

@@ -74,11 +74,22 @@ class CpuCosts:
         optimizer: seconds per parameter tensor (latency) and per element (per_unit) of
             the update (norm, clip, AdamW step).
         collectives: kind -> group size -> fit of seconds against payload bytes.
+        all_cores: see below.
     """
 
     kernels: dict[str, Kernel]
     optimizer: Fit
     collectives: dict[str, dict[int, Fit]]
+    all_cores: float = 1.0
+    """How much slower a core computes while every core computes (shared clock, caches
+    and memory bandwidth), measured; 1 with a single core."""
+
+    def contention(self, busy: int, cores: int) -> float:
+        """The slowdown of each rank's compute with ``busy`` of ``cores`` cores computing:
+        1 for one, ``all_cores`` for all, linear between."""
+        if cores <= 1 or busy <= 1:
+            return 1.0
+        return 1.0 + (self.all_cores - 1.0) * (min(busy, cores) - 1) / (cores - 1)
 
     def kernel(self, name: str, size: float, backward: bool = False, calls: int = 1) -> float:
         """Seconds of ``calls`` calls of kernel ``name`` of ``size`` each (0 if the
@@ -125,7 +136,8 @@ class CpuCosts:
         colls = {kind: {int(w): fit(v, f"{kind}.{w}") for w, v in t.get("collectives", {})
                         .get(kind, {}).items()} for kind in COLLECTIVES}
         opt = fit(t.get("optimizer", [0.0, 0.0]), "optimizer")
-        return cls(kernels, opt, {k: v for k, v in colls.items() if v})
+        return cls(kernels, opt, {k: v for k, v in colls.items() if v},
+                   float(t.get("all_cores", 1.0)))
 
     def toml_lines(self, prefix: str = "local") -> list[str]:
         """This record as the ``[<prefix>.cpu]`` tables of a calibration file."""
@@ -135,6 +147,7 @@ class CpuCosts:
                          f"{k.bwd.latency:.6g}, {k.bwd.per_unit:.6g}]")
         lines.append(f"optimizer = [{self.optimizer.latency:.6g}, "
                      f"{self.optimizer.per_unit:.6g}]")
+        lines.append(f"all_cores = {self.all_cores:.4g}")
         lines.append(f"[{prefix}.cpu.collectives]")
         for kind, by_world in self.collectives.items():
             inner = ", ".join(f"{w} = [{f.latency:.6g}, {f.per_unit:.6g}]"

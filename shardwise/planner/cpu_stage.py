@@ -14,6 +14,12 @@ the same cores the compute threads are using, so the engine's asynchronous gathe
 reductions only overlap when a core is idle; and their calibrated times already include
 the time-sharing of the group that measured them. Communication waits (a collective
 waiting for a peer still computing) cost no CPU and are not part of a rank's busy seconds.
+
+Cores are not independent either: they share the clock budget (a lone busy core runs at a
+higher boost frequency), the last-level cache and the memory bandwidth. The calibration
+times a block's two kinds of work (a multiply and a SiLU-gated product) on one process
+alone and on every core at once; the ratio (``CpuCosts.all_cores``) slows every rank's
+compute when several cores are busy (interpolated between one and all).
 """
 
 from __future__ import annotations
@@ -128,8 +134,9 @@ def _rank_units(cm, L, layers, first: bool, last: bool) -> list:
 
 
 def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool) -> None:
-    """CPU ranks: add the engine's copies to ``dp_comm`` and the cores' time-sharing to
-    ``compute``, in place ([Note: CPU ranks share the cores]).
+    """CPU ranks: slow the compute by the cores' contention, add the engine's copies to
+    ``dp_comm`` and the cores' time-sharing to ``compute``, in place ([Note: CPU ranks
+    share the cores]).
 
     Args:
         cm: the :class:`~shardwise.planner.cost_model.CostModel` pricing ``L``.
@@ -143,7 +150,10 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
         return engine_copy_seconds(hw, _rank_units(cm, L, lay, f, la), world, L.zero, gathers,
                                    wl.act_bytes, wl.param_bytes)
 
-    own = copies(layers, first, last)
+    slow = hw.cpu.contention(L.gpus, hw.cores or 1)  # every busy core computes slower
+    for k in ("compute", "optimizer", "pp_bubble"):
+        breakdown[k] *= slow
+    own = slow * copies(layers, first, last)
     breakdown["dp_comm"] += own
     if not hw.cores or L.gpus <= hw.cores:
         return
@@ -152,7 +162,7 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
         _, f, la = cm._rank_plan(L, r)
         busy += (L.pp_microbatches * (rt.fwd + rt.bwd) + cm._optimizer(L, lay, f, la)[0]
                  + copies(lay, f, la))
-    busy *= L.gpus / L.pp  # every pipeline rank's data and tensor replicas
+    busy *= slow * L.gpus / L.pp  # every pipeline rank's data and tensor replicas
     comm = sum(breakdown[k] for k in ("tp_comm", "cp_comm", "ep_all_to_all", "pp_comm",
                                       "dp_comm")) - own
     critical = sum(breakdown.values())
