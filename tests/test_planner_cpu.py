@@ -170,3 +170,57 @@ def test_busy_cores_compute_slower():
     assert two.breakdown["compute"] == pytest.approx(1.2 * one.breakdown["compute"])
     again = CpuCosts.from_table(tomllib.loads("\n".join(costs.toml_lines("x")))["x"]["cpu"])
     assert again.all_cores == pytest.approx(1.2)
+
+
+def _tp_calls(sp: bool):
+    """One training step's collective calls by label, on 2 ranks, tp 2."""
+    import re
+
+    import shardwise
+    from shardwise import LossScaler
+    from shardwise.distributed import env as dist_env
+    from shardwise.train.config import load_config, resolve_world
+    from shardwise.train.parallelize import build_parallel_model, wrap_optimizer
+    from shardwise.train.preflight import build_model_config
+    from shardwise.train.step import train_step
+    from shardwise.train.trainer import build_optimizer
+
+    cfg = resolve_world(load_config(None, {
+        "model.name": "debug", "model.n_layers": "2", "data.seq_len": "16",
+        "train.batch_size": "2", "parallel.tp": "2", "parallel.stage": "2",
+        "parallel.sequence_parallel": str(sp).lower(), "log.progress": "false",
+        "parallel.watchdog": "off"}), 2)
+    mc = build_model_config(cfg)
+    env = dist_env.init(backend="gloo", watchdog="off")
+    model = build_parallel_model(cfg, mc, env)
+    opt = wrap_optimizer(build_optimizer(model, cfg.optim), model)
+    gen = torch.Generator().manual_seed(0)
+
+    class Loader:
+        def next_batch(self):
+            t = torch.randint(0, mc.vocab_size, (2, 17), generator=gen)
+            return t[:, :-1], t[:, 1:]
+
+    shardwise.reset_comm_stats()
+    train_step(model, opt, Loader(), cfg, env, 1, LossScaler(enabled=False))
+    calls = {}
+    for label, st in shardwise.comm_stats().by_label.items():
+        key = re.sub(r".*\.", "", label)
+        calls[key] = calls.get(key, 0) + st.calls
+    return calls
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_tensor_parallel_collectives_are_the_trainers(sp):
+    """With every collective costing 1 s, the CPU path's tensor-parallel seconds of a step
+    are the number of collectives apply_tp issues (comm_stats), sequence parallel or not."""
+    from shardwise.planner.cpu_stage import tp_head_comm, tp_layer_comm
+    from shardwise.testing import run_ranks
+
+    calls = run_ranks(_tp_calls, 2, args=(sp,), timeout_s=120)[0]
+    got = sum(n for k, n in calls.items() if k not in ("stats", "clip_grad_norm"))
+    ones = {k: {2: Fit(1.0, 0.0)} for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    hw = _local(2).replace(cpu=CpuCosts({}, Fit(0.0, 0.0), ones))
+    predicted = 2 * tp_layer_comm(hw, 32, 256, 4, 2, sp, False) + tp_head_comm(
+        hw, 32, 256, 4, 2, sp, True, True) + (1 if sp else 0)  # + the norms' gradients
+    assert predicted == got, calls

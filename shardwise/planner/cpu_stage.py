@@ -24,10 +24,12 @@ compute when several cores are busy (interpolated between one and all).
 
 from __future__ import annotations
 
+from shardwise.planner import comm_model
 from shardwise.planner.memory import unit_state
 
 __all__ = ["cpu_pricable", "layer_kernels", "head_kernels", "optimizer_seconds",
-           "engine_copy_seconds", "saturated", "time_shared", "cpu_step"]
+           "engine_copy_seconds", "saturated", "time_shared", "cpu_step", "tp_layer_comm",
+           "tp_head_comm"]
 
 
 def cpu_pricable(hw, spec, moe: bool = False) -> bool:
@@ -82,6 +84,51 @@ def head_kernels(hw, spec, tokens: float, tp: int, sp: bool, first: bool, last: 
     return fwd / hw.memory_efficiency, bwd / hw.memory_efficiency
 
 
+def _tp_times(hw, tokens: float, dim: int, act_bytes: int, tp: int) -> tuple[float, ...]:
+    """(all-gather of a sequence piece, reduce-scatter to one, all-reduce of the whole
+    activation) seconds on the tensor-parallel group."""
+    grp = comm_model.place(tp, 1, hw.gpus_per_node)
+    act = tokens * dim * act_bytes
+    return (comm_model.all_gather_time(act / tp, grp, hw),
+            comm_model.reduce_scatter_time(act / tp, grp, hw),
+            comm_model.all_reduce_time(act, grp, hw))
+
+
+def tp_layer_comm(hw, tokens: float, dim: int, act_bytes: int, tp: int, sp: bool,
+                  recompute: bool) -> float:
+    """Tensor-parallel seconds of one layer per micro-batch, the collectives apply_tp
+    issues (comm_stats counts them): two regions (attention, feed-forward). With sequence
+    parallelism each gathers its input and reduce-scatters its output in forward, the
+    reverse in backward, and gathers its input again for the weight gradients (the
+    forward keeps only its piece); without, one all-reduce forward (leaving) and one
+    backward (entering). A full recomputation replays the forward's."""
+    if tp <= 1:
+        return 0.0
+    ag, rs, ar = _tp_times(hw, tokens, dim, act_bytes, tp)
+    fwd, bwd = (ag + rs, ag + rs + ag) if sp else (ar, ar)
+    return 2 * (fwd * (2 if recompute else 1) + bwd)
+
+
+def tp_head_comm(hw, tokens: float, dim: int, act_bytes: int, tp: int, sp: bool,
+                 first: bool, last: bool) -> float:
+    """The embedding's and the head's tensor-parallel collectives per micro-batch: the
+    vocabulary-parallel embedding's sum (a reduce-scatter to the sequence pieces, or an
+    all-reduce) and its backward; the head's input gathered (forward, again for its
+    weight gradient) and its gradient reduced; the vocabulary-parallel loss's max and sum
+    all-reduces of one value per token."""
+    if tp <= 1:
+        return 0.0
+    ag, rs, ar = _tp_times(hw, tokens, dim, act_bytes, tp)
+    total = 0.0
+    if first:
+        total += rs + ag if sp else ar
+    if last:
+        grp = comm_model.place(tp, 1, hw.gpus_per_node)
+        total += (ag + rs + ag if sp else ar)
+        total += 2 * comm_model.all_reduce_time(tokens * 4, grp, hw)
+    return total
+
+
 def optimizer_seconds(hw, units, world: int) -> float:
     """The update of the rank's shards (foreach norm, clip, ``AdamW.step``): per tensor and
     per element of the shard each parameter keeps."""
@@ -127,6 +174,23 @@ def time_shared(hw, ranks: int, critical: float, busy_total: float, exposed_comm
     return max(critical, busy_total / hw.cores + exposed_comm)
 
 
+def _step_collectives(cm, L) -> float:
+    """The trainer's per-step collectives outside the layers: the gradient norm's
+    all-reduce and the all-gather of every rank's loss and memory (``gather_stats``), and
+    under sequence parallelism the all-reduce of the replicated norms' gradients over
+    the tensor-parallel group."""
+    hw, total = cm.hw, 0.0
+    if L.gpus > 1:
+        world = comm_model.place(L.gpus, 1, hw.gpus_per_node)
+        total += comm_model.all_reduce_time(4, world, hw) + comm_model.all_gather_time(
+            16, world, hw)
+    if L.tp > 1 and L.sp:
+        norms = (2 * cm.spec.n_layers + 1) * cm.spec.dim * 4 / L.pp
+        total += comm_model.all_reduce_time(norms, comm_model.place(L.tp, 1, hw.gpus_per_node),
+                                            hw)
+    return total
+
+
 def _rank_units(cm, L, layers, first: bool, last: bool) -> list:
     root, dense, experts = cm._units(L, layers, first, last)
     return ([root] + [u for u, n in dense.items() for _ in range(n)]
@@ -154,7 +218,7 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
     for k in ("compute", "optimizer", "pp_bubble"):
         breakdown[k] *= slow
     own = slow * copies(layers, first, last)
-    breakdown["dp_comm"] += own
+    breakdown["dp_comm"] += own + _step_collectives(cm, L)
     if not hw.cores or L.gpus <= hw.cores:
         return
     busy = 0.0

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.planner import comm_model
-from shardwise.planner.cpu_stage import cpu_pricable, head_kernels, layer_kernels
+from shardwise.planner.cpu_stage import (cpu_pricable, head_kernels, layer_kernels,
+                                         tp_head_comm, tp_layer_comm)
 from shardwise.planner.pipeline import placement
 from shardwise.planner.work import (LayerWork, fp8_cast_bytes, head_saved, head_work,
                                    layer_work, saved_bytes)
@@ -140,7 +141,9 @@ class StageCoster:
         g = self.hw.gpus_per_node
         act = tokens * spec.dim * wl.act_bytes
         tp_comm = 0.0
-        if tp > 1:
+        if tp > 1 and hw.cpu is not None:  # the collectives apply_tp issues, as measured
+            tp_comm = tp_layer_comm(hw, tokens, spec.dim, wl.act_bytes, tp, sp, ac == "full")
+        elif tp > 1:
             grp = comm_model.place(tp, 1, g)
             one = (comm_model.all_gather_time(act / tp, grp, hw)
                    + comm_model.reduce_scatter_time(act / tp, grp, hw)) if sp else \
@@ -186,6 +189,9 @@ class StageCoster:
         logits = 0.0
         ef, eb = self._head_kernels(L, tokens, first, last)
         fwd, bwd = fwd + ef, bwd + eb
+        if self.hw.cpu is not None:
+            tpc += tp_head_comm(self.hw, tokens, spec.dim, self.wl.act_bytes, L.tp, L.sp,
+                                first, last)
         if last:
             hf, _, logits = head_work(spec, tokens, L.tp, self.wl.act_bytes)
             head = self.hw.matmul_time(hf, self.wl.compute_dtype)
