@@ -5,10 +5,12 @@ measured steps.
     hw = calibrate(measurements, get_hardware("h100"))  # fit constants to measured steps
 
 [Note: calibration] ``measure_local`` runs short micro-benchmarks: matrix multiplies of
-growing size (achieved FLOP/s by size, fitted to the efficiency curve of hardware.py), a
-large copy (memory bandwidth), and all-reduces and all-gathers on real Gloo ranks for each
-group size and several message sizes (latency and bandwidth fitted to the alpha-beta model
-of comm_model.py through the byte formulas of ``shardwise.distributed.comm_bytes``). The
+growing size as the trainer runs them (``F.linear`` forward and backward at linear shapes;
+achieved FLOP/s by size, fitted to the efficiency curve of hardware.py), a large copy
+(memory bandwidth), and all-reduces and all-gathers on real Gloo ranks for each group size
+and several message sizes (latency and bandwidth fitted to the alpha-beta model of
+comm_model.py through the byte formulas of ``shardwise.distributed.comm_bytes``), then the
+CPU rank's kernels, update and collectives of [Note: CPU kernels] (cpu_bench.py). The
 result is written as a hardware-catalogue entry named ``local`` (so every later prediction
 reads it like any device), with the raw measurements beside it.
 
@@ -32,7 +34,7 @@ import torch
 
 from shardwise.distributed import comm_bytes
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.cpu_bench import measure_cpu
+from shardwise.planner.cpu_bench import LINEAR_SHAPES, measure_cpu, measure_linear
 from shardwise.planner.cpu_costs import CpuCosts
 from shardwise.planner.fit import fit_constants, log_error
 
@@ -262,13 +264,14 @@ def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeas
     quick = budget_s < 15
     cores = usable_cores()
     ranks = ranks or max(2, min(4, cores))
-    sizes = [64, 128, 256, 384] if quick else [64, 128, 256, 512, 768, 1024]
     threads = torch.get_num_threads()
     # One rank's share of the cores, as each training rank gets: it is one rank's speed
     # that is priced, and fewer threads than cores avoid waiting on descheduled ones.
     torch.set_num_threads(max(1, cores // ranks))
     try:
-        matmul = measure_matmul(sizes, repeats=2 if quick else 3)
+        # the trainer's multiplies: F.linear forward and backward at linear shapes
+        matmul = measure_linear(LINEAR_SHAPES[:5] if quick else LINEAR_SHAPES,
+                                repeats=2 if quick else 3)
         n = 1 << (22 if quick else 25)  # 16 / 128 MiB fp32
         x = torch.ones(n)
         y = torch.empty(n)

@@ -20,13 +20,13 @@ size is elements, except attention (its executed forward FLOPs, work.py's
 ``attn_exec_flops``, plus a ``softmax`` term per causal score: fitted jointly over head
 widths, as a narrow head spends more of its time in the softmax), the embedding's
 backward (``vocab x dim + tokens x dim``: it zeroes the whole table) and ``copy`` (bytes:
-the engine's gather copy-out, gradient packing and averaging); ``linear`` is what
-``F.linear`` costs beyond its multiplies (transposes, views, autograd nodes: a fixed cost
-per call). A backward is timed as one ``autograd.grad`` call, whose own fixed cost (a
-training step pays it once) is subtracted. The optimizer update (the
+the engine's gather copy-out, gradient packing and averaging). A backward is timed as one
+``autograd.grad`` call, whose own fixed cost (a training step pays it once) is
+subtracted. The optimizer update (the
 engine's foreach norm, the clip and ``torch.optim.AdamW.step`` over per-parameter
 tensors) is fitted per tensor and per element. Matrix multiplies keep the device's
-efficiency curve (hardware.py), fitted on the same machine.
+efficiency curve (hardware.py), fitted on ``F.linear`` forward and backward at linear
+shapes (``cpu_bench.measure_linear``), as the trainer multiplies.
 
 Collectives are timed per kind as the engine issues them on Gloo (all-gather into a flat
 buffer, the reduce-scatter as an all-to-all plus a local sum, all-reduce, a send/receive
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 __all__ = ["Fit", "Kernel", "CpuCosts", "KERNELS", "COLLECTIVES"]
 
 KERNELS = ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual", "attention", "softmax",
-           "embedding", "cross_entropy", "copy", "linear")
+           "embedding", "cross_entropy", "copy")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
 
 

@@ -46,8 +46,7 @@ def _calls(spec, tokens: float, seq: int, tp: int, sp: bool, exec_flops: float):
     calls = [("rmsnorm", rep * d, 2), ("residual", rep * d, 2), ("rope", tokens * h * hd, 1),
              ("rope", tokens * kv * hd, 1), ("swiglu", tokens * spec.ffn_dim // tp, 1),
              # the flash kernel: its multiplies (FLOPs) and its softmax (causal scores)
-             ("attention", exec_flops, 1), ("softmax", tokens * seq * h / 2, 1),
-             ("linear", 1, 7)]  # q, k, v, o; w1, w3, w2: their calls beyond the multiplies
+             ("attention", exec_flops, 1), ("softmax", tokens * seq * h / 2, 1)]
     if kv < h:  # k and v expanded to every query head before the kernel
         calls.append(("repeat_kv", tokens * h * hd, 2))
     return calls
@@ -77,10 +76,8 @@ def head_kernels(hw, spec, tokens: float, tp: int, sp: bool, first: bool, last: 
         bwd += c.kernel("embedding", spec.vocab_size * d + tokens * d, backward=True)
     if last:
         rep = tokens / (tp if sp else 1)
-        fwd += (c.kernel("rmsnorm", rep * d) + c.kernel("cross_entropy", tokens * v)
-                + c.kernel("linear", 1))
-        bwd += (c.kernel("rmsnorm", rep * d, True) + c.kernel("cross_entropy", tokens * v, True)
-                + c.kernel("linear", 1, True))
+        fwd += c.kernel("rmsnorm", rep * d) + c.kernel("cross_entropy", tokens * v)
+        bwd += c.kernel("rmsnorm", rep * d, True) + c.kernel("cross_entropy", tokens * v, True)
     return fwd / hw.memory_efficiency, bwd / hw.memory_efficiency
 
 
