@@ -335,18 +335,20 @@ def _contention_worker(barrier, queue, seconds: float) -> None:
     queue.put(_block_work(seconds))
 
 
-def measure_contention(cores: int, seconds: float = 2.0) -> float:
-    """How much slower one core computes when every core computes ([Note: CPU ranks share
-    the cores]): a Llama block's forward and backward on each of ``cores`` processes
-    started together (the slowest one's median) over the same on one process alone
-    (>= 1). Measured here: 1.18 on the block, against 1.07 for a square multiply alone
-    and 1.03 for SiLU: the trainer's transposed multiplies and its working set share the
-    caches and the memory bandwidth."""
-    if cores <= 1:
-        return 1.0
+def measure_contention(counts: list[int], seconds: float = 2.0) -> dict[int, float]:
+    """How much more CPU time a process needs for the same work when ``k`` compute at once
+    ([Note: CPU ranks share the cores]), for each ``k`` of ``counts``: a Llama block's
+    forward and backward on ``k`` processes started together (the slowest one's median)
+    over the same on one process alone (>= 1). Measured here with every core busy: 1.14-
+    1.18 on the block, against 1.07 for a square multiply alone and 1.03 for SiLU: the
+    trainer's transposed multiplies and its working set share the caches and the memory
+    bandwidth."""
     ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
+    ks = sorted({k for k in counts if k > 1})
+    if not ks:
+        return {}
     out = []
-    for k in (1, cores):
+    for k in [1] + ks:
         barrier, queue = ctx.Barrier(k), ctx.Queue()
         procs = [ctx.Process(target=_contention_worker, args=(barrier, queue, seconds))
                  for _ in range(k)]
@@ -357,7 +359,7 @@ def measure_contention(cores: int, seconds: float = 2.0) -> float:
         finally:
             for p in procs:
                 p.join(timeout=10)
-    return max(1.0, out[1] / out[0])
+    return {k: max(1.0, t / out[0]) for k, t in zip(ks, out[1:], strict=True)}
 
 
 def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
@@ -369,7 +371,7 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
         kernels, opt = measure_kernels(quick), measure_optimizer()
     finally:
         torch.set_num_threads(threads)
-    busy = measure_contention(cores, seconds=0.5 if quick else 2.0)
+    busy = measure_contention([cores, ranks], seconds=0.5 if quick else 2.0)
     sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
                                                         1 << 23]
     rows = {w: measure_gloo(w, sizes, calls=3 if quick else 5) for w in sorted({2, ranks})}

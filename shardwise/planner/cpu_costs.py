@@ -37,7 +37,7 @@ message).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Fit", "Kernel", "CpuCosts", "KERNELS", "COLLECTIVES"]
 
@@ -74,22 +74,28 @@ class CpuCosts:
         optimizer: seconds per parameter tensor (latency) and per element (per_unit) of
             the update (norm, clip, AdamW step).
         collectives: kind -> group size -> fit of seconds against payload bytes.
-        all_cores: see below.
+        busy: processes computing at once -> how much slower each computes (see below).
     """
 
     kernels: dict[str, Kernel]
     optimizer: Fit
     collectives: dict[str, dict[int, Fit]]
-    all_cores: float = 1.0
-    """How much slower a core computes while every core computes (shared clock, caches
-    and memory bandwidth), measured; 1 with a single core."""
+    busy: dict[int, float] = field(default_factory=dict)
+    """Measured: with ``k`` processes computing at once, how much more CPU time each
+    needs for the same work (every core busy: shared clock, caches and memory bandwidth;
+    more processes than cores: time-slicing too, each slice starting on cold caches)."""
 
-    def contention(self, busy: int, cores: int) -> float:
-        """The slowdown of each rank's compute with ``busy`` of ``cores`` cores computing:
-        1 for one, ``all_cores`` for all, linear between."""
-        if cores <= 1 or busy <= 1:
+    def contention(self, ranks: int, cores: int) -> float:
+        """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores:
+        1 for one rank, the measured ratios at the measured counts, linear between them
+        (the largest measured beyond)."""
+        pts = sorted({1: 1.0, **self.busy}.items())
+        if ranks <= 1 or len(pts) == 1:
             return 1.0
-        return 1.0 + (self.all_cores - 1.0) * (min(busy, cores) - 1) / (cores - 1)
+        for (k0, r0), (k1, r1) in zip(pts, pts[1:]):
+            if ranks <= k1:
+                return r0 + (r1 - r0) * (ranks - k0) / (k1 - k0)
+        return pts[-1][1]
 
     def kernel(self, name: str, size: float, backward: bool = False, calls: int = 1) -> float:
         """Seconds of ``calls`` calls of kernel ``name`` of ``size`` each (0 if the
@@ -137,7 +143,7 @@ class CpuCosts:
                         .get(kind, {}).items()} for kind in COLLECTIVES}
         opt = fit(t.get("optimizer", [0.0, 0.0]), "optimizer")
         return cls(kernels, opt, {k: v for k, v in colls.items() if v},
-                   float(t.get("all_cores", 1.0)))
+                   {int(k): float(v) for k, v in t.get("busy", {}).items()})
 
     def toml_lines(self, prefix: str = "local") -> list[str]:
         """This record as the ``[<prefix>.cpu]`` tables of a calibration file."""
@@ -147,7 +153,8 @@ class CpuCosts:
                          f"{k.bwd.latency:.6g}, {k.bwd.per_unit:.6g}]")
         lines.append(f"optimizer = [{self.optimizer.latency:.6g}, "
                      f"{self.optimizer.per_unit:.6g}]")
-        lines.append(f"all_cores = {self.all_cores:.4g}")
+        lines.append("busy = { " + ", ".join(f"{k} = {v:.4g}" for k, v in
+                                             sorted(self.busy.items())) + " }")
         lines.append(f"[{prefix}.cpu.collectives]")
         for kind, by_world in self.collectives.items():
             inner = ", ".join(f"{w} = [{f.latency:.6g}, {f.per_unit:.6g}]"

@@ -16,11 +16,13 @@ the time-sharing of the group that measured them. Communication waits (a collect
 waiting for a peer still computing) cost no CPU and are not part of a rank's busy seconds.
 
 Cores are not independent either: they share the clock budget (a lone busy core runs at a
-higher boost frequency), the last-level cache and the memory bandwidth. The calibration
-times a Llama block's forward and backward on one process alone and on every core at once
-(measured here: 1.18x slower; the debug model's multiplies took 1.32x longer at 2 ranks
-than at 1 in a profile); the ratio (``CpuCosts.all_cores``) slows every rank's compute
-when several cores are busy (interpolated between one and all).
+higher boost frequency), the last-level cache and the memory bandwidth; and a process
+time-sliced with others restarts every slice on caches they filled. The calibration times
+a Llama block's forward and backward on one process alone, on as many processes as cores
+and on as many as the ranks it calibrates for (measured here, every core busy: 1.14-1.18x
+the CPU time; the debug model's multiplies took 1.32x longer at 2 ranks than at 1 in a
+profile); those ratios (``CpuCosts.busy``) slow every rank's compute with as many ranks
+running (interpolated between the measured counts).
 """
 
 from __future__ import annotations
@@ -212,7 +214,7 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
         return engine_copy_seconds(hw, _rank_units(cm, L, lay, f, la), world, L.zero, gathers,
                                    wl.act_bytes, wl.param_bytes)
 
-    slow = hw.cpu.contention(L.gpus, hw.cores or 1)  # every busy core computes slower
+    slow = hw.cpu.contention(L.gpus, hw.cores or 1)  # busy cores compute slower
     for k in ("compute", "optimizer", "pp_bubble"):
         breakdown[k] *= slow
     own = slow * copies(layers, first, last)
