@@ -81,7 +81,7 @@ GRID = [("debug", 1, {"parallel.stage": "0"}),
         ("small", 2, {"parallel.pp": "2", "parallel.pp_microbatches": "2",
                       "parallel.stage": "2", "train.batch_size": "8"}),
         ("small", 4, {"parallel.stage": "3"})]
-STEPS = {"debug": 5, "small": 3}  # timed steps (after the first, memory-tracked step)
+STEPS = {"debug": 8, "small": 5}  # timed steps (after the first, memory-tracked step)
 KINDS = ("params", "grads", "optimizer", "whole_grads", "transient", "activations")
 
 

@@ -87,7 +87,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"`python bench/planner_bench.py` ({meta['rounds']} rounds, seq {meta['seq']}, "
         f"batch {meta['batch']} sequences per data rank, one thread per rank, "
         f"{meta['cores']} cores; "
-        f"{'%d timed steps per case' % steps if steps else '5 (debug) / 3 (small) timed steps'}"
+        f"{'%d timed steps per case' % steps if steps else '8 (debug) / 5 (small) timed steps'}"
         f"; calibration {meta['calibration_s']:.0f} s, whole run "
         f"{meta.get('duration_s', 0) / 60:.0f} min). Error = predicted / measured - 1, per "
         f"round; targets: step time (the median step, wall clock) within +-15%, memory "
