@@ -237,9 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(OUT), help="where the .md and .json go")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite the tables from the committed JSON, measure nothing")
+    p.add_argument("--repredict", action="store_true",
+                   help="with --report-only: predict every row again with this planner, "
+                        "from the run's own calibration")
     args = p.parse_args(argv)
     if args.report_only:
-        report_only(Path(args.out))
+        report_only(Path(args.out), args.repredict)
         return
     from shardwise.planner.calibrate import usable_cores
     from shardwise.planner.hardware import get_hardware
@@ -260,17 +263,27 @@ def main(argv: list[str] | None = None) -> None:
     print(write_results(rows, meta, hw, inputs, Path(args.out)))
 
 
-def report_only(out: Path = OUT) -> None:
-    """Rewrite the markdown (and the refit) from ``out``/planner_bench.json."""
+def report_only(out: Path = OUT, repredict: bool = False) -> None:
+    """Rewrite the markdown (and the refit) from ``out``/planner_bench.json; with
+    ``repredict``, every row's prediction is made again by this planner from the run's
+    own calibration (the measurements are the run's)."""
     import json
 
     from shardwise.compat import tomllib
     from shardwise.planner.hardware import get_hardware
+    from shardwise.train.preflight import build_model_config
 
     data = json.loads((out / "planner_bench.json").read_text())
-    hw = get_hardware("local", extra_tables=[tomllib.loads(data["meta"]["calibration"])])
-    inputs = _inputs(data["rows"], data["meta"]["seq"], data["meta"]["batch"], hw)
-    print(write_results(data["rows"], data["meta"], hw, inputs, out))
+    meta = data["meta"]
+    hw = get_hardware("local", extra_tables=[tomllib.loads(meta["calibration"])])
+    if repredict:
+        by_name = {_name(*g): g for g in GRID}
+        for r in data["rows"]:
+            cfg = _config(*by_name[r["case"]], meta["seq"], meta["batch"])
+            r["pred"] = _predict(cfg, build_model_config(cfg), hw)
+        meta["repredicted"] = True
+    inputs = _inputs(data["rows"], meta["seq"], meta["batch"], hw)
+    print(write_results(data["rows"], meta, hw, inputs, out))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,9 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta.get('duration_s', 0) / 60:.0f} min). Error = predicted / measured - 1, per "
         f"round; targets: step time (the median step, wall clock) within +-15%, memory "
         f"within +-10%, in every round. Load = `os.getloadavg()` (1 min) when each round's "
-        f"case started.",
+        f"case started."
+        + (" Predictions made again from the run's calibration by a later planner "
+           "(`--report-only --repredict`)." if meta.get("repredicted") else ""),
         "",
         "| case | layout | bottleneck | step predicted s | measured s (rounds) | error | "
         "best step s | CPU s/step | error | memory predicted MiB | measured MiB | error | "

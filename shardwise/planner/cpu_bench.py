@@ -361,7 +361,10 @@ def _contention_worker(barrier, queue, seconds: float) -> None:
 
 def measure_contention(counts: list[int], seconds: float = 2.0) -> dict[int, float]:
     """How much more CPU time a process needs for the same work when ``k`` compute at once
-    ([Note: CPU ranks share the cores]), for each ``k`` of ``counts``: a Llama block's
+    ([Note: CPU ranks share the cores]), for each ``k`` of ``counts`` (the calibration asks
+    for every core busy; more processes than cores measured 1.00-1.04 here on an idle
+    machine, and far more whenever another job was running, so it is not asked): a Llama
+    block's
     forward and backward on ``k`` processes started together (the slowest one's median)
     over the same on one process alone (>= 1). Measured here with every core busy: 1.14-
     1.18 on the block, against 1.07 for a square multiply alone and 1.03 for SiLU: the
@@ -395,7 +398,7 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
         kernels, opt = measure_kernels(quick), measure_optimizer()
     finally:
         torch.set_num_threads(threads)
-    busy = measure_contention([cores, ranks], seconds=0.5 if quick else 2.0)
+    busy = measure_contention([cores], seconds=0.5 if quick else 2.0)
     sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
                                                         1 << 23]
     rows = {w: measure_gloo(w, sizes, calls=5 if quick else 21) for w in sorted({2, ranks})}

@@ -81,15 +81,16 @@ class CpuCosts:
     optimizer: Fit
     collectives: dict[str, dict[int, Fit]]
     busy: dict[int, float] = field(default_factory=dict)
-    """Measured: with ``k`` processes computing at once, how much more CPU time each
-    needs for the same work (every core busy: shared clock, caches and memory bandwidth;
-    more processes than cores: time-slicing too, each slice starting on cold caches)."""
+    """Measured: with ``k`` processes computing at once on as many cores, how much more CPU
+    time each needs for the same work (shared clock, caches and memory bandwidth)."""
 
     def contention(self, ranks: int, cores: int) -> float:
-        """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores:
-        1 for one rank, the measured ratios at the measured counts, linear between them
-        (the largest measured beyond)."""
-        pts = sorted({1: 1.0, **self.busy}.items())
+        """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores: 1
+        for one rank, the measured ratios up to every core busy (linear between), and the
+        every-core ratio beyond (time-slicing more ranks over the cores adds nothing
+        measurable to a rank's CPU time: 1.00-1.04 here on 4 processes over 2 cores)."""
+        pts = sorted({1: 1.0, **{k: v for k, v in self.busy.items() if k <= cores}}.items())
+        ranks = min(ranks, cores)
         if ranks <= 1 or len(pts) == 1:
             return 1.0
         for (k0, r0), (k1, r1) in zip(pts, pts[1:]):

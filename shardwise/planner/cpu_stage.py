@@ -16,13 +16,12 @@ the time-sharing of the group that measured them. Communication waits (a collect
 waiting for a peer still computing) cost no CPU and are not part of a rank's busy seconds.
 
 Cores are not independent either: they share the clock budget (a lone busy core runs at a
-higher boost frequency), the last-level cache and the memory bandwidth; and a process
-time-sliced with others restarts every slice on caches they filled. The calibration times
-a Llama block's forward and backward on one process alone, on as many processes as cores
-and on as many as the ranks it calibrates for (measured here, every core busy: 1.14-1.18x
-the CPU time; the debug model's multiplies took 1.32x longer at 2 ranks than at 1 in a
-profile); those ratios (``CpuCosts.busy``) slow every rank's compute with as many ranks
-running (interpolated between the measured counts).
+higher boost frequency), the last-level cache and the memory bandwidth. The calibration
+times a Llama block's forward and backward on one process alone and on as many processes
+as cores (measured here, every core busy: 1.03-1.18x the CPU time, depending on what else
+the machine ran; the debug model's multiplies took 1.32x longer at 2 ranks than at 1 in a
+profile); that ratio (``CpuCosts.busy``) slows every rank's compute once every core is
+busy (interpolated below).
 """
 
 from __future__ import annotations
