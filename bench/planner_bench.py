@@ -209,7 +209,7 @@ def _inputs(rows: list[dict[str, Any]], seq: int, batch: int, hw) -> list[tuple]
 def _measure_round(rows, grid, args, hw, rnd: int) -> None:
     from shardwise.train.preflight import build_model_config
 
-    for row, (model, ranks, over) in zip(rows, grid):
+    for row, (model, ranks, over) in zip(rows, grid, strict=True):
         cfg = _config(model, ranks, over, args.seq, args.batch)
         row["pred"] = _predict(cfg, build_model_config(cfg), hw)
         got = run_case(model, ranks, over, args.seq, args.batch, args.steps)

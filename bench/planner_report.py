@@ -133,7 +133,7 @@ def refit_report(rows: list[dict[str, Any]], fitted, preds: list[float]) -> str:
              "", "| case | fit on | step predicted s | measured s (rounds) | error | within |",
              "| --- | --- | --- | --- | --- | --- |"]
     ok = n = 0
-    for r, p in zip(rows, preds):
+    for r, p in zip(rows, preds, strict=True):
         good = all(_ok(p, r["step"], STEP_TOL))
         held = r["case"] not in FIT_CASES
         ok, n = ok + (good and held), n + held
@@ -148,7 +148,7 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], hw, inputs: 
                   out: Path = OUT) -> str:
     """Refit, then write ``out``/planner_bench.{md,json}; returns the markdown."""
     fitted, preds = refit(rows, hw, inputs)
-    for r, p in zip(rows, preds):
+    for r, p in zip(rows, preds, strict=True):
         r["refit_step_time"] = p
     meta["refit"] = {"cases": list(FIT_CASES), "matmul_max": fitted.matmul_max,
                      "memory_efficiency": fitted.memory_efficiency}

@@ -93,7 +93,7 @@ class CpuCosts:
         ranks = min(ranks, cores)
         if ranks <= 1 or len(pts) == 1:
             return 1.0
-        for (k0, r0), (k1, r1) in zip(pts, pts[1:]):
+        for (k0, r0), (k1, r1) in zip(pts, pts[1:], strict=False):
             if ranks <= k1:
                 return r0 + (r1 - r0) * (ranks - k0) / (k1 - k0)
         return pts[-1][1]
