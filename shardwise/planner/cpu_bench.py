@@ -7,29 +7,21 @@ collectives, each timed at a few sizes and fitted.
 Kernels are timed on one thread (what a training rank runs), each the least CPU time of
 this thread over several calls (``time.thread_time``: the time slices other processes take
 on a shared machine are not counted, and the minimum filters out their cache pollution).
-Collectives run on real Gloo ranks through the engine's own calls
-(``shardwise.distributed.comm``), met as the trainer meets them: every rank computes a few
-milliseconds, then calls the collective, timed from the call to its return, averaged over
-the calls and the ranks. That is what a collective adds to a step on saturated cores: its
-latency and copies, and the wait for a peer still computing (with two ranks the mean wait
-is half the mean difference of their compute times, what the slower one costs the step);
-measured here at 2 ranks: 1.8-3.9 ms for all-gathers of 4 KB-1 MB that take 0.6-1.9 ms
-back to back. Under time-sharing (more ranks than cores) the slices the others take are
-part of it too.
+The engine's collectives are measured by cpu_gloo.py.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from shardwise.planner.cpu_costs import CpuCosts, Fit, Kernel
+from shardwise.planner.cpu_costs import CpuCosts, Fit, Kernel, fit_terms
+from shardwise.planner.cpu_gloo import fit_collectives, measure_gloo
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
            "measure_contention", "measure_linear", "fit_terms", "fit_collectives",
@@ -46,25 +38,6 @@ def _best(fn, repeats: int = 3, min_seconds: float = 0.02, max_calls: int = 50) 
         best = min(best, time.thread_time() - t0)
         calls += 1
     return best
-
-
-def fit_terms(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
-    """Non-negative coefficients ``c`` with ``seconds ~ sum(c_j x_j)``, least squares on the
-    relative error, from ``((x_1, ..., x_k), seconds)`` rows (a term whose coefficient
-    comes out negative is dropped and the rest refitted)."""
-    k = len(rows[0][0])
-    keep = list(range(k))
-    while keep:
-        a = torch.tensor([[x[j] / t for j in keep] for x, t in rows], dtype=torch.float64)
-        sol = torch.linalg.lstsq(a, torch.ones(len(rows), 1, dtype=torch.float64)).solution
-        coef = sol.flatten().tolist()
-        if min(coef) >= 0:
-            out = [0.0] * k
-            for j, c in zip(keep, coef, strict=True):
-                out[j] = c
-            return out
-        keep = [j for j, c in zip(keep, coef, strict=True) if c >= 0]
-    return [0.0] * k
 
 
 def _fwd_bwd(make, sizes, engine: float = 0.0) -> Kernel:
@@ -215,116 +188,6 @@ def measure_optimizer() -> Fit:
             opt.step()
         rows.append(((k, k * n), _best(update)))
     return Fit(*fit_terms(rows))
-
-
-def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
-                 queue) -> None:
-    import torch.distributed as dist
-
-    from shardwise.distributed import comm_objects
-    from shardwise.distributed.env import quiet_flight_recorder
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    quiet_flight_recorder("gloo")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    a, b = torch.randn(256, 256), torch.randn(256, 1024)
-
-    def compute():  # about 5 ms of multiplies on one thread, as between two collectives
-        for _ in range(3):
-            torch.mm(a, b)
-
-    rows = []
-    for nbytes in sizes:
-        for kind, fn in _gloo_ops(rank, world, nbytes).items():
-            comm_objects.barrier(label="calibrate")
-            compute()
-            fn()
-            times = []
-            for _ in range(calls):  # the same calls on every rank
-                compute()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            rows.append((kind, nbytes, _trimmed_mean(times)))
-    queue.put(rows)
-    dist.destroy_process_group()
-
-
-def _trimmed_mean(times: list[float]) -> float:
-    """The mean of the middle 80% (a rank's waits are skewed: the mean is what a step
-    pays, the extremes are other jobs' time slices)."""
-    t = sorted(times)
-    cut = len(t) // 10
-    mid = t[cut:len(t) - cut] or t
-    return sum(mid) / len(mid)
-
-
-def _gloo_ops(rank: int, world: int, nbytes: int) -> dict:
-    """The engine's collectives on payloads of ``nbytes`` (see :func:`measure_gloo`)."""
-    from shardwise.distributed import comm
-
-    numel = max(1, nbytes // 4)
-    shard, out = torch.ones(numel), torch.empty(numel * world)
-    full, scratch = torch.ones(numel * world), torch.empty(numel * world)
-    peer = rank ^ 1 if (rank ^ 1) < world else rank
-    return {"all_gather": lambda: comm.all_gather_into_tensor(out, shard, label="cal"),
-            "reduce_scatter": lambda: comm.reduce_scatter_tensor(shard, full, label="cal",
-                                                                scratch=scratch),
-            "all_reduce": lambda: comm.all_reduce(shard, label="cal"),
-            "send_recv": lambda: _send_recv(shard, rank, peer)}
-
-
-def _send_recv(t: torch.Tensor, rank: int, peer: int) -> None:
-    import torch.distributed as dist
-
-    if peer == rank:
-        return
-    ops = [dist.P2POp(dist.isend if rank < peer else dist.irecv, t, peer),
-           dist.P2POp(dist.irecv if rank < peer else dist.isend, t, peer)]
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
-
-
-def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float = 300.0
-                 ) -> list[tuple[str, int, float]]:
-    """(kind, payload bytes, seconds) of the engine's collectives on ``world`` Gloo ranks,
-    each met after a few milliseconds of compute (see the module docstring; payload: the
-    gathered shard, the reduced shard, the all-reduced tensor, one message each way)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, sizes, calls, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        per_rank = [queue.get(timeout=timeout_s) for _ in procs]
-    except Exception:  # queue.Empty: a rank died or hung; its traceback is on stderr
-        raise RuntimeError(f"collective micro-benchmark on {world} Gloo ranks did not finish "
-                           f"within {timeout_s:.0f} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    # every rank's mean wait: the one that arrives late waits little, the others more
-    return [(k, b, sum(r[i][2] for r in per_rank) / len(per_rank))
-            for i, (k, b, _) in enumerate(per_rank[0])]
-
-
-def fit_collectives(rows_by_world: dict[int, list[tuple[str, int, float]]]
-                    ) -> dict[str, dict[int, Fit]]:
-    """kind -> group size -> ``latency + bytes / bandwidth`` fit."""
-    out: dict[str, dict[int, Fit]] = {}
-    for world, rows in rows_by_world.items():
-        for kind in sorted({k for k, _, _ in rows}):
-            pts = [((1.0, float(b)), t) for k, b, t in rows if k == kind]
-            out.setdefault(kind, {})[world] = Fit(*fit_terms(pts))
-    return out
 
 
 def _block_work(seconds: float) -> float:

@@ -39,7 +39,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Fit", "Kernel", "CpuCosts", "KERNELS", "COLLECTIVES"]
+import torch
+
+__all__ = ["Fit", "Kernel", "CpuCosts", "KERNELS", "COLLECTIVES", "fit_terms"]
 
 KERNELS = ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual", "attention", "softmax",
            "embedding", "cross_entropy", "copy")
@@ -162,3 +164,22 @@ class CpuCosts:
                               for w, f in sorted(by_world.items()))
             lines.append(f"{kind} = {{ {inner} }}")
         return lines
+
+
+def fit_terms(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
+    """Non-negative coefficients ``c`` with ``seconds ~ sum(c_j x_j)``, least squares on the
+    relative error, from ``((x_1, ..., x_k), seconds)`` rows (a term whose coefficient
+    comes out negative is dropped and the rest refitted)."""
+    k = len(rows[0][0])
+    keep = list(range(k))
+    while keep:
+        a = torch.tensor([[x[j] / t for j in keep] for x, t in rows], dtype=torch.float64)
+        sol = torch.linalg.lstsq(a, torch.ones(len(rows), 1, dtype=torch.float64)).solution
+        coef = sol.flatten().tolist()
+        if min(coef) >= 0:
+            out = [0.0] * k
+            for j, c in zip(keep, coef, strict=True):
+                out[j] = c
+            return out
+        keep = [j for j, c in zip(keep, coef, strict=True) if c >= 0]
+    return [0.0] * k
