@@ -5,10 +5,12 @@ measured steps.
     hw = calibrate(measurements, get_hardware("h100"))  # fit constants to measured steps
 
 [Note: calibration] ``measure_local`` runs short micro-benchmarks: matrix multiplies of
-growing size (achieved FLOP/s by size, fitted to the efficiency curve of hardware.py), a
-large copy (memory bandwidth), and all-reduces and all-gathers on real Gloo ranks for each
-group size and several message sizes (latency and bandwidth fitted to the alpha-beta model
-of comm_model.py through the byte formulas of ``shardwise.distributed.comm_bytes``). The
+growing size as the trainer runs them (``F.linear`` forward and backward at linear shapes;
+achieved FLOP/s by size, fitted to the efficiency curve of hardware.py), a large copy
+(memory bandwidth), and all-reduces and all-gathers on real Gloo ranks for each group size
+and several message sizes (latency and bandwidth fitted to the alpha-beta model of
+comm_model.py through the byte formulas of ``shardwise.distributed.comm_bytes``), then the
+CPU rank's kernels, update and collectives of [Note: CPU kernels] (cpu_bench.py). The
 result is written as a hardware-catalogue entry named ``local`` (so every later prediction
 reads it like any device), with the raw measurements beside it.
 
@@ -32,10 +34,12 @@ import torch
 
 from shardwise.distributed import comm_bytes
 from shardwise.planner.cost_model import CostModel
+from shardwise.planner.cpu_bench import LINEAR_SHAPES, measure_cpu, measure_linear
+from shardwise.planner.cpu_costs import CpuCosts
 from shardwise.planner.fit import fit_constants, log_error
 
 __all__ = ["StepMeasurement", "calibrate", "measure_local", "write_calibration",
-           "fit_matmul_curve", "fit_alpha_beta"]
+           "fit_matmul_curve", "fit_alpha_beta", "usable_cores"]
 
 _FITTABLE = {"matmul_max": (0.05, 1.5), "memory_efficiency": (0.05, 1.5),
              "intra_efficiency": (0.02, 1.5), "inter_efficiency": (0.02, 1.5)}
@@ -107,17 +111,24 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
 
 
 # ---------------------------------------------------------------------- micro-benchmarks
-def _time(fn, repeats: int, min_seconds: float = 0.05, max_calls: int = 200) -> float:
+def _time(fn, repeats: int, min_seconds: float = 0.05, max_calls: int = 200,
+          clock=time.perf_counter) -> float:
     """Best of at least ``repeats`` calls, and of as many more as fit in ``min_seconds``:
-    the minimum filters out the time slices other processes take on a shared machine."""
+    the minimum filters out the time slices other processes take on a shared machine.
+    ``clock=time.thread_time`` (single-threaded kernels) does not count them at all."""
     fn()
     best, calls, start = math.inf, 0, time.perf_counter()
     while calls < repeats or (time.perf_counter() - start < min_seconds and calls < max_calls):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
         calls += 1
     return best
+
+
+def _kernel_clock():
+    """One thread: its own CPU time (other processes' time slices not counted)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
 def measure_matmul(sizes: list[int], repeats: int = 3) -> list[tuple[float, float]]:
@@ -125,7 +136,8 @@ def measure_matmul(sizes: list[int], repeats: int = 3) -> list[tuple[float, floa
     out = []
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        out.append((2.0 * n ** 3, _time(lambda a=a, b=b: torch.mm(a, b), repeats)))
+        out.append((2.0 * n ** 3, _time(lambda a=a, b=b: torch.mm(a, b), repeats,
+                                        clock=_kernel_clock())))
     return out
 
 
@@ -232,24 +244,38 @@ class LocalMeasurements:
     collectives: dict[int, list[tuple[str, int, float]]] = field(default_factory=dict)
     ranks: int = 2
     memory_bytes: float = 0.0
+    cores: int = 0
+    cpu: CpuCosts | None = None
+    """The trainer's kernels, update and collectives on CPU ranks ([Note: CPU kernels])."""
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a ``taskset`` or a container's
+    cpuset, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeasurements:
     """Run the micro-benchmarks (about ``budget_s`` seconds; smaller budgets measure
     fewer sizes) on this machine's CPU and Gloo ranks."""
     quick = budget_s < 15
-    ranks = ranks or max(2, min(4, os.cpu_count() or 2))
-    sizes = [64, 128, 256, 384] if quick else [64, 128, 256, 512, 768, 1024]
+    cores = usable_cores()
+    ranks = ranks or max(2, min(4, cores))
     threads = torch.get_num_threads()
     # One rank's share of the cores, as each training rank gets: it is one rank's speed
     # that is priced, and fewer threads than cores avoid waiting on descheduled ones.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    torch.set_num_threads(max(1, cores // ranks))
     try:
-        matmul = measure_matmul(sizes, repeats=2 if quick else 3)
+        # the trainer's multiplies: F.linear forward and backward at linear shapes
+        matmul = measure_linear(LINEAR_SHAPES[:5] if quick else LINEAR_SHAPES,
+                                repeats=2 if quick else 3)
         n = 1 << (22 if quick else 25)  # 16 / 128 MiB fp32
         x = torch.ones(n)
         y = torch.empty(n)
-        copy = 2 * 4 * n / _time(lambda: y.copy_(x), 2 if quick else 4)
+        copy = 2 * 4 * n / _time(lambda: y.copy_(x), 2 if quick else 4, clock=_kernel_clock())
     finally:
         torch.set_num_threads(threads)
     msg = [4096, 65536, 1 << 20] if quick else [4096, 65536, 1 << 20, 1 << 23]
@@ -257,7 +283,8 @@ def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeas
     for world in sorted({2, ranks}):
         coll[world] = measure_collectives(world, msg, repeats=2 if quick else 3)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return LocalMeasurements(matmul, copy, coll, ranks, float(mem))
+    cpu = measure_cpu(ranks, quick, cores)  # kernels on one thread, as a training rank runs them
+    return LocalMeasurements(matmul, copy, coll, ranks, float(mem), cores, cpu)
 
 
 def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
@@ -279,6 +306,7 @@ def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
              f"hbm_gib = {per_rank / 2**30:.4g}",
              f"hbm_gbs = {meas.copy_bandwidth / 1e9:.4g}",
              f"gpus_per_node = {meas.ranks}",
+             f"cores = {meas.cores}", 'backend = "gloo"',
              f"intra_gbs = {beta / 1e9:.4g}", f"inter_gbs = {beta / 1e9:.4g}",
              f"intra_latency_us = {alpha * 1e6:.4g}", f"inter_latency_us = {alpha * 1e6:.4g}",
              f"pcie_gbs = {meas.copy_bandwidth / 1e9:.4g}",
@@ -294,6 +322,8 @@ def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
     for world, rows in meas.collectives.items():
         lines.append(f"collectives_{world}_ranks = [" + ", ".join(
             f'["{k}", {b}, {t:.6g}]' for k, b, t in rows) + "]")
+    if meas.cpu is not None:
+        lines += [""] + meas.cpu.toml_lines("local")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -60,23 +60,43 @@ def _phase(link: Link, steps: float, nbytes: float) -> float:
     return 0.0 if nbytes <= 0 else steps * link.latency + nbytes / link.bandwidth
 
 
+def _measured(hw: Hardware, kind: str, size: int, nbytes: float) -> float | None:
+    """The calibration's time for this collective on CPU ranks ([Note: CPU kernels] in
+    cpu_costs.py), or None (GPUs, or a kind it did not measure)."""
+    return None if hw.cpu is None else hw.cpu.collective(kind, size, nbytes)
+
+
 def all_gather_time(shard_bytes: float, g: Group, hw: Hardware) -> float:
     """Seconds for an all-gather of ``shard_bytes`` per rank over ``g``."""
     if g.size <= 1:
         return 0.0
+    t = _measured(hw, "all_gather", g.size, shard_bytes)
+    if t is not None:
+        return t
     m, k = g.nodes, g.per_node
     inter = comm_bytes.all_gather_bytes(m, int(shard_bytes))[0]
     intra = comm_bytes.all_gather_bytes(k, int(m * shard_bytes))[0]
     return _phase(hw.inter, m - 1, inter) + _phase(hw.intra, k - 1, intra)
 
 
-reduce_scatter_time = all_gather_time  # the same steps and bytes, in the other direction
+def reduce_scatter_time(shard_bytes: float, g: Group, hw: Hardware) -> float:
+    """Seconds for a reduce-scatter whose output is ``shard_bytes`` per rank over ``g``:
+    an all-gather's steps and bytes in the other direction."""
+    if g.size <= 1:
+        return 0.0
+    t = _measured(hw, "reduce_scatter", g.size, shard_bytes)
+    if t is not None:
+        return t
+    return all_gather_time(shard_bytes, g, hw)
 
 
 def all_reduce_time(nbytes: float, g: Group, hw: Hardware) -> float:
     """Seconds for an all-reduce of ``nbytes`` over ``g`` (hierarchical, tree latency)."""
     if g.size <= 1:
         return 0.0
+    t = _measured(hw, "all_reduce", g.size, nbytes)
+    if t is not None:
+        return t
     m, k = g.nodes, g.per_node
     intra = comm_bytes.all_reduce_bytes(k, int(nbytes))[0]
     inter = comm_bytes.all_reduce_bytes(m, int(nbytes / k))[0]
@@ -117,6 +137,9 @@ def dispatch_time(token_bytes: float, tokens: float, top_k: int, g: Group, hw: H
 
 def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware) -> float:
     """Seconds for one point-to-point message between neighbouring pipeline stages."""
+    t = _measured(hw, "send_recv", 2, nbytes)
+    if t is not None:
+        return t
     return _phase(hw.inter if across_nodes else hw.intra, 1, nbytes)
 
 

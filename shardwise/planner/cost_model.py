@@ -32,6 +32,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from shardwise.planner import comm_model
+from shardwise.planner.cpu_stage import cpu_step, optimizer_seconds, saturated
+from shardwise.planner.engine_buffers import rank_transient
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import MemoryBreakdown, state_bytes, unit_state
 from shardwise.planner.pipeline import schedule_profile
@@ -143,12 +145,21 @@ class CostModel:
         st = self.states(L, layers, first, last)
         optimizer = 0.0 if L.offload == "cpu" else st.optimizer
         tokens = L.microbatch * wl.seq_len / L.cp
-        tp_buf = 2 * tokens * self.spec.dim * wl.act_bytes if L.tp > 1 else 0.0
+        if hw.cores:  # CPU ranks: the engine's schedule replayed ([Note: buffer replay])
+            unsharded, comm, full_grads = self._cached(
+                ("replay", L.tp, L.ep, L.dp_shard, L.cp, L.zero, L.pp, L.pp_microbatches,
+                 L.comm_weights, L.comm_grads, tuple(layers), first, last),
+                lambda: rank_transient(self.spec, wl, L, layers, first, last))
+            # apply_tp tracks one gathered sequence-parallel input at a time (tp_comm)
+            comm += tokens * self.spec.dim * wl.act_bytes if L.tp > 1 and L.sp else 0.0
+        else:
+            unsharded, full_grads = st.unsharded, st.full_grads
+            comm = st.comm + (2 * tokens * self.spec.dim * wl.act_bytes if L.tp > 1 else 0.0)
         acts = inflight * rt.saved + rt.working
-        frag = FRAGMENTATION * (st.params + st.grads + optimizer + st.unsharded
-                                + st.full_grads + acts)
-        return MemoryBreakdown(st.params, st.grads, optimizer, st.unsharded, st.full_grads,
-                               st.comm + tp_buf, acts, rt.logits, hw.reserved_bytes, frag, r)
+        frag = FRAGMENTATION * (st.params + st.grads + optimizer + unsharded + full_grads
+                                + acts)
+        return MemoryBreakdown(st.params, st.grads, optimizer, unsharded, full_grads, comm,
+                               acts, rt.logits, hw.reserved_bytes, frag, r)
 
     def states(self, L: Layout, layers: list[int], first: bool, last: bool):
         """Model-state bytes of the rank holding ``layers`` (cached)."""
@@ -220,7 +231,8 @@ class CostModel:
             gather *= L.pp_microbatches * (2 if self.wl.reshard_after_forward else 1)
         return gather + red
 
-    def _dp_exposed(self, L: Layout, rt: RankTimes, layers, first, last) -> float:
+    def _dp_exposed(self, L: Layout, rt: RankTimes, layers, first, last,
+                    overlap: bool = True) -> float:
         gather, first_g, red, last_r = self._dp_times(L, layers, first, last)
         m = L.pp_microbatches
         if self.wl.dp_sync_after_backward:
@@ -232,7 +244,7 @@ class CostModel:
         else:
             total_gather = gather
             hidden = max(0.0, gather - rt.fwd) + first_g if gather else 0.0
-        if not self.wl.overlap_dp:
+        if not (self.wl.overlap_dp and overlap):
             return total_gather + red
         return hidden + max(0.0, red - rt.bwd) + last_r
 
@@ -296,14 +308,18 @@ class CostModel:
         p2p_bytes = tokens * spec.dim * wl.act_bytes / split
         across = L.dp * L.cp * L.tp >= hw.gpus_per_node
         t_p2p = comm_model.p2p_time(p2p_bytes, across, hw) if L.pp > 1 else 0.0
-        pp_comm = 2 * (L.pp - 1) * t_p2p + (0.0 if wl.overlap_pp else 2 * L.pp_virtual * m * t_p2p)
+        overlap = not saturated(hw, L.gpus)  # [Note: CPU ranks share the cores]
+        pp_comm = 2 * (L.pp - 1) * t_p2p + (0.0 if wl.overlap_pp and overlap
+                                             else 2 * L.pp_virtual * m * t_p2p)
         _, first, last = self._rank_plan(L, r_star)
-        dp = self._dp_exposed(L, rt, layers, first, last)
+        dp = self._dp_exposed(L, rt, layers, first, last, overlap)
         opt, offload = self._optimizer(L, layers, first, last)
         breakdown = {"compute": m * (rt.fwd + rt.bwd), "tp_comm": m * rt.tp_comm,
                      "cp_comm": m * rt.cp_comm, "ep_all_to_all": m * rt.ep_comm,
                      "pp_bubble": prof.bubble_time, "pp_comm": pp_comm, "dp_comm": dp,
                      "optimizer": opt, "offload": offload}
+        if hw.cpu is not None:
+            cpu_step(self, L, breakdown, layers, first, last)
         step = sum(breakdown.values())
         mems = []
         for r, rtr, lay in ranks:
@@ -332,6 +348,9 @@ class CostModel:
     def _make_optimizer(self, L: Layout, layers, first, last) -> tuple[float, float]:
         root, dense, experts = self._units(L, layers, first, last)
         world = 1 if L.zero == 0 else L.dp_shard * L.cp
+        if self.hw.cpu is not None and L.offload != "cpu" and not experts:
+            units = [root] + [u for u, c in dense.items() for _ in range(c)]
+            return optimizer_seconds(self.hw, units, world), 0.0
         n = self._shard_numel(root, world) if root else 0
         n += sum(c * self._shard_numel(u, world) for u, c in dense.items())
         ew = 1 if L.zero == 0 else max(1, L.dp_shard * L.cp // L.ep)

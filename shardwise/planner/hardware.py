@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from shardwise.planner.cpu_costs import CpuCosts
+
 __all__ = ["Hardware", "Link", "get_hardware", "list_hardware", "load_catalogue",
            "default_calibration_path"]
 
@@ -29,7 +31,7 @@ _FAMILY_KEYS = ("matmul_max", "matmul_half_gflop", "memory_efficiency", "intra_e
 _DEVICE_KEYS = ("description", "family", "peak_tflops", "hbm_gib", "hbm_gbs", "gpus_per_node",
                 "intra_gbs", "inter_gbs", "intra_latency_us", "inter_latency_us", "pcie_gbs",
                 "host_gbs", "host_gib", "reserved_gib", "aliases", "base", "fitted_on",
-                "measured") + _FAMILY_KEYS
+                "measured", "cores", "backend", "cpu") + _FAMILY_KEYS
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,14 @@ class Hardware:
     """FLOPs of a matrix multiply that reaches half of ``matmul_max``."""
     memory_efficiency: float
     fitted_on: str = ""
+    cores: int = 0
+    """CPU cores the ranks of one node share (``local``: measured). 0: each rank has its
+    own device, nothing is time-shared (every GPU entry)."""
+    backend: str = "nccl"
+    """The collective backend the engine uses on this device (``gloo`` on CPU ranks)."""
+    cpu: CpuCosts | None = None
+    """CPU ranks: the measured costs of the kernels the trainer runs and of the Gloo
+    collectives (cpu_costs.py); None on GPUs."""
     intra: Link = field(init=False, repr=False, compare=False)
     """Achievable intra-node link: datasheet bandwidth x ``intra_efficiency``."""
     inter: Link = field(init=False, repr=False, compare=False)
@@ -201,7 +211,9 @@ def _build(name: str, devices: dict[str, dict], families: dict[str, dict]) -> Ha
             matmul_max=float(fam["matmul_max"]),
             matmul_half=float(fam["matmul_half_gflop"]) * 1e9,
             memory_efficiency=float(fam["memory_efficiency"]),
-            fitted_on=str(e.get("fitted_on", fam.get("fitted_on", ""))))
+            fitted_on=str(e.get("fitted_on", fam.get("fitted_on", ""))),
+            cores=int(e.get("cores", 0)), backend=str(e.get("backend", "nccl")),
+            cpu=CpuCosts.from_table(e["cpu"]) if "cpu" in e else None)
     except KeyError as exc:
         raise ValueError(f"hardware {name!r}: missing key {exc.args[0]!r}") from None
 

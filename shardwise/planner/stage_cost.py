@@ -35,10 +35,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from shardwise.planner import comm_model
+from shardwise.planner.cpu_stage import (cpu_pricable, head_kernels, layer_kernels,
+                                         tp_head_comm, tp_layer_comm)
 from shardwise.planner.pipeline import placement
 from shardwise.planner.recompute import layer_ac, replayed_matmuls
-from shardwise.planner.work import (LayerWork, fp8_cast_bytes, head_work, layer_work,
-                                   saved_bytes)
+from shardwise.planner.work import (LayerWork, fp8_cast_bytes, head_saved, head_work,
+                                   layer_work, saved_bytes)
 from shardwise.planner.workload import ATTENTION_DTYPE, DTYPE_BYTES
 
 __all__ = ["LayerTimes", "RankTimes", "StageCoster", "stage_layers"]
@@ -117,10 +119,15 @@ class StageCoster:
             self._layers[key] = self._price_layer(*key)
         return self._layers[key]
 
-    def _compute(self, w: LayerWork, sp: bool, tp: int) -> tuple[float, float, float, float]:
-        """(forward, backward, weight-gradient, attention-forward) seconds."""
+    def _compute(self, w: LayerWork, sp: bool, tp: int, moe: bool = False
+                 ) -> tuple[float, float, float, float]:
+        """(forward, backward, weight-gradient, selective-recompute) seconds."""
         hw, dt = self.hw, self.wl.compute_dtype
         gemm = sum(n * hw.matmul_time(f, dt) for f, n in w.gemms)
+        if dt != "fp8" and cpu_pricable(hw, self.spec, moe):  # [Note: CPU kernels]
+            kf, kb = layer_kernels(hw, self.spec, w.tokens, self.wl.seq_len, tp, sp,
+                                   w.attn_exec_flops)
+            return gemm + kf, 2 * gemm + kb, gemm, kf
         adt = ATTENTION_DTYPE.get(dt, dt)
         attn = w.attn_exec_flops / (hw.peak(adt) * hw.matmul_efficiency(w.attn_unit_flops)) \
             if w.attn_exec_flops else 0.0
@@ -141,7 +148,7 @@ class StageCoster:
         tokens = mb * s / cp
         w = layer_work(spec, moe, tokens, s, tp, ep, wl.attention, wl.act_bytes,
                        wl.fused_kernels, wl.fused_norm)
-        fwd, bwd, wgrad, cheap = self._compute(w, sp, tp)
+        fwd, bwd, wgrad, cheap = self._compute(w, sp, tp, moe)
         attn_fwd = w.attn_exec_flops / (hw.peak("bf16") * hw.matmul_efficiency(
             w.attn_unit_flops)) if w.attn_exec_flops else 0.0
         replayed = replayed_matmuls(spec, moe, tokens, tp, w.gemms) \
@@ -154,7 +161,11 @@ class StageCoster:
         passes = 3 if ac == "full" else 2  # forward, backward (+ the replayed forward)
         g = self.hw.gpus_per_node
         act = tokens * spec.dim * wl.act_bytes
-        tp_comm = self._tp_comm(act, tp, sp, ac, wgrad, replay_gemm) if tp > 1 else 0.0
+        tp_comm = 0.0
+        if tp > 1 and hw.cpu is not None:  # the collectives apply_tp issues, as measured
+            tp_comm = tp_layer_comm(hw, tokens, spec.dim, wl.act_bytes, tp, sp, ac == "full")
+        elif tp > 1:
+            tp_comm = self._tp_comm(act, tp, sp, ac, wgrad, replay_gemm)
         cp_comm = 0.0
         if cp > 1:
             kv = (spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.is_mla else \
@@ -214,14 +225,17 @@ class StageCoster:
         fwd, bwd, wgrad, tpc, cpc, epc, flops, rflops, saved, _ = sums
         tokens = L.microbatch * self.wl.seq_len / L.cp
         logits = 0.0
-        if first:
-            emb = self.hw.memory_time(tokens * spec.dim * (2 * self.wl.act_bytes + 4))
-            fwd, bwd = fwd + emb / 3, bwd + 2 * emb / 3
+        ef, eb = self._head_kernels(L, tokens, first, last)
+        fwd, bwd = fwd + ef, bwd + eb
+        if self.hw.cpu is not None:
+            tpc += tp_head_comm(self.hw, tokens, spec.dim, self.wl.act_bytes, L.tp, L.sp,
+                                first, last)
         if last:
-            hf, loss_bytes, logits = head_work(spec, tokens, L.tp, self.wl.act_bytes)
+            hf, _, logits = head_work(spec, tokens, L.tp, self.wl.act_bytes)
             head = self.hw.matmul_time(hf, self.wl.compute_dtype)
-            loss = self.hw.memory_time(loss_bytes)
-            fwd, bwd, wgrad = fwd + head + loss / 2, bwd + 2 * head + loss / 2, wgrad + head
+            fwd, bwd, wgrad = fwd + head, bwd + 2 * head, wgrad + head
+            saved += head_saved(spec, tokens, L.tp, L.sp, self.wl.act_bytes,
+                                self.wl.fused_kernels)
             flops += hf
             if spec.mtp_layers:  # DeepSeek's multi-token prediction: one more layer + head
                 t = self.layer(spec.is_moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, L.ac)
@@ -231,6 +245,21 @@ class StageCoster:
                 saved += k * t.saved
         return RankTimes(fwd, bwd, wgrad, tpc, cpc, epc, flops, rflops, saved, working,
                          logits, len(layers))
+
+    def _head_kernels(self, L, tokens: float, first: bool, last: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of the embedding and the loss (the head's multiply
+        aside): their kernels on CPU ranks, else the bytes they move."""
+        spec, wl = self.spec, self.wl
+        if cpu_pricable(self.hw, spec):
+            return head_kernels(self.hw, spec, tokens, L.tp, L.sp, first, last)
+        fwd = bwd = 0.0
+        if first:
+            emb = self.hw.memory_time(tokens * spec.dim * (2 * wl.act_bytes + 4))
+            fwd, bwd = fwd + emb / 3, bwd + 2 * emb / 3
+        if last:
+            loss = self.hw.memory_time(head_work(spec, tokens, L.tp, wl.act_bytes)[1])
+            fwd, bwd = fwd + loss / 2, bwd + loss / 2
+        return fwd, bwd
 
     def _layer_kinds(self, layers: list[int], ac: str) -> list[tuple[bool, str, int]]:
         """(MoE feed-forward, checkpointing policy, how many) over ``layers``."""

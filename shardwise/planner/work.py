@@ -21,9 +21,17 @@ inputs and write their outputs once. Eager PyTorch, which shardwise.models and t
 run without compile, launches one kernel per operator and upcasts to fp32 where the code
 does: RMSNorm (``x.float()``, ``pow``, ``mean``, ``* rsqrt``, ``type_as``, ``* weight``)
 moves 36 bytes per bf16 element instead of 4 and keeps an fp32 copy for backward; RoPE
-(upcast, four multiplies, two adds, ``stack``, ``type_as``) moves 48 instead of 4 and keeps
-an fp32 copy of q and k; SwiGLU (``silu`` then ``*``) moves 10 instead of 6. LayerNorm,
-GELU and dropout are single kernels in eager PyTorch too.
+(upcast, four multiplies, two adds, ``stack``, ``type_as``) moves 48 instead of 4 but keeps
+nothing of q and k: it multiplies by cos / sin tables that need no gradient, so autograd
+saves the tables, not its inputs (measured with ``saved_tensors_hooks`` on
+shardwise.models; torchtitan's complex rotation by ``freqs_cis`` saves the same); SwiGLU
+(``silu`` then ``*``) moves 10 instead of 6. LayerNorm, GELU and dropout are single
+kernels in eager PyTorch too.
+
+[Note: flash output] The flash kernel's output is the output projection's input (a view:
+``transpose(1, 2).reshape`` of an output laid out as ``(B, S, H, D)``), so it is one saved
+tensor, listed with the projection's input; the kernel itself adds only its fp32
+log-sum-exp.
 
 [Note: selective recomputation] ``selective`` recomputes the activations that are large and
 cheap to recompute. With unfused attention those are the score-sized tensors of the
@@ -47,7 +55,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["LayerWork", "layer_work", "saved_bytes", "head_work", "op_bytes", "fp8_cast_bytes"]
+__all__ = ["LayerWork", "layer_work", "saved_bytes", "head_work", "head_saved", "op_bytes",
+           "fp8_cast_bytes"]
 
 
 def op_bytes(op: str, a: int, fused: bool) -> float:
@@ -145,7 +154,7 @@ def _attention(spec, t: float, seq: int, tp: int, attention: str, a: int, fused:
     executed = model * (0.5 if attention == "flash" else 1.0)
     saved_tp = a * (h * qk + k_width * qk + v_width * vd) + a * h * vd  # q, k, v, wo input
     if attention == "flash":
-        saved_core = a * h * vd + 4 * h  # kernel output and fp32 log-sum-exp
+        saved_core = 4 * h  # fp32 log-sum-exp; its output is wo's input ([Note: flash output])
         core_bytes = 0.0
     else:
         drop = 3 if spec.dropout else 0  # dropout mask (1 byte) and its output (2)
@@ -154,10 +163,7 @@ def _attention(spec, t: float, seq: int, tp: int, attention: str, a: int, fused:
     rope = cheap_tp = 0.0
     if spec.position == "rope":
         width = (h + k_width) * (spec.qk_rope_head_dim if spec.is_mla else spec.hd)
-        rope = op_bytes("rope", a, fused) * width
-        if not fused:
-            saved_tp += 4 * width  # the fp32 copy of q and k the rotation keeps
-            cheap_tp = 4 * width
+        rope = op_bytes("rope", a, fused) * width  # saves only its tables
     return gemms, model, executed, (rep, saved_tp, saved_core, cheap_tp), rope, core_bytes
 
 
@@ -274,11 +280,24 @@ def saved_bytes(w: LayerWork, tp: int, sp: bool, ac: str) -> float:
 
 
 def head_work(spec, tokens: float, tp: int = 1, act_bytes: int = 2):
-    """(output-head FLOPs, loss bytes, logits bytes held) for one micro-batch on one rank.
+    """(output-head FLOPs, loss bytes, loss working bytes) for one micro-batch on one rank.
 
-    The cross-entropy reads bf16 logits, upcasts to fp32 and writes fp32 gradients:
-    about 10 bytes per logit element over forward and backward.
+    The cross-entropy reads the logits, upcasts to fp32 and writes fp32 gradients: about 10
+    bytes per logit element over forward and backward. While it runs the rank holds the
+    logits and their fp32 gradient (``act_bytes + 4`` per logit, the working bytes);
+    what it saves for backward is in :func:`head_saved`.
     """
     v = -(-spec.vocab_size // tp)
     logits = tokens * v
-    return 2 * tokens * spec.dim * v, 10.0 * logits, (act_bytes + 4 + 4) * logits
+    return 2 * tokens * spec.dim * v, 10.0 * logits, (act_bytes + 4) * logits
+
+
+def head_saved(spec, tokens: float, tp: int = 1, sp: bool = False, act_bytes: int = 2,
+               fused: bool = False) -> float:
+    """Bytes the last stage saves for backward per micro-batch outside its layers: the
+    final norm's (as a layer's norm keeps them) and the fp32 log-softmax output of the
+    cross-entropy (4 bytes per logit)."""
+    v = -(-spec.vocab_size // tp)
+    norm = (_norm_saved(spec, act_bytes, fused) * spec.dim
+            + (0 if spec.norm == "layernorm" else 4)) * tokens / (tp if sp else 1)
+    return norm + 4.0 * tokens * v

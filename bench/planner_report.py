@@ -1,0 +1,160 @@
+"""planner_bench's tables: predictions against the rounds' measurements, and the refit.
+
+A target is met only when every round holds it; the per-round counts and the load averages
+(``os.getloadavg()`` at the start of each case) are printed with the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+__all__ = ["OUT", "FIT_CASES", "write_results", "report", "refit", "refit_report"]
+
+OUT = Path(__file__).resolve().parent / "results"
+_MIB = 2 ** 20
+STEP_TOL, MEM_TOL = 0.15, 0.10
+FIT_CASES = ("debug x1 stage 0", "small x1 stage 0")
+"""Rows the refit of the second table learns from (one rank: compute alone); the other
+rows are judged with the refitted constants."""
+_KINDS = (("states", ("params", "grads", "optimizer")), ("whole_grads", ("whole_grads",)),
+          ("transient", ("transient",)), ("activations", ("activations",)))
+
+
+def _err(pred: float, meas: list[float]) -> list[float]:
+    return [pred / m - 1 for m in meas]
+
+
+def _ok(pred: float, meas: list[float], tol: float) -> list[bool]:
+    return [abs(e) <= tol for e in _err(pred, meas)]
+
+
+def _span(values: list[float], fmt: str = ".3f") -> str:
+    return f"{min(values):{fmt}}-{max(values):{fmt}}" if values else "-"
+
+
+def _espan(e: list[float], fmt: str = "+.0%") -> str:
+    return f"{min(e):{fmt}}..{max(e):{fmt}}"
+
+
+def _kinds(r: dict[str, Any]) -> str:
+    b, k = r["breakdown"][0], r["pred"]["kinds"]
+    meas = {name: sum(b.get(x, 0) for x in parts) for name, parts in _KINDS}
+    return " / ".join(f"{k.get(x, 0) / _MIB:.1f} : {meas[x] / _MIB:.1f}" for x in meas)
+
+
+def _loads(r: dict[str, Any]) -> str:
+    return ", ".join(f"{a:.1f}" for a, _ in r.get("load", []))
+
+
+def _row(r: dict[str, Any]) -> str:
+    p = r["pred"]
+    ok_t, ok_m = all(_ok(p["step_time"], r["step"], STEP_TOL)), all(_ok(p["memory"], r["mem"],
+                                                                       MEM_TOL))
+    return (f"| {r['case']} | {p['layout']} | {p['bottleneck']} | {p['step_time']:.3f} | "
+            f"{_span(r['step'])} | {_espan(_err(p['step_time'], r['step']))} | "
+            f"{_span(r['best'])} | {_span(r['cpu'])} | "
+            f"{_espan(_err(p['step_time'], r['cpu']))} | {p['memory'] / _MIB:.1f} | "
+            f"{_span([m / _MIB for m in r['mem']], '.1f')} | "
+            f"{_espan(_err(p['memory'], r['mem']), '+.1%')} | {_kinds(r)} | {_loads(r)} | "
+            f"{'time' if ok_t else 'TIME MISS'}, {'mem' if ok_m else 'MEM MISS'} |")
+
+
+def _summary(rows: list[dict[str, Any]], rounds: int) -> list[str]:
+    lines = []
+    for i in range(rounds):
+        t = sum(_ok(r["pred"]["step_time"], r["step"][i:i + 1], STEP_TOL)[0] for r in rows)
+        m = sum(_ok(r["pred"]["memory"], r["mem"][i:i + 1], MEM_TOL)[0] for r in rows)
+        loads = [a for r in rows for a, _ in r.get("load", [])[i:i + 1]]
+        lines.append(f"- round {i + 1} (load average {_span(loads, '.2f')}): step time "
+                     f"{t} of {len(rows)}, memory {m} of {len(rows)}")
+    t = sum(all(_ok(r["pred"]["step_time"], r["step"], STEP_TOL)) for r in rows)
+    c = sum(all(_ok(r["pred"]["step_time"], r["cpu"], STEP_TOL)) for r in rows)
+    m = sum(all(_ok(r["pred"]["memory"], r["mem"], MEM_TOL)) for r in rows)
+    lines.append(f"- every round: step time (median) {t} of {len(rows)} cases (CPU time per "
+                 f"step: {c}), memory {m} of {len(rows)}")
+    return lines
+
+
+def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The markdown table: prediction, measured per round (range), error per round."""
+    steps = meta.get("steps")
+    lines = [
+        "# Planner predictions against the trainer on CPU ranks",
+        "",
+        f"`python bench/planner_bench.py` ({meta['rounds']} rounds, seq {meta['seq']}, "
+        f"batch {meta['batch']} sequences per data rank, one thread per rank, "
+        f"{meta['cores']} cores; "
+        f"{'%d timed steps per case' % steps if steps else '8 (debug) / 5 (small) timed steps'}"
+        f"; calibration {meta['calibration_s']:.0f} s, whole run "
+        f"{meta.get('duration_s', 0) / 60:.0f} min). Error = predicted / measured - 1, per "
+        f"round; targets: step time (the median step, wall clock) within +-15%, memory "
+        f"within +-10%, in every round. Load = `os.getloadavg()` (1 min) when each round's "
+        f"case started."
+        + (" Predictions made again from the run's calibration by a later planner "
+           "(`--report-only --repredict`)." if meta.get("repredicted") else ""),
+        "",
+        "| case | layout | bottleneck | step predicted s | measured s (rounds) | error | "
+        "best step s | CPU s/step | error | memory predicted MiB | measured MiB | error | "
+        "states / whole grads / transient / activations MiB, predicted : measured "
+        "(round 1) | load | within |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+        "--- |"]
+    lines += [_row(r) for r in rows]
+    lines += ["", "Within target:", *_summary(rows, meta["rounds"]), ""]
+    return "\n".join(lines)
+
+
+def refit(rows: list[dict[str, Any]], hw, inputs: list[tuple]) -> tuple[Any, list[float]]:
+    """What ``--parallel.plan auto`` does with measurements: refit ``matmul_max`` and
+    ``memory_efficiency`` to the FIT_CASES' measured step times (median over rounds), then
+    predict every row again. ``inputs``: each row's (spec, workload, layout). Returns (the
+    device, the predictions in row order)."""
+    from shardwise.planner.calibrate import StepMeasurement, calibrate
+    from shardwise.planner.cost_model import CostModel
+
+    ms = [StepMeasurement(*inputs[i], statistics.median(r["step"]))
+          for i, r in enumerate(rows) if r["case"] in FIT_CASES]
+    if not ms:
+        return hw, [r["pred"]["step_time"] for r in rows]
+    fitted, _ = calibrate(ms, hw, params=("matmul_max", "memory_efficiency"))
+    return fitted, [CostModel(spec, fitted, wl).estimate(L).step_time for spec, wl, L in inputs]
+
+
+def refit_report(rows: list[dict[str, Any]], fitted, preds: list[float]) -> str:
+    """The second table: step times predicted after the refit, against the medians."""
+    lines = ["## After refitting to measured steps", "",
+             f"`matmul_max` and `memory_efficiency` refit (planner.calibrate, as "
+             f"`--parallel.plan auto` does) to the median step times of "
+             f"{' and '.join(FIT_CASES)}: matmul_max {fitted.matmul_max:.3g}, "
+             f"memory_efficiency {fitted.memory_efficiency:.3g}. The other rows are held out.",
+             "", "| case | fit on | step predicted s | measured s (rounds) | error | within |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    ok = n = 0
+    for r, p in zip(rows, preds, strict=True):
+        good = all(_ok(p, r["step"], STEP_TOL))
+        held = r["case"] not in FIT_CASES
+        ok, n = ok + (good and held), n + held
+        lines.append(f"| {r['case']} | {'no' if held else 'yes'} | {p:.3f} | "
+                     f"{_span(r['step'])} | {_espan(_err(p, r['step']))} | "
+                     f"{'yes' if good else 'MISS'} |")
+    lines += ["", f"Held-out rows within +-15% in every round: {ok} of {n}.", ""]
+    return "\n".join(lines)
+
+
+def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], hw, inputs: list[tuple],
+                  out: Path = OUT) -> str:
+    """Refit, then write ``out``/planner_bench.{md,json}; returns the markdown."""
+    fitted, preds = refit(rows, hw, inputs)
+    for r, p in zip(rows, preds, strict=True):
+        r["refit_step_time"] = p
+    meta["refit"] = {"cases": list(FIT_CASES), "matmul_max": fitted.matmul_max,
+                     "memory_efficiency": fitted.memory_efficiency}
+    text = report(rows, meta) + "\n" + refit_report(rows, fitted, preds)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "planner_bench.json").write_text(json.dumps({"meta": meta, "rows": rows},
+                                                       indent=1) + "\n")
+    (out / "planner_bench.md").write_text(text)
+    return text

@@ -1,0 +1,268 @@
+"""Micro-benchmarks of what a CPU rank runs, for ``--calibrate`` ([Note: CPU kernels] in
+cpu_costs.py): the trainer's eager kernels, its optimizer update and the engine's Gloo
+collectives, each timed at a few sizes and fitted.
+
+    costs = measure_cpu(ranks=4)   # -> CpuCosts, about 20 s on 2 cores
+
+Kernels are timed on one thread (what a training rank runs), each the least CPU time of
+this thread over several calls (``time.thread_time``: the time slices other processes take
+on a shared machine are not counted, and the minimum filters out their cache pollution).
+The engine's collectives are measured by cpu_gloo.py.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.planner.cpu_costs import CpuCosts, Fit, Kernel, fit_terms
+from shardwise.planner.cpu_gloo import fit_collectives, measure_gloo
+
+__all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
+           "measure_contention", "measure_linear", "fit_terms", "fit_collectives",
+           "LINEAR_SHAPES"]
+
+
+def _best(fn, repeats: int = 3, min_seconds: float = 0.02, max_calls: int = 50) -> float:
+    """The least CPU time of this thread over the calls (see the module docstring)."""
+    fn()
+    best, calls, start = math.inf, 0, time.perf_counter()
+    while calls < repeats or (time.perf_counter() - start < min_seconds and calls < max_calls):
+        t0 = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t0)
+        calls += 1
+    return best
+
+
+def _fwd_bwd(make, sizes, engine: float = 0.0) -> Kernel:
+    """Fit a kernel from ``make(size) -> (forward(), forward_backward())`` at each size;
+    ``engine``: the fixed cost of one ``autograd.grad`` call, which a training step pays
+    once per backward, not per kernel (subtracted)."""
+    fwd, bwd = [], []
+    for n in sizes:
+        f, fb = make(n)
+        tf, tfb = _best(f), _best(fb)
+        fwd.append(((1.0, n), tf))
+        bwd.append(((1.0, n), max(tfb - tf - engine, 1e-7)))
+    return Kernel(Fit(*fit_terms(fwd)), Fit(*fit_terms(bwd)))
+
+
+def _engine_call() -> float:
+    """Seconds of one ``autograd.grad`` call around a view (its graph task, nothing to
+    compute)."""
+    x = torch.randn(8, requires_grad=True)
+    g = torch.randn(8)
+    return max(0.0, _best(_grad_of(lambda: x.view(2, 4), (x,), g.view(2, 4)), 20)
+               - _best(lambda: x.view(2, 4), 20))
+
+
+LINEAR_SHAPES = [(64, 128, 128), (128, 256, 256), (512, 256, 768), (512, 512, 512),
+                 (512, 512, 1536), (1024, 512, 1536), (512, 512, 8192), (2048, 1024, 1024)]
+"""(tokens, in, out) of the linears the calibration multiplies: the debug and small
+models' shapes and a few beyond, 17 MFLOP to 8.6 GFLOP per multiply."""
+
+
+def measure_linear(shapes=LINEAR_SHAPES, repeats: int = 3) -> list[tuple[float, float]]:
+    """(FLOPs, seconds) per multiply of ``F.linear`` as the trainer runs it: forward and
+    backward with autograd (``x @ W.T``, then ``g @ W`` and ``g.T @ x``), a third of the
+    whole each, on one thread. Transposed operands and the linear's own views and
+    autograd nodes make these slower than square ``torch.mm`` of the same FLOPs (measured
+    here: 60-64 against 70-90 GFLOP/s)."""
+    engine = _engine_call()
+    out = []
+    for t, i, o in shapes:
+        x = torch.randn(t, i, requires_grad=True)
+        w = torch.randn(o, i, requires_grad=True)
+        fb = _grad_of(lambda x=x, w=w: F.linear(x, w), (x, w), torch.randn(t, o))
+        out.append((2.0 * t * i * o, max(_best(fb, repeats) - engine, 1e-9) / 3))
+    return out
+
+
+def _grad_of(out_fn, inputs, grad):
+    return lambda: torch.autograd.grad(out_fn(), inputs, grad)
+
+
+def _elementwise(name: str, n: int):
+    """(forward, forward + backward) of kernel ``name`` on ``n`` elements (a multiple of
+    512), as shardwise.models calls it: widths of 512, heads of 64."""
+    from shardwise.models.layers import RMSNorm, apply_rotary, repeat_kv, rope_tables
+
+    d, rows = 512, max(1, n // 512)
+    if name == "rmsnorm":
+        norm, x = RMSNorm(d, 1e-5), torch.randn(rows, d, requires_grad=True)
+        fn = lambda: norm(x)  # noqa: E731
+        return fn, _grad_of(fn, (x, norm.weight), torch.randn(rows, d))
+    if name == "rope":  # (B, T, H, hd) = (1, rows, 8, 64)
+        cos, sin = rope_tables(64, rows, 10000.0)
+        x = torch.randn(1, rows, 8, 64, requires_grad=True)
+        fn = lambda: apply_rotary(x, cos, sin)  # noqa: E731
+        return fn, _grad_of(fn, (x,), torch.randn(1, rows, 8, 64))
+    if name == "repeat_kv":  # (1, 4, rows, 64) -> (1, 8, rows, 64): n output elements
+        x = torch.randn(1, 4, rows, 64, requires_grad=True)
+        fn = lambda: repeat_kv(x, 2)  # noqa: E731
+        return fn, _grad_of(fn, (x,), torch.randn(1, 8, rows, 64))
+    if name == "swiglu":
+        a, b = (torch.randn(rows, d, requires_grad=True) for _ in range(2))
+        fn = lambda: F.silu(a) * b  # noqa: E731
+        return fn, _grad_of(fn, (a, b), torch.randn(rows, d))
+    if name == "residual":  # forward: the add; backward: summing the stream's two grads
+        x, y = (torch.randn(rows, d, requires_grad=True) for _ in range(2))
+        g1, g2 = torch.randn(rows, d), torch.randn(rows, d)
+        return (lambda: x + y), (lambda: (x + y, g1 + g2))
+    if name == "copy":  # n bytes
+        src, dst = torch.empty(n // 4), torch.empty(n // 4)
+        return (lambda: dst.copy_(src)), (lambda: dst.copy_(src))
+    raise ValueError(f"unknown kernel {name!r}")
+
+
+def _attention(quick: bool, engine: float = 0.0) -> tuple[Kernel, Kernel]:
+    """The flash kernel, fitted to its FLOPs (attention) and causal scores (softmax)."""
+    shapes = [(4, 8, 128, 32), (4, 8, 128, 64), (2, 8, 256, 64)]
+    if not quick:
+        shapes += [(4, 16, 128, 32), (2, 4, 256, 128)]
+    fwd, bwd = [], []
+    for b, h, t, hd in shapes:
+        q, k, v = (torch.randn(b, h, t, hd, requires_grad=True) for _ in range(3))
+        fn = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        tf = _best(fn)
+        tfb = _best(_grad_of(fn, (q, k, v), torch.randn(b, h, t, hd)))
+        x = (1.0, 2.0 * b * h * t * t * hd, b * h * t * t / 2)  # latency, FLOPs, scores
+        fwd.append((x, tf))
+        bwd.append((x, max(tfb - tf - engine, 1e-7)))
+    cf, cb = fit_terms(fwd), fit_terms(bwd)
+    return (Kernel(Fit(cf[0], cf[1]), Fit(cb[0], cb[1])),
+            Kernel(Fit(0.0, cf[2]), Fit(0.0, cb[2])))
+
+
+def _embedding_and_loss(engine: float = 0.0) -> tuple[Kernel, Kernel]:
+    emb_f, emb_b, ce_f, ce_b = [], [], [], []
+    for vocab, t in ((256, 512), (8192, 512), (8192, 2048)):
+        w = torch.randn(vocab, 512, requires_grad=True)
+        idx = torch.randint(0, vocab, (t,))
+        fn = lambda w=w, idx=idx: F.embedding(idx, w)  # noqa: E731
+        tf, tfb = _best(fn), _best(_grad_of(fn, (w,), torch.randn(t, 512)))
+        emb_f.append(((1.0, t * 512), tf))
+        emb_b.append(((1.0, (vocab + t) * 512), max(tfb - tf - engine, 1e-7)))
+        logits = torch.randn(t, vocab, requires_grad=True)
+        lfn = lambda x=logits, idx=idx: F.cross_entropy(x.float(), idx)  # noqa: E731
+        tf, tfb = _best(lfn), _best(_grad_of(lfn, (logits,), torch.tensor(1.0)))
+        ce_f.append(((1.0, t * vocab), tf))
+        ce_b.append(((1.0, t * vocab), max(tfb - tf - engine, 1e-7)))
+    return (Kernel(Fit(*fit_terms(emb_f)), Fit(*fit_terms(emb_b))),
+            Kernel(Fit(*fit_terms(ce_f)), Fit(*fit_terms(ce_b))))
+
+
+def measure_kernels(quick: bool = False) -> dict[str, Kernel]:
+    """Every kernel of [Note: CPU kernels], fitted (one thread: call inside the thread
+    setting of ``measure_local``)."""
+    sizes = [1 << 15, 1 << 18, 1 << 20] if quick else [1 << 15, 1 << 17, 1 << 19, 1 << 21]
+    engine = _engine_call()
+    out = {name: _fwd_bwd(lambda n, name=name: _elementwise(name, n), sizes, engine)
+           for name in ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual")}
+    out["copy"] = _fwd_bwd(lambda n: _elementwise("copy", n), [1 << 18, 1 << 22, 1 << 25])
+    out["attention"], out["softmax"] = _attention(quick, engine)
+    out["embedding"], out["cross_entropy"] = _embedding_and_loss(engine)
+    return out
+
+
+def measure_optimizer() -> Fit:
+    """The trainer's update -- the engine's foreach norm, the clip's foreach multiply and
+    ``torch.optim.AdamW.step`` (per-tensor loop on CPU) -- per tensor and per element."""
+    rows = []
+    for k, n in ((8, 1 << 14), (8, 1 << 19), (64, 1 << 14), (32, 1 << 17)):
+        ps = [torch.nn.Parameter(torch.randn(n)) for _ in range(k)]
+        for p in ps:
+            p.grad = torch.randn(n)
+        opt = torch.optim.AdamW(ps, lr=1e-4)
+        grads = [p.grad for p in ps]
+
+        def update(opt=opt, grads=grads):
+            norm = torch.stack(torch._foreach_norm(grads, 2.0)).norm()
+            torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+            opt.step()
+        rows.append(((k, k * n), _best(update)))
+    return Fit(*fit_terms(rows))
+
+
+def _block_work(seconds: float) -> float:
+    """Median thread CPU seconds of a Llama block's forward and backward (shardwise.models;
+    width 384, 6 heads, 4 x 128 tokens), repeated for ``seconds``."""
+    from shardwise.models import TransformerBlock, get_model_config
+    from shardwise.models.layers import rope_tables
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    block = TransformerBlock(get_model_config("debug", dim=384, n_heads=6, n_kv_heads=3,
+                                              n_layers=1))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    cos, sin = rope_tables(64, 128, 10000.0)
+    x = torch.randn(4, 128, 384, requires_grad=True)
+
+    def fn():
+        y = block(x, cos, sin)
+        y.backward(torch.ones_like(y))
+    fn()
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
+def _contention_worker(barrier, queue, seconds: float) -> None:
+    barrier.wait()
+    queue.put(_block_work(seconds))
+
+
+def measure_contention(counts: list[int], seconds: float = 2.0) -> dict[int, float]:
+    """How much more CPU time a process needs for the same work when ``k`` compute at once
+    ([Note: CPU ranks share the cores]), for each ``k`` of ``counts`` (the calibration asks
+    for every core busy; more processes than cores measured 1.00-1.04 here on an idle
+    machine, and far more whenever another job was running, so it is not asked): a Llama
+    block's
+    forward and backward on ``k`` processes started together (the slowest one's median)
+    over the same on one process alone (>= 1). Measured here with every core busy: 1.14-
+    1.18 on the block, against 1.07 for a square multiply alone and 1.03 for SiLU: the
+    trainer's transposed multiplies and its working set share the caches and the memory
+    bandwidth."""
+    ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
+    ks = sorted({k for k in counts if k > 1})
+    if not ks:
+        return {}
+    out = []
+    for k in [1] + ks:
+        barrier, queue = ctx.Barrier(k), ctx.Queue()
+        procs = [ctx.Process(target=_contention_worker, args=(barrier, queue, seconds))
+                 for _ in range(k)]
+        for p in procs:
+            p.start()
+        try:
+            out.append(max(queue.get(timeout=120) for _ in procs))
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+    return {k: max(1.0, t / out[0]) for k, t in zip(ks, out[1:], strict=True)}
+
+
+def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
+    """Kernels and update on one thread, the slowdown with every core busy, then the
+    collectives on 2 and ``ranks`` ranks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kernels, opt = measure_kernels(quick), measure_optimizer()
+    finally:
+        torch.set_num_threads(threads)
+    busy = measure_contention([cores], seconds=0.5 if quick else 2.0)
+    sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
+                                                        1 << 23]
+    rows = {w: measure_gloo(w, sizes, calls=5 if quick else 21) for w in sorted({2, ranks})}
+    return CpuCosts(kernels, opt, fit_collectives(rows), busy)

@@ -1,0 +1,185 @@
+"""What a CPU rank spends a step on, as ``--calibrate`` measured it: the trainer's eager
+kernels, its optimizer update and the Gloo collectives, each fitted to its size.
+
+    costs = get_hardware("local").cpu
+    costs.kernel("rmsnorm", tokens * dim)            # forward seconds of one call
+    costs.kernel("rmsnorm", tokens * dim, backward=True)
+    costs.collective("all_gather", 2, shard_bytes)   # seconds on 2 Gloo ranks
+
+[Note: CPU kernels] On a GPU the bandwidth-bound kernels cost the bytes they move over HBM
+(work.py). A CPU rank (one thread) runs the same eager PyTorch operators far from any
+bandwidth limit: an RMSNorm's six operators on a cache-resident ``(512, 256)`` tensor cost
+their dispatch (a few microseconds each, with autograd) and per-element arithmetic (the
+exp of SiLU, the rsqrt), and its flash-attention kernel reaches a fifth of the matrix
+multiplies' FLOP/s. So ``--calibrate`` times each kernel the trainer's Llama block runs,
+forward and forward + backward with autograd, exactly as shardwise.models calls it
+(``RMSNorm``, ``apply_rotary``, ``repeat_kv``, SiLU-gated product, residual add,
+``scaled_dot_product_attention``, the embedding, the fp32 cross-entropy) at a few sizes,
+and fits ``seconds = latency + per_unit * size`` per kernel and pass (cpu_bench.py). The
+size is elements, except attention (its executed forward FLOPs, work.py's
+``attn_exec_flops``, plus a ``softmax`` term per causal score: fitted jointly over head
+widths, as a narrow head spends more of its time in the softmax), the embedding's
+backward (``vocab x dim + tokens x dim``: it zeroes the whole table) and ``copy`` (bytes:
+the engine's gather copy-out, gradient packing and averaging). A backward is timed as one
+``autograd.grad`` call, whose own fixed cost (a training step pays it once) is
+subtracted. The optimizer update (the
+engine's foreach norm, the clip and ``torch.optim.AdamW.step`` over per-parameter
+tensors) is fitted per tensor and per element. Matrix multiplies keep the device's
+efficiency curve (hardware.py), fitted on ``F.linear`` forward and backward at linear
+shapes (``cpu_bench.measure_linear``), as the trainer multiplies.
+
+Collectives are timed per kind as the engine issues them on Gloo (all-gather into a flat
+buffer, the reduce-scatter as an all-to-all plus a local sum, all-reduce, a send/receive
+pair) and per group size, and fitted to ``latency + bytes / bandwidth`` with the payload
+the cost model passes (the gathered shard, the reduced shard, the all-reduced tensor, the
+message).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Fit", "Kernel", "CpuCosts", "KERNELS", "COLLECTIVES", "fit_terms"]
+
+KERNELS = ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual", "attention", "softmax",
+           "embedding", "cross_entropy", "copy")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``latency + per_unit * size`` seconds (0 for an empty size)."""
+
+    latency: float
+    per_unit: float
+
+    def __call__(self, size: float) -> float:
+        return 0.0 if size <= 0 else self.latency + self.per_unit * size
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel's forward and backward fits."""
+
+    fwd: Fit
+    bwd: Fit
+
+
+@dataclass(frozen=True)
+class CpuCosts:
+    """The measured CPU costs of a ``local`` device (see [Note: CPU kernels]).
+
+    Attributes:
+        kernels: name -> forward / backward fits, names of ``KERNELS``.
+        optimizer: seconds per parameter tensor (latency) and per element (per_unit) of
+            the update (norm, clip, AdamW step).
+        collectives: kind -> group size -> fit of seconds against payload bytes.
+        busy: processes computing at once -> how much slower each computes (see below).
+    """
+
+    kernels: dict[str, Kernel]
+    optimizer: Fit
+    collectives: dict[str, dict[int, Fit]]
+    busy: dict[int, float] = field(default_factory=dict)
+    """Measured: with ``k`` processes computing at once on as many cores, how much more CPU
+    time each needs for the same work (shared clock, caches and memory bandwidth)."""
+
+    def contention(self, ranks: int, cores: int) -> float:
+        """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores: 1
+        for one rank, the measured ratios up to every core busy (linear between), and the
+        every-core ratio beyond (time-slicing more ranks over the cores adds nothing
+        measurable to a rank's CPU time: 1.00-1.04 here on 4 processes over 2 cores)."""
+        pts = sorted({1: 1.0, **{k: v for k, v in self.busy.items() if k <= cores}}.items())
+        ranks = min(ranks, cores)
+        if ranks <= 1 or len(pts) == 1:
+            return 1.0
+        for (k0, r0), (k1, r1) in zip(pts, pts[1:], strict=False):
+            if ranks <= k1:
+                return r0 + (r1 - r0) * (ranks - k0) / (k1 - k0)
+        return pts[-1][1]
+
+    def kernel(self, name: str, size: float, backward: bool = False, calls: int = 1) -> float:
+        """Seconds of ``calls`` calls of kernel ``name`` of ``size`` each (0 if the
+        calibration did not measure it)."""
+        k = self.kernels.get(name)
+        if k is None or calls <= 0:
+            return 0.0
+        return calls * (k.bwd if backward else k.fwd)(size)
+
+    def collective(self, kind: str, world: int, nbytes: float) -> float | None:
+        """Seconds of one collective of ``kind`` over ``world`` ranks, from the fit of the
+        nearest measured group size (the larger on a tie); None when the calibration did
+        not measure ``kind`` (the caller falls back to the alpha-beta link)."""
+        by_world = self.collectives.get(kind)
+        if not by_world:
+            return None
+        if world <= 1 or nbytes <= 0:
+            return 0.0
+        near = min(by_world, key=lambda w: (abs(w - world), -w))
+        return by_world[near](nbytes)
+
+    # ------------------------------------------------------------------ TOML
+    @classmethod
+    def from_table(cls, t: dict) -> "CpuCosts":
+        """From the ``[local.cpu]`` table ``write_calibration`` writes.
+
+        Raises:
+            ValueError: a kernel or collective entry of the wrong shape.
+        """
+        def fit(v, what) -> Fit:
+            if not (isinstance(v, list) and len(v) == 2):
+                raise ValueError(f"calibration [local.cpu] {what}: expected [latency, "
+                                 f"per_unit], got {v!r}")
+            return Fit(float(v[0]), float(v[1]))
+
+        kernels = {}
+        for name in KERNELS:
+            if name in t:
+                v = t[name]
+                if not (isinstance(v, list) and len(v) == 4):
+                    raise ValueError(f"calibration [local.cpu] {name}: expected [fwd latency, "
+                                     f"fwd per unit, bwd latency, bwd per unit], got {v!r}")
+                kernels[name] = Kernel(fit(v[:2], name), fit(v[2:], name))
+        colls = {kind: {int(w): fit(v, f"{kind}.{w}") for w, v in t.get("collectives", {})
+                        .get(kind, {}).items()} for kind in COLLECTIVES}
+        opt = fit(t.get("optimizer", [0.0, 0.0]), "optimizer")
+        return cls(kernels, opt, {k: v for k, v in colls.items() if v},
+                   {int(k): float(v) for k, v in t.get("busy", {}).items()})
+
+    def toml_lines(self, prefix: str = "local") -> list[str]:
+        """This record as the ``[<prefix>.cpu]`` tables of a calibration file."""
+        lines = [f"[{prefix}.cpu]"]
+        for name, k in self.kernels.items():
+            lines.append(f"{name} = [{k.fwd.latency:.6g}, {k.fwd.per_unit:.6g}, "
+                         f"{k.bwd.latency:.6g}, {k.bwd.per_unit:.6g}]")
+        lines.append(f"optimizer = [{self.optimizer.latency:.6g}, "
+                     f"{self.optimizer.per_unit:.6g}]")
+        lines.append("busy = { " + ", ".join(f"{k} = {v:.4g}" for k, v in
+                                             sorted(self.busy.items())) + " }")
+        lines.append(f"[{prefix}.cpu.collectives]")
+        for kind, by_world in self.collectives.items():
+            inner = ", ".join(f"{w} = [{f.latency:.6g}, {f.per_unit:.6g}]"
+                              for w, f in sorted(by_world.items()))
+            lines.append(f"{kind} = {{ {inner} }}")
+        return lines
+
+
+def fit_terms(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
+    """Non-negative coefficients ``c`` with ``seconds ~ sum(c_j x_j)``, least squares on the
+    relative error, from ``((x_1, ..., x_k), seconds)`` rows (a term whose coefficient
+    comes out negative is dropped and the rest refitted)."""
+    k = len(rows[0][0])
+    keep = list(range(k))
+    while keep:
+        a = torch.tensor([[x[j] / t for j in keep] for x, t in rows], dtype=torch.float64)
+        sol = torch.linalg.lstsq(a, torch.ones(len(rows), 1, dtype=torch.float64)).solution
+        coef = sol.flatten().tolist()
+        if min(coef) >= 0:
+            out = [0.0] * k
+            for j, c in zip(keep, coef, strict=True):
+                out[j] = c
+            return out
+        keep = [j for j, c in zip(keep, coef, strict=True) if c >= 0]
+    return [0.0] * k

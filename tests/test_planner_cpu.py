@@ -1,0 +1,228 @@
+"""The CPU-rank mechanisms of the cost model: the calibration's kernel and collective fits,
+ranks time-sharing the cores, collectives exposed on saturated cores, and the saved
+activations the planner lists for the trainer's Llama against ``saved_tensors_hooks``.
+
+A synthetic ``local`` device (every fit known) keeps the timing tests free of timing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.compat import tomllib
+from shardwise.models import build_model, get_model_config
+from shardwise.planner import get_hardware, get_model_spec
+from shardwise.planner.calibrate import LocalMeasurements, write_calibration
+from shardwise.planner.catalogue import from_llama_config
+from shardwise.planner.cost_model import CostModel
+from shardwise.planner.cpu_bench import fit_collectives, fit_terms
+from shardwise.planner.cpu_costs import KERNELS, CpuCosts, Fit, Kernel
+from shardwise.planner.cpu_stage import layer_kernels
+from shardwise.planner.layout import Layout
+from shardwise.planner.workload import Workload
+
+
+def _costs(per_call: float = 1e-4) -> CpuCosts:
+    kernels = {k: Kernel(Fit(per_call, 1e-9), Fit(2 * per_call, 2e-9)) for k in KERNELS}
+    colls = {k: {2: Fit(1e-3, 1e-9), 4: Fit(2e-3, 2e-9)}
+             for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")}
+    return CpuCosts(kernels, Fit(1e-5, 5e-9), colls)
+
+
+def _local(cores: int = 2):
+    base = get_hardware("a100-80gb")
+    return base.replace(name="local", cores=cores, backend="gloo", cpu=_costs(),
+                        peak_flops={"fp32": 1e11, "bf16": 1e11}, gpus_per_node=8,
+                        memory_efficiency=1.0)
+
+
+def _estimate(hw, **layout):
+    wl = Workload(seq_len=128, global_batch=4 * layout.get("dp_shard", 1)
+                  * layout.get("pp_microbatches", 1), compute_dtype="fp32")
+    return CostModel(get_model_spec("debug"), hw, wl).estimate(Layout(microbatch=4, **layout),
+                                                               exact=True)
+
+
+def test_fit_terms_recovers_latency_and_slope():
+    rows = [((1.0, n), 3e-5 + 2e-9 * n) for n in (1e3, 1e5, 1e7)]
+    assert fit_terms(rows) == pytest.approx([3e-5, 2e-9], rel=1e-6)
+    rows = [((1.0, f, s), 1e-4 + 1e-11 * f + 3e-9 * s)
+            for f, s in ((1e6, 1e4), (1e8, 1e4), (1e7, 1e6), (1e9, 1e7))]
+    assert fit_terms(rows) == pytest.approx([1e-4, 1e-11, 3e-9], rel=1e-6)
+    # a term that would come out negative is dropped, not returned negative
+    assert min(fit_terms([((1.0, n), 1e-9 * n) for n in (1e3, 1e5, 1e7)])) >= 0
+    fits = fit_collectives({2: [("all_gather", b, 1e-3 + b * 1e-9) for b in (4096, 1 << 20)]})
+    assert fits["all_gather"][2].latency == pytest.approx(1e-3)
+
+
+def test_calibration_file_round_trip(tmp_path):
+    """The kernels, update and collectives written by --calibrate are what `local` reads,
+    with the machine's cores and Gloo."""
+    costs = _costs()
+    coll = {2: [("all_reduce", b, 1e-4 + b / 1e9) for b in (4096, 1 << 20)]
+            + [("all_gather", b, 1e-4 + b / 1e9) for b in (4096, 1 << 20)]}
+    meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 4,
+                             2.0 ** 34, 2, costs)
+    path = write_calibration(meas, tmp_path / "cal.toml")
+    hw = get_hardware("local", calibration=path)
+    assert (hw.cores, hw.backend) == (2, "gloo")
+    again = hw.cpu
+    assert again.optimizer == pytest.approx(costs.optimizer)
+    for name in KERNELS:
+        assert again.kernels[name].bwd.latency == pytest.approx(costs.kernels[name].bwd.latency)
+    assert again.collective("all_gather", 4, 1e6) == pytest.approx(2e-3 + 2e-3)
+    assert again.collective("all_gather", 3, 1e6) == again.collective("all_gather", 4, 1e6)
+    assert again.collective("all_to_all", 2, 1e6) is None  # unmeasured: the link model
+    assert "cpu" in tomllib.loads(path.read_text())["local"]
+
+
+def test_gpus_never_take_the_cpu_path():
+    for name in ("a100-80gb", "h100", "h200", "b200", "mi300x"):
+        hw = get_hardware(name)
+        assert hw.cpu is None and hw.cores == 0 and hw.backend == "nccl"
+
+
+def test_more_ranks_than_cores_time_share_them():
+    """Data parallel at stage 3: every rank equally busy, so 4 ranks on 2 cores take twice
+    the compute of 2 ranks on 2 cores; on 4 cores (or a GPU) they do not."""
+    two, four = _estimate(_local(2), dp_shard=2, zero=3), _estimate(_local(2), dp_shard=4, zero=3)
+    wide = _estimate(_local(4), dp_shard=4, zero=3)
+    assert four.breakdown["compute"] == pytest.approx(2 * two.breakdown["compute"], rel=0.03)
+    assert wide.breakdown["compute"] == pytest.approx(two.breakdown["compute"], rel=1e-9)
+
+
+def test_collectives_are_exposed_once_the_cores_are_saturated():
+    """On 4 cores 2 ranks leave cores for Gloo's threads (overlap as scheduled); on 2
+    cores every gather and reduction is on the step."""
+    sat, free = _estimate(_local(2), dp_shard=2, zero=3), _estimate(_local(4), dp_shard=2,
+                                                                    zero=3)
+    assert sat.breakdown["dp_comm"] > free.breakdown["dp_comm"]
+    cm = CostModel(get_model_spec("debug"), _local(2), Workload(seq_len=128, global_batch=8,
+                                                                compute_dtype="fp32"))
+    L = Layout(microbatch=4, dp_shard=2, zero=3)
+    assert sat.breakdown["dp_comm"] >= cm.dp_collective_seconds(L)
+
+
+def test_pipeline_bubble_is_filled_by_time_sharing():
+    """pp 2 x dp 2 on 2 cores: ranks waiting in the bubble free their core, so the step is
+    the four ranks' busy seconds over the two cores plus the communication, not the
+    critical path with its bubble slowed down."""
+    hw = _local(2)
+    pipe = dict(pp=2, dp_shard=2, zero=3, pp_microbatches=2, pp_schedule="1f1b", pp_virtual=1)
+    est, alone = _estimate(hw, **pipe), _estimate(_local(4), **pipe)
+    wl = Workload(seq_len=128, global_batch=8, compute_dtype="fp32")
+    cm = CostModel(get_model_spec("debug"), hw, wl)
+    L = Layout(microbatch=4, **pipe)
+    busy = sum(2 * (rt.fwd + rt.bwd) + cm._optimizer(L, lay, *cm._rank_plan(L, r)[1:])[0]
+               for r, rt, lay in cm._all_ranks(L))
+    b = est.breakdown
+    comm = b["pp_comm"] + b["dp_comm"] + b["tp_comm"]
+    assert est.step_time == pytest.approx(2 * busy / 2 + comm, rel=0.05)  # copies aside
+    assert alone.step_time < est.step_time < 2 * alone.step_time
+    assert b["pp_bubble"] == pytest.approx(alone.breakdown["pp_bubble"])
+
+
+def test_layer_kernels_count_the_calls_a_block_makes():
+    """Each kernel call pays its latency: two norms, two residual adds, RoPE on q and on k,
+    the gate, the attention kernel (its multiplies and softmax), k and v expanded for
+    grouped-query attention."""
+    spec = get_model_spec("debug")
+    hw = _local(2).replace(cpu=CpuCosts({k: Kernel(Fit(1.0, 0.0), Fit(1.0, 0.0))
+                                         for k in KERNELS}, Fit(0.0, 0.0), {}))
+    fwd, bwd = layer_kernels(hw, spec, 512, 128, 1, False, 1e6)
+    assert fwd == bwd == 2 + 2 + 2 + 1 + 2 + 2
+    fwd_tp, _ = layer_kernels(hw, spec, 512, 128, 2, True, 1e6)
+    assert fwd_tp == fwd  # the same calls on every tensor-parallel rank
+
+
+def test_saved_activations_equal_saved_tensors_hooks():
+    """The planner's per-layer list (Korthikanti-style, eager fp32 Llama: norms' input and
+    normalised copies, q / expanded k, v / attention output, the SwiGLU tensors, the
+    log-sum-exp; the final norm and the log-softmax output) against what autograd saves
+    in shardwise.models, parameter storages left out."""
+    from bench.planner_measure import SavedPeak, parameter_storages
+
+    cfg = get_model_config("debug", n_layers=2)
+    model = build_model(cfg, seed=0)
+    b, t = 2, 64
+    tokens = torch.randint(0, cfg.vocab_size, (b, t + 1))
+    saved = SavedPeak(parameter_storages(model))
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda x: x):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    spec = from_llama_config(cfg, "debug")
+    cm = CostModel(spec, _local(2), Workload(seq_len=t, global_batch=b, compute_dtype="fp32"))
+    predicted = cm.estimate(Layout(microbatch=b)).memory.activations
+    assert predicted == pytest.approx(saved.peak, rel=0.01)
+
+
+def test_busy_cores_compute_slower():
+    """The measured slowdown applies once every core computes: 1 rank runs at the lone-core
+    speed, 2 ranks on 2 cores (and 4, time-sharing them) at the all-cores ratio; on 4
+    cores, 3 ranks are interpolated between the 2- and 4-core ratios."""
+    costs = CpuCosts({k: Kernel(Fit(1e-4, 1e-9), Fit(2e-4, 2e-9)) for k in KERNELS},
+                     Fit(1e-5, 5e-9), {}, busy={2: 1.2, 4: 1.5})
+    assert [costs.contention(b, 2) for b in (1, 2, 3, 4, 8)] == pytest.approx(
+        [1.0, 1.2, 1.2, 1.2, 1.2])
+    assert costs.contention(3, 4) == pytest.approx(1.35)  # on 4 cores: between 2 and 4
+    hw = _local(2).replace(cpu=CpuCosts(costs.kernels, costs.optimizer, {}, busy={2: 1.2}))
+    one, two = _estimate(hw, dp_shard=1, zero=0), _estimate(hw, dp_shard=2, zero=0)
+    assert two.breakdown["compute"] == pytest.approx(1.2 * one.breakdown["compute"])
+    again = CpuCosts.from_table(tomllib.loads("\n".join(costs.toml_lines("x")))["x"]["cpu"])
+    assert again.busy == pytest.approx({2: 1.2, 4: 1.5})  # as written
+
+
+def _tp_calls(sp: bool):
+    """One training step's collective calls by label, on 2 ranks, tp 2."""
+    import re
+
+    import shardwise
+    from shardwise import LossScaler
+    from shardwise.distributed import env as dist_env
+    from shardwise.train.config import load_config, resolve_world
+    from shardwise.train.parallelize import build_parallel_model, wrap_optimizer
+    from shardwise.train.preflight import build_model_config
+    from shardwise.train.step import train_step
+    from shardwise.train.trainer import build_optimizer
+
+    cfg = resolve_world(load_config(None, {
+        "model.name": "debug", "model.n_layers": "2", "data.seq_len": "16",
+        "train.batch_size": "2", "parallel.tp": "2", "parallel.stage": "2",
+        "parallel.sequence_parallel": str(sp).lower(), "log.progress": "false",
+        "parallel.watchdog": "off"}), 2)
+    mc = build_model_config(cfg)
+    env = dist_env.init(backend="gloo", watchdog="off")
+    model = build_parallel_model(cfg, mc, env)
+    opt = wrap_optimizer(build_optimizer(model, cfg.optim), model)
+    gen = torch.Generator().manual_seed(0)
+
+    class Loader:
+        def next_batch(self):
+            t = torch.randint(0, mc.vocab_size, (2, 17), generator=gen)
+            return t[:, :-1], t[:, 1:]
+
+    shardwise.reset_comm_stats()
+    train_step(model, opt, Loader(), cfg, env, 1, LossScaler(enabled=False))
+    calls = {}
+    for label, st in shardwise.comm_stats().by_label.items():
+        key = re.sub(r".*\.", "", label)
+        calls[key] = calls.get(key, 0) + st.calls
+    return calls
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_tensor_parallel_collectives_are_the_trainers(sp):
+    """With every collective costing 1 s, the CPU path's tensor-parallel seconds of a step
+    are the number of collectives apply_tp issues (comm_stats), sequence parallel or not."""
+    from shardwise.planner.cpu_stage import tp_head_comm, tp_layer_comm
+    from shardwise.testing import run_ranks
+
+    calls = run_ranks(_tp_calls, 2, args=(sp,), timeout_s=120)[0]
+    got = sum(n for k, n in calls.items() if k not in ("stats", "clip_grad_norm"))
+    ones = {k: {2: Fit(1.0, 0.0)} for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    hw = _local(2).replace(cpu=CpuCosts({}, Fit(0.0, 0.0), ones))
+    predicted = 2 * tp_layer_comm(hw, 32, 256, 4, 2, sp, False) + tp_head_comm(
+        hw, 32, 256, 4, 2, sp, True, True) + (1 if sp else 0)  # + the norms' gradients
+    assert predicted == got, calls
