@@ -226,3 +226,18 @@ def test_tensor_parallel_collectives_are_the_trainers(sp):
     predicted = 2 * tp_layer_comm(hw, 32, 256, 4, 2, sp, False) + tp_head_comm(
         hw, 32, 256, 4, 2, sp, True, True) + (1 if sp else 0)  # + the norms' gradients
     assert predicted == got, calls
+
+
+def test_gloo_micro_benchmark_runs_every_collective_on_real_ranks():
+    """``--calibrate``'s collective rows come from live Gloo ranks through the engine's own
+    calls (all four kinds, both payloads, a positive time each) and fit per group size."""
+    from shardwise.planner.cpu_gloo import measure_gloo
+
+    rows = measure_gloo(2, [4096, 65536], calls=3, timeout_s=120)
+    assert sorted({(k, b) for k, b, _ in rows}) == sorted(
+        (k, b) for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
+        for b in (4096, 65536))
+    assert all(t > 0 for _, _, t in rows)
+    fits = fit_collectives({2: rows})
+    assert set(fits) == {"all_gather", "reduce_scatter", "all_reduce", "send_recv"}
+    assert all(set(per_world) == {2} for per_world in fits.values())

@@ -77,22 +77,25 @@ def _gloo_ops(rank: int, world: int, nbytes: int) -> dict:
     numel = max(1, nbytes // 4)
     shard, out = torch.ones(numel), torch.empty(numel * world)
     full, scratch = torch.ones(numel * world), torch.empty(numel * world)
+    inbox = torch.empty(numel)
     peer = rank ^ 1 if (rank ^ 1) < world else rank
     return {"all_gather": lambda: comm.all_gather_into_tensor(out, shard, label="cal"),
             "reduce_scatter": lambda: comm.reduce_scatter_tensor(shard, full, label="cal",
                                                                 scratch=scratch),
             "all_reduce": lambda: comm.all_reduce(shard, label="cal"),
-            "send_recv": lambda: _send_recv(shard, rank, peer)}
+            "send_recv": lambda: _send_recv(shard, inbox, rank, peer)}
 
 
-def _send_recv(t: torch.Tensor, rank: int, peer: int) -> None:
-    import torch.distributed as dist
+def _send_recv(t: torch.Tensor, inbox: torch.Tensor, rank: int, peer: int) -> None:
+    """One message each way between ``rank`` and ``peer``, through shardwise's point-to-point
+    layer (the one the pipeline executor uses)."""
+    from shardwise.distributed import p2p
 
     if peer == rank:
         return
-    ops = [dist.P2POp(dist.isend if rank < peer else dist.irecv, t, peer),
-           dist.P2POp(dist.irecv if rank < peer else dist.isend, t, peer)]
-    for w in dist.batch_isend_irecv(ops):
+    out, back = p2p.Message(t, peer, send=True, label="cal"), \
+        p2p.Message(inbox, peer, send=False, label="cal")
+    for w in p2p.batch_isend_irecv([out, back] if rank < peer else [back, out]):
         w.wait()
 
 
