@@ -19,7 +19,7 @@ measures:
   slices other processes take, as the calibration's micro-benchmarks do, and the CPU time
   the slowest rank's process used per step (one thread: what its compute and its share of
   communication cost, whatever other jobs do to the wall clock); against
-  ``CostModel.estimate(layout).step_time`` for the layout the config describes
+  ``CostModel.estimate(layout, exact=True).step_time`` for the layout the config describes
   (``plan_layout.layout_of``, the mapping ``--parallel.plan auto`` uses);
 * **memory**: per rank, the engine's own accounting in the first step (``memory_report``
   after the update, before gradients are freed: parameters, gradients, optimizer state,
@@ -146,7 +146,9 @@ def _predict(cfg, model_cfg, hw) -> dict[str, float]:
     from shardwise.train import plan_layout
 
     spec, hw, wl = plan_layout.planner_inputs(cfg, model_cfg, hw)
-    est = CostModel(spec, hw, wl).estimate(plan_layout.layout_of(cfg))
+    # exact: the given layout's pipeline simulated with each rank's own costs (a last
+    # stage with the head is slower than the first), as the search prices its best
+    est = CostModel(spec, hw, wl).estimate(plan_layout.layout_of(cfg), exact=True)
     m = est.memory
     kinds = {"states": m.params + m.grads + m.optimizer, "whole_grads": m.full_grads,
              "transient": m.unsharded + m.comm, "activations": m.activations}

@@ -120,7 +120,8 @@ def refit(rows: list[dict[str, Any]], hw, inputs: list[tuple]) -> tuple[Any, lis
     if not ms:
         return hw, [r["pred"]["step_time"] for r in rows]
     fitted, _ = calibrate(ms, hw, params=("matmul_max", "memory_efficiency"))
-    return fitted, [CostModel(spec, fitted, wl).estimate(L).step_time for spec, wl, L in inputs]
+    return fitted, [CostModel(spec, fitted, wl).estimate(L, exact=True).step_time
+                    for spec, wl, L in inputs]
 
 
 def refit_report(rows: list[dict[str, Any]], fitted, preds: list[float]) -> str:

@@ -75,6 +75,51 @@ def test_calibration_file_round_trip(tmp_path):
     assert again.collective("all_gather", 3, 1e6) == again.collective("all_gather", 4, 1e6)
     assert again.collective("all_to_all", 2, 1e6) is None  # unmeasured: the link model
     assert "cpu" in tomllib.loads(path.read_text())["local"]
+    assert (again.blocks, again.compose) == ((), 1.0)
+
+
+def test_composed_blocks_are_priced_from_the_fits(tmp_path):
+    """[Note: composed blocks]: --calibrate stores the measured blocks and the geometric
+    mean of measured over priced seconds; the file reads back the same."""
+    from dataclasses import replace
+
+    from shardwise.planner.calibrate import compose_factor, priced_block_seconds
+
+    coll = {2: [(k, b, 1e-4 + b / 1e9) for k in ("all_reduce", "all_gather")
+                for b in (4096, 1 << 20)]}
+    meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 2,
+                             2.0 ** 34, 2, _costs())
+    plain = get_hardware("local", calibration=write_calibration(meas, tmp_path / "a.toml"))
+    priced = [priced_block_seconds(plain, d, h, kv) for d, h, kv in ((384, 6, 3), (640, 10, 5))]
+    assert priced[1] > priced[0] > 0
+    blocks = ((384, 6, 3, 1.2 * priced[0]), (640, 10, 5, 1.5 * priced[1]))
+    meas.cpu = replace(meas.cpu, blocks=blocks)
+    hw = get_hardware("local", calibration=write_calibration(meas, tmp_path / "b.toml"))
+    assert hw.cpu.compose == pytest.approx((1.2 * 1.5) ** 0.5, rel=1e-3)
+    for got, want in zip(hw.cpu.blocks, blocks, strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+    assert compose_factor(plain, ()) == 1.0
+    with pytest.raises(ValueError, match="compose = 9"):
+        CpuCosts.from_table({"compose": 9})
+    with pytest.raises(ValueError, match="blocks"):
+        CpuCosts.from_table({"blocks": [[384, 6, 3]]})
+
+
+@pytest.mark.parametrize("layout", [{}, {"tp": 2, "sp": True}, {"pp": 2, "pp_microbatches": 2,
+                                                            "pp_schedule": "1f1b"}])
+def test_compose_scales_compute_not_communication(layout):
+    """The composed-blocks factor multiplies what the ranks compute (layers and head,
+    forward and backward, so the bubble too), never the collectives."""
+    from dataclasses import replace
+
+    hw = _local(cores=8)
+    slow = hw.replace(cpu=replace(hw.cpu, compose=1.5))
+    a, b = _estimate(hw, **layout).breakdown, _estimate(slow, **layout).breakdown
+    assert b["compute"] == pytest.approx(1.5 * a["compute"], rel=1e-9)
+    # (the simulator reads stage costs to 4 significant digits)
+    assert b["pp_bubble"] == pytest.approx(1.5 * a["pp_bubble"], rel=1e-3)
+    for k in ("tp_comm", "dp_comm", "pp_comm", "optimizer"):
+        assert b[k] == pytest.approx(a[k], rel=1e-9)
 
 
 def test_gpus_never_take_the_cpu_path():

@@ -82,7 +82,8 @@ class _Truth:
         hw = get_hardware("local", calibration=self.device)
         spec, _, wl = plan_layout.planner_inputs(self.cfg, self.model_cfg, hw)
         cm = CostModel(spec, hw, wl)
-        return dataclasses.replace(measured, step_time=cm.estimate(layout).step_time,
+        step = cm.estimate(layout, exact=True).step_time
+        return dataclasses.replace(measured, step_time=step,
                                    dp_collective_time=cm.dp_collective_seconds(layout))
 
 
@@ -285,11 +286,12 @@ def test_config_and_layout_map_both_ways(over, tmp_path):
 def test_switch_out_of_a_pipeline(tmp_path):
     """The other way: matmuls calibrated 2x faster than they are pick the pipeline; its
     measured step (no data-parallel collectives: matmul_max alone is refit) puts ZeRO-3
-    over 2 data ranks 8% ahead (above a 5% threshold). Rebuilding after a pipeline must
-    keep the ranks' shard-call numbers agreed (gather identity)."""
+    over 2 data ranks 3% ahead of the simulated pipeline (above a 2% threshold).
+    Rebuilding after a pipeline must keep the ranks' shard-call numbers agreed (gather
+    identity)."""
     log = tmp_path / "run"
     cfg = load_config(None, {**TINY, **PLAN, "train.steps": "6", "checkpoint.interval": "0",
-                             "parallel.replan_threshold": "0.05", "log.dir": str(log),
+                             "parallel.replan_threshold": "0.02", "log.dir": str(log),
                              "parallel.plan_calibration": str(_device(tmp_path, TRUE_EFF))})
     cfg, data = preflight(cfg, world_size=2)
     assert plan_layout.layout_of(cfg) == PP2

@@ -23,6 +23,7 @@ fitted the catalogue on published runs (fit.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -64,8 +65,10 @@ class StepMeasurement:
 
 
 def _predict(hw, m: StepMeasurement) -> tuple[float, float]:
+    # exact: a measured layout's pipeline is simulated with every rank's own costs, as the
+    # search re-prices its best layouts (the closed forms take the busiest rank's for all)
     cm = CostModel(m.spec, hw, m.workload)
-    return cm.estimate(m.layout).step_time, cm.dp_collective_seconds(m.layout)
+    return cm.estimate(m.layout, exact=True).step_time, cm.dp_collective_seconds(m.layout)
 
 
 def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] = (
@@ -287,6 +290,29 @@ def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeas
     return LocalMeasurements(matmul, copy, coll, ranks, float(mem), cores, cpu)
 
 
+def priced_block_seconds(hw, dim: int, heads: int, kv_heads: int) -> float:
+    """What the cost model prices one calibration block at on ``hw`` (forward + backward
+    of one dense layer, its parts only: ``compose`` not applied), as
+    ``cpu_bench.measure_blocks`` runs it."""
+    from shardwise.planner.catalogue import from_llama_config
+    from shardwise.planner.cpu_bench import BLOCK_TOKENS, block_config
+    from shardwise.planner.stage_cost import StageCoster
+    from shardwise.planner.workload import Workload
+
+    batch, seq = BLOCK_TOKENS
+    spec = from_llama_config(block_config(dim, heads, kv_heads), f"block-{dim}")
+    wl = Workload(seq_len=seq, global_batch=batch, compute_dtype="fp32", param_dtype="fp32")
+    t = StageCoster(spec, hw, wl).layer(False, 1, 1, False, 1, batch, "none")
+    return t.fwd + t.bwd
+
+
+def compose_factor(hw, blocks) -> float:
+    """The geometric mean of measured over priced seconds of ``blocks`` ((dim, heads,
+    kv_heads, seconds) rows) on ``hw`` ([Note: composed blocks]); 1 with none."""
+    ratios = [sec / priced_block_seconds(hw, d, h, kv) for d, h, kv, sec in blocks]
+    return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 1.0
+
+
 def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
     """Fit the measurements and write the ``local`` catalogue entry to ``path``."""
     peak, emax, half = fit_matmul_curve(meas.matmul)
@@ -323,7 +349,15 @@ def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
         lines.append(f"collectives_{world}_ranks = [" + ", ".join(
             f'["{k}", {b}, {t:.6g}]' for k, b, t in rows) + "]")
     if meas.cpu is not None:
-        lines += [""] + meas.cpu.toml_lines("local")
+        cpu = meas.cpu
+        if cpu.blocks:  # price the measured blocks with the fits above
+            from shardwise.compat import tomllib
+            from shardwise.planner.hardware import get_hardware
+
+            table = tomllib.loads("\n".join(lines + [""] + cpu.toml_lines("local")))
+            cpu = dataclasses.replace(cpu, compose=compose_factor(
+                get_hardware("local", extra_tables=[table]), cpu.blocks))
+        lines += [""] + cpu.toml_lines("local")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -24,8 +24,8 @@ from shardwise.planner.cpu_costs import CpuCosts, Fit, Kernel, fit_terms
 from shardwise.planner.cpu_gloo import fit_collectives, measure_gloo
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
-           "measure_contention", "measure_linear", "fit_terms", "fit_collectives",
-           "LINEAR_SHAPES"]
+           "measure_contention", "measure_blocks", "measure_linear", "fit_terms",
+           "fit_collectives", "LINEAR_SHAPES", "BLOCKS", "BLOCK_TOKENS", "block_config"]
 
 
 def _best(fn, repeats: int = 3, min_seconds: float = 0.02, max_calls: int = 50) -> float:
@@ -171,11 +171,30 @@ def measure_kernels(quick: bool = False) -> dict[str, Kernel]:
     return out
 
 
-def measure_optimizer() -> Fit:
+def _median(fn, calls: int = 5) -> float:
+    """The median CPU time of this thread over ``calls`` calls (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
+def measure_optimizer(quick: bool = False) -> Fit:
     """The trainer's update -- the engine's foreach norm, the clip's foreach multiply and
-    ``torch.optim.AdamW.step`` (per-tensor loop on CPU) -- per tensor and per element."""
+    ``torch.optim.AdamW.step`` (per-tensor loop on CPU) -- per tensor and per element.
+
+    Timed as the median call, not the fastest, up to a model's size (16 M elements: the
+    weights, gradients and both moments, 256 MiB, far beyond the caches): the update
+    streams the whole state through memory once per step, and that is where this
+    machine's speed varies most between calls (the fastest of three came out 30-40%
+    below what the trainer's steps spend)."""
     rows = []
-    for k, n in ((8, 1 << 14), (8, 1 << 19), (64, 1 << 14), (32, 1 << 17)):
+    shapes = ((8, 1 << 14), (8, 1 << 19), (64, 1 << 14), (32, 1 << 17)) + \
+        (() if quick else ((16, 1 << 20),))
+    for k, n in shapes:
         ps = [torch.nn.Parameter(torch.randn(n)) for _ in range(k)]
         for p in ps:
             p.grad = torch.randn(n)
@@ -186,24 +205,38 @@ def measure_optimizer() -> Fit:
             norm = torch.stack(torch._foreach_norm(grads, 2.0)).norm()
             torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
             opt.step()
-        rows.append(((k, k * n), _best(update)))
+        rows.append(((k, k * n), _median(update)))
     return Fit(*fit_terms(rows))
 
 
-def _block_work(seconds: float) -> float:
+BLOCKS = ((384, 6, 3), (640, 10, 5))
+"""(dim, heads, kv_heads) of the blocks [Note: composed blocks] times (head width 64)."""
+BLOCK_TOKENS = (4, 128)
+"""(sequences, sequence length) each block runs on."""
+
+
+def block_config(dim: int, heads: int, kv_heads: int):
+    """The one-layer ``LlamaConfig`` of a calibration block."""
+    from shardwise.models import get_model_config
+
+    return get_model_config("debug", dim=dim, n_heads=heads, n_kv_heads=kv_heads, n_layers=1)
+
+
+def _block_work(seconds: float, shape: tuple[int, int, int] = BLOCKS[0]) -> float:
     """Median thread CPU seconds of a Llama block's forward and backward (shardwise.models;
-    width 384, 6 heads, 4 x 128 tokens), repeated for ``seconds``."""
-    from shardwise.models import TransformerBlock, get_model_config
+    ``shape`` = (dim, heads, kv_heads), 4 x 128 tokens), repeated for ``seconds``."""
+    from shardwise.models import TransformerBlock
     from shardwise.models.layers import rope_tables
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    block = TransformerBlock(get_model_config("debug", dim=384, n_heads=6, n_kv_heads=3,
-                                              n_layers=1))
+    dim, heads, _ = shape
+    block = TransformerBlock(block_config(*shape))
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    cos, sin = rope_tables(64, 128, 10000.0)
-    x = torch.randn(4, 128, 384, requires_grad=True)
+    batch, seq = BLOCK_TOKENS
+    cos, sin = rope_tables(dim // heads, seq, 10000.0)
+    x = torch.randn(batch, seq, dim, requires_grad=True)
 
     def fn():
         y = block(x, cos, sin)
@@ -215,6 +248,16 @@ def _block_work(seconds: float) -> float:
         fn()
         times.append(time.thread_time() - t0)
     return statistics.median(times)
+
+
+def measure_blocks(seconds: float = 2.0) -> tuple[tuple[int, int, int, float], ...]:
+    """``(dim, heads, kv_heads, median seconds)`` of each of ``BLOCKS`` on one thread
+    ([Note: composed blocks])."""
+    threads = torch.get_num_threads()
+    try:
+        return tuple((*shape, _block_work(seconds, shape)) for shape in BLOCKS)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _contention_worker(barrier, queue, seconds: float) -> None:
@@ -258,11 +301,13 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        kernels, opt = measure_kernels(quick), measure_optimizer()
+        kernels, opt = measure_kernels(quick), measure_optimizer(quick)
     finally:
         torch.set_num_threads(threads)
     busy = measure_contention([cores], seconds=0.5 if quick else 2.0)
+    blocks = measure_blocks(seconds=0.5 if quick else 2.0)
     sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
                                                         1 << 23]
     rows = {w: measure_gloo(w, sizes, calls=5 if quick else 21) for w in sorted({2, ranks})}
-    return CpuCosts(kernels, opt, fit_collectives(rows), busy)
+    # compose stays 1 here: write_calibration prices the blocks once the fits are known
+    return CpuCosts(kernels, opt, fit_collectives(rows), busy, blocks)

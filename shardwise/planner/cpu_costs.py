@@ -33,6 +33,18 @@ buffer, the reduce-scatter as an all-to-all plus a local sum, all-reduce, a send
 pair) and per group size, and fitted to ``latency + bytes / bandwidth`` with the payload
 the cost model passes (the gathered shard, the reduced shard, the all-reduced tensor, the
 message).
+
+[Note: composed blocks] The kernels and multiplies are each timed alone, as the fastest of
+a few calls on warm caches: what they cost at best. A training step is priced from their
+sum, but it runs them one after another on cold caches (each operator evicts the last
+one's operands), and it is measured as the median step, on a machine whose speed drifts
+with its neighbours. So ``--calibrate`` also runs whole Llama blocks (shardwise.models'
+``TransformerBlock``, forward and backward, widths 384 and 640: not the registry models'
+own, whose powers of two run slower still) for two seconds each and keeps the median
+call, prices the same blocks from the fits, and stores the ratio (geometric mean over the
+blocks) as ``compose``: the trainer's layers and head are priced at ``compose`` times
+their parts. Measured here: 0.98-1.29 on single blocks across runs minutes apart, the
+median call 5-30% above the fastest.
 """
 
 from __future__ import annotations
@@ -85,6 +97,12 @@ class CpuCosts:
     busy: dict[int, float] = field(default_factory=dict)
     """Measured: with ``k`` processes computing at once on as many cores, how much more CPU
     time each needs for the same work (shared clock, caches and memory bandwidth)."""
+    blocks: tuple[tuple[int, int, int, float], ...] = ()
+    """Measured: ``(dim, heads, kv_heads, seconds)`` of whole Llama blocks' forward and
+    backward on one thread, 4 x 128 tokens, the median call ([Note: composed blocks])."""
+    compose: float = 1.0
+    """The blocks' measured seconds over what the fits price them at (geometric mean):
+    the factor the trainer's layers and head are priced with ([Note: composed blocks])."""
 
     def contention(self, ranks: int, cores: int) -> float:
         """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores: 1
@@ -145,8 +163,19 @@ class CpuCosts:
         colls = {kind: {int(w): fit(v, f"{kind}.{w}") for w, v in t.get("collectives", {})
                         .get(kind, {}).items()} for kind in COLLECTIVES}
         opt = fit(t.get("optimizer", [0.0, 0.0]), "optimizer")
+        blocks = t.get("blocks", [])
+        if not (isinstance(blocks, list) and all(isinstance(b, list) and len(b) == 4
+                                                 for b in blocks)):
+            raise ValueError(f"calibration [local.cpu] blocks: expected [[dim, heads, "
+                             f"kv_heads, seconds], ...], got {blocks!r}")
+        compose = float(t.get("compose", 1.0))
+        if not 0.2 <= compose <= 5.0:
+            raise ValueError(f"calibration [local.cpu] compose = {compose}: expected a "
+                             f"factor between 0.2 and 5 (measured blocks over priced)")
         return cls(kernels, opt, {k: v for k, v in colls.items() if v},
-                   {int(k): float(v) for k, v in t.get("busy", {}).items()})
+                   {int(k): float(v) for k, v in t.get("busy", {}).items()},
+                   tuple((int(d), int(h), int(kv), float(sec)) for d, h, kv, sec in blocks),
+                   compose)
 
     def toml_lines(self, prefix: str = "local") -> list[str]:
         """This record as the ``[<prefix>.cpu]`` tables of a calibration file."""
@@ -158,6 +187,9 @@ class CpuCosts:
                      f"{self.optimizer.per_unit:.6g}]")
         lines.append("busy = { " + ", ".join(f"{k} = {v:.4g}" for k, v in
                                              sorted(self.busy.items())) + " }")
+        lines.append("blocks = [" + ", ".join(f"[{d}, {h}, {kv}, {sec:.6g}]"
+                                              for d, h, kv, sec in self.blocks) + "]")
+        lines.append(f"compose = {self.compose:.4g}")
         lines.append(f"[{prefix}.cpu.collectives]")
         for kind, by_world in self.collectives.items():
             inner = ", ".join(f"{w} = [{f.latency:.6g}, {f.per_unit:.6g}]"

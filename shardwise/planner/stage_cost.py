@@ -243,6 +243,9 @@ class StageCoster:
                 fwd, bwd = fwd + k * (t.fwd + head), bwd + k * (t.bwd + t.recompute + 2 * head)
                 flops += k * (t.model_flops + hf)
                 saved += k * t.saved
+        if cpu_pricable(self.hw, spec, spec.is_moe):  # [Note: composed blocks]
+            c = self.hw.cpu.compose
+            fwd, bwd, wgrad = c * fwd, c * bwd, c * wgrad
         return RankTimes(fwd, bwd, wgrad, tpc, cpc, epc, flops, rflops, saved, working,
                          logits, len(layers))
 

@@ -205,7 +205,7 @@ def rank_layouts(cfg: Config, model_cfg: Any, world_size: int, hw=None) -> list[
     """
     spec, hw, wl = planner_inputs(cfg, model_cfg, hw)
     result = search(spec, hw, wl, world_size, plan_constraints(cfg),
-                    top=_TOP, exact=False)
+                    top=_TOP, exact=True)
     out = []
     for est in result.ranked:
         if len(out) >= _TOP or not est.fits:
