@@ -13,7 +13,11 @@ Checks, in order, each a row of the summary table:
 3. throughput of a ~1B-parameter Llama (the ``small`` shape scaled up, bf16 compute, one
    GPU, stage 3), tokens/s, MFU against the device's dense bf16 peak from the planner's
    hardware catalogue, and peak memory, eager and with ``shardwise.compile_blocks``;
-4. compiled (inductor) training parity at stages 0-3 when ``bench/compile_check.py`` exists.
+4. compiled (inductor) training parity at stages 0-3 when ``bench/compile_check.py`` exists;
+5. a zero-bubble stage's split backward (``I`` then ``W``) against one backward, bitwise in
+   bf16, with no host synchronisation in ``W``;
+6. routed experts by ``grouped_mm`` (bf16, the CUDA path no CPU test runs) against the
+   per-expert loop, forward and backward, with no host synchronisation.
 
 What one GPU cannot check is printed at the end: cross-rank overlap of the side streams,
 the NCCL watchdog abort (needs a peer that hangs), hierarchical partitions across nodes.
@@ -23,6 +27,7 @@ Everything finishes in well under 8 minutes on an H100-class GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -171,6 +176,103 @@ def compile_parity(device: str) -> tuple[str, str, str]:
     return ("inductor parity, stages 0-3", last[0][:60], "ok" if run.returncode == 0 else "FAIL")
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+@contextlib.contextmanager
+def _no_host_sync(device: str):
+    """Raise on any host synchronisation inside (CUDA only; a no-op on the CPU)."""
+    if device != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def split_backward(device: str, dtype: torch.dtype | None = None) -> tuple[str, str, str]:
+    """A zero-bubble stage's input and weight passes (``I`` then ``W``) on the device give
+    the unsplit backward's gradients bit for bit (bf16 Llama blocks on CUDA), and the ``W``
+    pass makes no host synchronisation ([Note: split backward])."""
+    from shardwise.parallel.pipeline.split_backward import input_pass, weight_pass
+
+    label = "zero-bubble I + W = one backward"
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    model = build_model(get_model_config("debug", **TINY), seed=0).to(device, dtype)
+    params = list(model.layers.parameters())
+    cos, sin = (t.to(device) for t in model.rope(16))
+    g = torch.Generator().manual_seed(1)
+    x0, gy = (torch.randn(2, 16, TINY["dim"], generator=g).to(device, dtype) for _ in range(2))
+
+    def stage(x):
+        for block in model.layers:
+            x = block(x, cos, sin)
+        return x
+
+    def grads():
+        out = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return out
+
+    x = x0.clone().requires_grad_()
+    torch.autograd.backward(stage(x), gy)
+    ref_x, ref = x.grad.clone(), grads()
+    x = x0.clone().requires_grad_()
+    deferred = input_pass([stage(x)], [gy], x)
+    try:
+        with _no_host_sync(device):
+            weight_pass(deferred, [params])
+    except RuntimeError as exc:
+        return (label, f"host sync in W: {str(exc)[:40]}", "FAIL")
+    got = grads()
+    same = torch.equal(x.grad, ref_x) and all(torch.equal(a, b) for a, b in zip(got, ref))
+    worst = max(_rel(a, b) for a, b in zip(got, ref))
+    return (label, f"{dtype}: bitwise {same}, max rel {worst:.1e}",
+            "ok" if same else "FAIL")
+
+
+def expert_compute(device: str, dtype: torch.dtype | None = None) -> tuple[str, str, str]:
+    """Routed experts by ``grouped_mm`` against the per-expert loop on the device, forward
+    and backward, with an empty expert and a skewed one (bf16 on CUDA: the path torch
+    documents for compute capability 8.0+, which no CPU test runs), and no host
+    synchronisation in the grouped path ([Note: grouped expert compute])."""
+    from shardwise.models.experts import expert_ffn, grouped_mm_supported
+
+    label = "MoE experts: grouped_mm = loop"
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([0, 70, 3, 1, 200, 0, 20, 6])
+    e, c, h = counts.numel(), 256, 384
+    x0 = torch.randn(int(counts.sum()), c, generator=g).to(device, dtype)
+    gy = torch.randn(x0.shape, generator=g).to(device, dtype)
+    w0 = [0.05 * torch.randn(*shape, generator=g) for shape in ((e, c, h), (e, h, c), (e, c, h))]
+    if not grouped_mm_supported(x0, w0[0].to(device, dtype)):
+        return (label, f"grouped_mm not supported for {dtype} here", "skipped")
+
+    def run(compute: str) -> list[torch.Tensor]:
+        x = x0.clone().requires_grad_()
+        w = [t.to(device, dtype).requires_grad_() for t in w0]
+        n = counts.to(device)
+        with _no_host_sync(device) if compute == "grouped_mm" else contextlib.nullcontext():
+            y = expert_ffn(x, n, *w, compute=compute)
+            y.backward(gy)
+        return [y.detach(), x.grad, *(t.grad for t in w)]
+
+    try:
+        grouped = run("grouped_mm")
+    except RuntimeError as exc:
+        return (label, f"{str(exc)[:48]}", "FAIL")
+    loop = run("loop")
+    worst = max(_rel(a, b) for a, b in zip(grouped, loop))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: another accumulation order
+    return (label, f"{dtype}: max rel {worst:.1e} (limit {tol:.0e})",
+            "ok" if worst <= tol else "FAIL")
+
+
 def multi_gpu(device: str) -> list[tuple[str, str, str]]:
     n = torch.cuda.device_count() if device == "cuda" else 0
     if n < 2:
@@ -203,7 +305,8 @@ def main() -> int:
     rows = [*parity(args.device), *multi_gpu(args.device),
             trainer(args.device, 50 if args.device == "cuda" else 3),
             throughput(args.device, False, args.steps),
-            throughput(args.device, True, args.steps), compile_parity(args.device)]
+            throughput(args.device, True, args.steps), compile_parity(args.device),
+            split_backward(args.device), expert_compute(args.device)]
     width = max(len(r[0]) for r in rows)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (dry run)"
     print(f"\nshardwise GPU check on {name}, torch {torch.__version__}")
