@@ -286,3 +286,16 @@ def test_gloo_micro_benchmark_runs_every_collective_on_real_ranks():
     fits = fit_collectives({2: rows})
     assert set(fits) == {"all_gather", "reduce_scatter", "all_reduce", "send_recv"}
     assert all(set(per_world) == {2} for per_world in fits.values())
+
+
+def test_measure_blocks_times_the_calibration_blocks():
+    """The composed blocks run for real (shardwise.models' block, forward and backward, one
+    thread) and come back as (dim, heads, kv_heads, seconds) rows the pricing reads."""
+    from shardwise.planner.cpu_bench import BLOCKS, measure_blocks
+
+    threads = torch.get_num_threads()
+    rows = measure_blocks(seconds=0.01)
+    assert torch.get_num_threads() == threads  # restored
+    assert [r[:3] for r in rows] == [tuple(b) for b in BLOCKS]
+    assert all(r[3] > 0 for r in rows)
+    assert rows[1][3] > rows[0][3]  # the wider block takes longer
