@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from shardwise.planner.cost_model import CostModel
 from shardwise.planner.cpu_bench import LINEAR_SHAPES, measure_cpu, measure_linear
 from shardwise.planner.cpu_costs import CpuCosts
 from shardwise.planner.fit import fit_constants, log_error
+from shardwise.planner.timing import best_time, kernel_clock, run_local_ranks
 
 __all__ = ["StepMeasurement", "calibrate", "measure_local", "write_calibration",
            "fit_matmul_curve", "fit_alpha_beta", "usable_cores"]
@@ -114,33 +114,13 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
 
 
 # ---------------------------------------------------------------------- micro-benchmarks
-def _time(fn, repeats: int, min_seconds: float = 0.05, max_calls: int = 200,
-          clock=time.perf_counter) -> float:
-    """Best of at least ``repeats`` calls, and of as many more as fit in ``min_seconds``:
-    the minimum filters out the time slices other processes take on a shared machine.
-    ``clock=time.thread_time`` (single-threaded kernels) does not count them at all."""
-    fn()
-    best, calls, start = math.inf, 0, time.perf_counter()
-    while calls < repeats or (time.perf_counter() - start < min_seconds and calls < max_calls):
-        t0 = clock()
-        fn()
-        best = min(best, clock() - t0)
-        calls += 1
-    return best
-
-
-def _kernel_clock():
-    """One thread: its own CPU time (other processes' time slices not counted)."""
-    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-
-
 def measure_matmul(sizes: list[int], repeats: int = 3) -> list[tuple[float, float]]:
     """(FLOPs, seconds) of square fp32 matrix multiplies of each size."""
     out = []
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        out.append((2.0 * n ** 3, _time(lambda a=a, b=b: torch.mm(a, b), repeats,
-                                        clock=_kernel_clock())))
+        out.append((2.0 * n ** 3, best_time(lambda a=a, b=b: torch.mm(a, b), repeats,
+                                        clock=kernel_clock())))
     return out
 
 
@@ -193,11 +173,10 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
 
         # A fixed number of calls: every rank must issue the same collectives.
         comm_objects.barrier(label="calibrate")
-        rows.append(("all_reduce", numel * 4, _time(ar, repeats, min_seconds=0.0)))
+        rows.append(("all_reduce", numel * 4, best_time(ar, repeats, min_seconds=0.0)))
         comm_objects.barrier(label="calibrate")
-        rows.append(("all_gather", numel * 4, _time(ag, repeats, min_seconds=0.0)))
-    if rank == 0:
-        queue.put(rows)
+        rows.append(("all_gather", numel * 4, best_time(ag, repeats, min_seconds=0.0)))
+    queue.put(rows)  # every rank's: the same calls, timed on each
     dist.destroy_process_group()
 
 
@@ -205,27 +184,8 @@ def measure_collectives(world: int, sizes: list[int], repeats: int = 3,
                         timeout_s: float = 120.0) -> list[tuple[str, int, float]]:
     """(kind, payload bytes, seconds) of Gloo all-reduces and all-gathers on ``world``
     local ranks (payload: the all-reduced tensor, or one rank's all-gather shard)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, repeats,
-                                                          queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        rows = queue.get(timeout=timeout_s)
-    except Exception:  # queue.Empty: a rank died or hung; its traceback is on stderr
-        raise RuntimeError(f"collective micro-benchmark on {world} Gloo ranks did not finish "
-                           f"within {timeout_s:.0f} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return rows
+    return run_local_ranks(_collective_worker, world, (sizes, repeats),
+                           "collective micro-benchmark", timeout_s)[0]
 
 
 def _alpha_beta_points(rows, world: int) -> list[tuple[int, float, float]]:
@@ -278,7 +238,8 @@ def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeas
         n = 1 << (22 if quick else 25)  # 16 / 128 MiB fp32
         x = torch.ones(n)
         y = torch.empty(n)
-        copy = 2 * 4 * n / _time(lambda: y.copy_(x), 2 if quick else 4, clock=_kernel_clock())
+        copy = 2 * 4 * n / best_time(lambda: y.copy_(x), 2 if quick else 4,
+                                      clock=kernel_clock())
     finally:
         torch.set_num_threads(threads)
     msg = [4096, 65536, 1 << 20] if quick else [4096, 65536, 1 << 20, 1 << 23]

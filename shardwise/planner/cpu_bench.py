@@ -12,7 +12,6 @@ The engine's collectives are measured by cpu_gloo.py.
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import statistics
 import time
@@ -22,22 +21,17 @@ import torch.nn.functional as F
 
 from shardwise.planner.cpu_costs import CpuCosts, Fit, Kernel, fit_terms
 from shardwise.planner.cpu_gloo import fit_collectives, measure_gloo
+from shardwise.planner.timing import best_time, median_time
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
            "measure_contention", "measure_blocks", "measure_linear", "fit_terms",
            "fit_collectives", "LINEAR_SHAPES", "BLOCKS", "BLOCK_TOKENS", "block_config"]
 
 
-def _best(fn, repeats: int = 3, min_seconds: float = 0.02, max_calls: int = 50) -> float:
-    """The least CPU time of this thread over the calls (see the module docstring)."""
-    fn()
-    best, calls, start = math.inf, 0, time.perf_counter()
-    while calls < repeats or (time.perf_counter() - start < min_seconds and calls < max_calls):
-        t0 = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - t0)
-        calls += 1
-    return best
+def _best(fn, repeats: int = 3) -> float:
+    """The least CPU time of this thread over at least ``repeats`` calls and 0.02 s (see
+    the module docstring)."""
+    return best_time(fn, repeats, min_seconds=0.02, max_calls=50, clock=time.thread_time)
 
 
 def _fwd_bwd(make, sizes, engine: float = 0.0) -> Kernel:
@@ -171,17 +165,6 @@ def measure_kernels(quick: bool = False) -> dict[str, Kernel]:
     return out
 
 
-def _median(fn, calls: int = 5) -> float:
-    """The median CPU time of this thread over ``calls`` calls (after one warm-up)."""
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times)
-
-
 def measure_optimizer(quick: bool = False) -> Fit:
     """The trainer's update -- the engine's foreach norm, the clip's foreach multiply and
     ``torch.optim.AdamW.step`` (per-tensor loop on CPU) -- per tensor and per element.
@@ -205,7 +188,7 @@ def measure_optimizer(quick: bool = False) -> Fit:
             norm = torch.stack(torch._foreach_norm(grads, 2.0)).norm()
             torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
             opt.step()
-        rows.append(((k, k * n), _median(update)))
+        rows.append(((k, k * n), median_time(update)))
     return Fit(*fit_terms(rows))
 
 

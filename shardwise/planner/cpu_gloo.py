@@ -17,13 +17,13 @@ part of it too.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import torch
 
 from shardwise.planner.cpu_costs import Fit, fit_terms
+from shardwise.planner.timing import run_local_ranks
 
 __all__ = ["measure_gloo", "fit_collectives"]
 
@@ -104,27 +104,8 @@ def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float
     """(kind, payload bytes, seconds) of the engine's collectives on ``world`` Gloo ranks,
     each met after a few milliseconds of compute (see the module docstring; payload: the
     gathered shard, the reduced shard, the all-reduced tensor, one message each way)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, sizes, calls, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        per_rank = [queue.get(timeout=timeout_s) for _ in procs]
-    except Exception:  # queue.Empty: a rank died or hung; its traceback is on stderr
-        raise RuntimeError(f"collective micro-benchmark on {world} Gloo ranks did not finish "
-                           f"within {timeout_s:.0f} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    per_rank = run_local_ranks(_gloo_worker, world, (sizes, calls),
+                               "collective micro-benchmark", timeout_s)
     # every rank's mean wait: the one that arrives late waits little, the others more
     return [(k, b, sum(r[i][2] for r in per_rank) / len(per_rank))
             for i, (k, b, _) in enumerate(per_rank[0])]
