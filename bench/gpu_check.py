@@ -180,17 +180,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-@contextlib.contextmanager
 def _no_host_sync(device: str):
     """Raise on any host synchronisation inside (CUDA only; a no-op on the CPU)."""
-    if device != "cuda":
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    from shardwise.train.step import sync_debug
+
+    return sync_debug("error", torch.device(device))
 
 
 def split_backward(device: str, dtype: torch.dtype | None = None) -> tuple[str, str, str]:

@@ -30,7 +30,7 @@ from shardwise.train.pipeline import grad_norm as total_grad_norm
 from shardwise.train.pipeline import pipeline_of
 from shardwise.train.stepguard import StepGuard
 
-__all__ = ["train_step", "evaluate", "gather_stats"]
+__all__ = ["train_step", "evaluate", "gather_stats", "sync_debug"]
 
 
 def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -49,10 +49,11 @@ def gather_stats(values: list[torch.Tensor | float], env: dist_env.DistEnv) -> t
 
 
 @contextlib.contextmanager
-def _sync_debug(cfg: Config, env: dist_env.DistEnv):
-    """``train.sync_debug`` around a region of the step (CUDA only)."""
-    mode = cfg.train.sync_debug
-    if mode == "off" or env.device.type != "cuda":
+def sync_debug(mode: str, device: torch.device):
+    """``torch.cuda.set_sync_debug_mode(mode)`` inside (``"warn"`` or ``"error"``: a host
+    synchronisation warns or raises), the previous mode restored after; a no-op for
+    ``"off"`` or off CUDA."""
+    if mode == "off" or device.type != "cuda":
         yield
         return
     before = torch.cuda.get_sync_debug_mode()
@@ -61,6 +62,11 @@ def _sync_debug(cfg: Config, env: dist_env.DistEnv):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(before)
+
+
+def _sync_debug(cfg: Config, env: dist_env.DistEnv):
+    """``train.sync_debug`` around a region of the step (CUDA only)."""
+    return sync_debug(cfg.train.sync_debug, env.device)
 
 
 def _forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.DistEnv,
