@@ -114,16 +114,6 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
 
 
 # ---------------------------------------------------------------------- micro-benchmarks
-def measure_matmul(sizes: list[int], repeats: int = 3) -> list[tuple[float, float]]:
-    """(FLOPs, seconds) of square fp32 matrix multiplies of each size."""
-    out = []
-    for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        out.append((2.0 * n ** 3, best_time(lambda a=a, b=b: torch.mm(a, b), repeats,
-                                        clock=kernel_clock())))
-    return out
-
-
 def fit_matmul_curve(points: list[tuple[float, float]]) -> tuple[float, float, float]:
     """(peak FLOP/s, matmul_max, half-size FLOPs) of the curve ``t = (F + h) / (peak e)``.
 
