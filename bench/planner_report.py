@@ -129,7 +129,9 @@ def refit_report(rows: list[dict[str, Any]], fitted, preds: list[float]) -> str:
     lines = ["## After refitting to measured steps", "",
              f"`matmul_max` and `memory_efficiency` refit (planner.calibrate, as "
              f"`--parallel.plan auto` does) to the median step times of "
-             f"{' and '.join(FIT_CASES)}: matmul_max {fitted.matmul_max:.3g}, "
+             f"{' and '.join(FIT_CASES)}, along the combinations of the two the "
+             f"measurements determine ([Note: identified directions] in "
+             f"shardwise/planner/fit.py): matmul_max {fitted.matmul_max:.3g}, "
              f"memory_efficiency {fitted.memory_efficiency:.3g}. The other rows are held out.",
              "", "| case | fit on | step predicted s | measured s (rounds) | error | within |",
              "| --- | --- | --- | --- | --- | --- |"]

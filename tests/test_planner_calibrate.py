@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from shardwise.planner import get_hardware, get_model_spec
 from shardwise.planner.calibrate import (StepMeasurement, calibrate, fit_alpha_beta,
                                          fit_matmul_curve)
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.fit import fit_constants
+from shardwise.planner.fit import fit_constants, identified_directions
 from shardwise.planner.layout import Layout
 from shardwise.planner.workload import Workload
 
@@ -73,3 +75,42 @@ def test_fit_constants_respects_bounds():
     assert 0.99 < best["x"] <= 1.0
     with pytest.raises(ValueError, match="outside"):
         fit_constants({"x": 5.0}, {"x": (0.1, 1.0)}, lambda p: 0.0)
+
+
+def test_identified_directions_drop_flat_and_collinear_constants():
+    """A constant no prediction depends on is not a direction; two observations of nearly
+    the same mix determine one combination, two different mixes two."""
+    flat = identified_directions([[-0.7, 0.0], [-0.8, 0.0]])
+    assert len(flat) == 1 and flat[0][1] == pytest.approx(0.0, abs=1e-9)
+    assert len(identified_directions([[-0.70, -0.29], [-0.83, -0.16]])) == 1
+    assert len(identified_directions([[-0.70, -0.29], [-0.83, -0.16]], min_ratio=0.05)) == 2
+    assert len(identified_directions([[-0.9, -0.1], [-0.1, -0.9]])) == 2
+    assert identified_directions([[0.0, 0.0]]) == []
+
+
+def test_calibrate_fits_one_speed_from_two_steps_of_the_same_mix():
+    """Two one-GPU steps (multiplies and bandwidth-bound kernels in the same proportions)
+    measured 10% slower than predicted, with +-5% noise in opposite directions: the refit
+    moves matmul_max and memory_efficiency together (the noise does not pull them apart),
+    leaves the intra-node link (no collective ran) exactly as it was, and reproduces both
+    steps' mean slowdown. Fitting every singular direction (min_ratio 0) splits them."""
+    hw = get_hardware("a100-80gb")
+    spec = get_model_spec("llama3-8b")  # multiplies 0.70 / 0.69 of the step's elasticity
+    cases = [(spec, Workload(seq_len=4096, global_batch=1),
+              Layout(dp_shard=1, microbatch=1, pp_microbatches=1)),
+             (spec, Workload(seq_len=512, global_batch=8),
+              Layout(dp_shard=1, microbatch=8, pp_microbatches=1))]
+    truth = [m.step_time * 1.1 * noise for m, noise in zip(_measure(hw, cases), (1.05, 0.95),
+                                                             strict=True)]
+    measured = [StepMeasurement(s, w, L, t) for (s, w, L), t in zip(cases, truth, strict=True)]
+    params = ("matmul_max", "memory_efficiency", "intra_efficiency")
+    fitted, _ = calibrate(measured, hw, params=params)
+    moved = [getattr(fitted, p) / getattr(hw, p) for p in params[:2]]
+    assert all(0.8 < r < 1.0 for r in moved), moved  # both slower, neither far off
+    assert fitted.intra_efficiency == hw.intra_efficiency
+    again = [m.step_time for m in _measure(fitted, cases)]
+    mean_ratio = math.exp(sum(math.log(a / t) for a, t in zip(again, truth, strict=True)) / 2)
+    assert mean_ratio == pytest.approx(1.0, abs=0.02)
+    split, _ = calibrate(measured, hw, params=params[:2], min_ratio=0.0)
+    apart = [getattr(split, p) / getattr(hw, p) for p in params[:2]]
+    assert (apart[0] - 1) * (apart[1] - 1) < 0, apart  # one faster, the other slower

@@ -18,7 +18,9 @@ reads it like any device), with the raw measurements beside it.
 time, and optionally the seconds the data-parallel collectives took), it refits the device's
 constants (``matmul_max``, ``memory_efficiency``, ``intra_efficiency``,
 ``inter_efficiency``) so the cost model reproduces them, using the same optimiser that
-fitted the catalogue on published runs (fit.py).
+fitted the catalogue on published runs (fit.py), along the combinations of constants the
+measurements determine (two steps of the same mix of work fit one common speed, not each
+part's).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from shardwise.distributed import comm_bytes
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.cpu_bench import LINEAR_SHAPES, measure_cpu, measure_linear
 from shardwise.planner.cpu_costs import CpuCosts
-from shardwise.planner.fit import fit_constants, log_error
+from shardwise.planner.fit import (fit_constants, fit_directions, identified_directions,
+                                   log_error)
 from shardwise.planner.timing import best_time, kernel_clock, run_local_ranks
 
 __all__ = ["StepMeasurement", "calibrate", "measure_local", "write_calibration",
@@ -73,8 +76,10 @@ def _predict(hw, m: StepMeasurement) -> tuple[float, float]:
 
 def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] = (
         "matmul_max", "memory_efficiency", "intra_efficiency", "inter_efficiency"),
-              iterations: int = 600):
-    """Refit ``hw``'s constants so the cost model reproduces measured steps.
+              iterations: int = 600, min_ratio: float = 0.2):
+    """Refit ``hw``'s constants so the cost model reproduces measured steps, moving only
+    the combinations of constants the measurements determine ([Note: identified
+    directions] in fit.py).
 
     Args:
         measurements: at least one :class:`StepMeasurement` (more, of layouts stressing
@@ -83,6 +88,9 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
         params: which constants to fit (any of matmul_max, memory_efficiency,
             intra_efficiency, inter_efficiency).
         iterations: optimiser steps.
+        min_ratio: a combination of constants is fitted when the predictions depend on it
+            at least this fraction as strongly as on the best-determined one; the others
+            keep ``hw``'s values.
 
     Returns:
         (the corrected Hardware, the fit's mean squared log error).
@@ -103,14 +111,38 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
             observed.append(m.dp_collective_time)
             which.append((i, 1))
     start = {p: getattr(hw, p) for p in params}
+    bounds = {p: _FITTABLE[p] for p in params}
 
-    def loss(p):
+    def predicted(p):
         h = hw.replace(**p)
         preds = [_predict(h, m) for m in measurements]
-        return log_error([preds[i][k] for i, k in which], observed)
+        return [preds[i][k] for i, k in which]
 
-    best, err = fit_constants(start, {p: _FITTABLE[p] for p in params}, loss, iterations)
+    def loss(p):
+        return log_error(predicted(p), observed)
+
+    directions = _directions(predicted, start, min_ratio)
+    if directions is None or len(directions) == len(params):
+        best, err = fit_constants(start, bounds, loss, iterations)
+    else:  # fit what the measurements determine ([Note: identified directions] in fit.py)
+        best, err = fit_directions(start, bounds, directions, loss, iterations)
     return hw.replace(**best), err
+
+
+def _directions(predicted, start: dict[str, float], min_ratio: float, h: float = 0.05
+                ) -> list[list[float]] | None:
+    """The identified directions of the constants at ``start`` (finite differences of log
+    predictions over a 5% step of each constant); None when a prediction is not positive."""
+    base = predicted(start)
+    if not all(v > 0 and math.isfinite(v) for v in base):
+        return None
+    cols = []
+    for name, value in start.items():
+        step = predicted({**start, name: value * math.exp(h)})
+        if not all(v > 0 and math.isfinite(v) for v in step):
+            return None
+        cols.append([(math.log(a) - math.log(b)) / h for a, b in zip(step, base, strict=True)])
+    return identified_directions([list(r) for r in zip(*cols, strict=True)], min_ratio)
 
 
 # ---------------------------------------------------------------------- micro-benchmarks

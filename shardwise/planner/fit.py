@@ -6,6 +6,20 @@ to what a run measured (calibrate.py). Parameters live in bounded intervals; the
 on a logit-like transform of each so no step leaves its interval, and minimises the mean
 squared log ratio of prediction to observation (errors of 10% too fast and 10% too slow
 weigh the same, and large and small runs count alike).
+
+[Note: identified directions] Measurements determine only some combinations of the
+constants. Two steps of nearly the same mix of work (two one-rank steps of different
+widths: multiplies and other kernels in the proportions 0.70 : 0.29 and 0.83 : 0.16) tell
+how fast the mix runs, not how fast each part does; fitting both parts anyway turns the
+measurements' noise into large opposite changes (planner_bench on this machine: matmul_max
+0.91 -> 0.67 and memory_efficiency 1.0 -> 1.5 from two steps 10% apart), which every layout
+with another mix then extrapolates. So a fit can be restricted to the directions the
+measurements determine: the singular vectors of the elasticities (d log prediction /
+d log constant, at the starting constants) whose singular value is at least ``min_ratio``
+of the largest (default 0.2; the four constants of four GPU layouts measure 1 : 0.92 : 0.33
+: 0.30, the two one-rank CPU steps 1 : 0.10), and not below ``1e-3`` (a constant no
+prediction depends on: intra-node efficiency from one-rank steps). The other directions
+keep their starting values.
 """
 
 from __future__ import annotations
@@ -13,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["fit_constants", "log_error"]
+__all__ = ["fit_constants", "log_error", "identified_directions", "fit_directions"]
 
 
 def log_error(predicted: Sequence[float], observed: Sequence[float]) -> float:
@@ -69,6 +83,55 @@ def fit_constants(start: dict[str, float], bounds: dict[str, tuple[float, float]
 
     x0 = [_to_unit(start[n], *bounds[n]) for n in names]
     best, value = _nelder_mead(f, x0, iterations, tolerance)
+    return decode(best), value
+
+
+def identified_directions(elasticities: Sequence[Sequence[float]], min_ratio: float = 0.2
+                          ) -> list[list[float]]:
+    """The directions in log-constant space that observations determine ([Note: identified
+    directions]).
+
+    Args:
+        elasticities: one row per observation, one column per constant: d log(prediction)
+            / d log(constant).
+        min_ratio: keep singular directions whose singular value is at least this fraction
+            of the largest.
+
+    Returns:
+        Orthonormal vectors (one entry per constant), best determined first; empty when no
+        prediction depends on any constant.
+    """
+    import torch
+
+    J = torch.tensor([list(r) for r in elasticities], dtype=torch.float64)
+    if J.numel() == 0:
+        return []
+    _, s, vh = torch.linalg.svd(J, full_matrices=False)
+    keep = [i for i in range(len(s)) if s[i] >= max(1e-3, min_ratio * float(s[0]))]
+    return [vh[i].tolist() for i in keep]
+
+
+def fit_directions(start: dict[str, float], bounds: dict[str, tuple[float, float]],
+                   directions: Sequence[Sequence[float]],
+                   loss: Callable[[dict[str, float]], float], iterations: int = 300,
+                   tolerance: float = 1e-10) -> tuple[dict[str, float], float]:
+    """Minimise ``loss`` moving the constants only along ``directions`` (vectors over
+    ``start``'s names, in log space: ``log c = log start + sum_k a_k d_k``), each constant
+    clipped to its bounds ([Note: identified directions]). Returns (best constants, loss)."""
+    names = list(start)
+
+    def decode(a):
+        out = {}
+        for j, n in enumerate(names):
+            z = math.log(start[n]) + sum(ak * d[j] for ak, d in zip(a, directions, strict=True))
+            lo, hi = bounds[n]
+            out[n] = min(max(math.exp(z), lo), hi)
+        return out
+
+    if not directions:
+        return dict(start), loss(dict(start))
+    best, value = _nelder_mead(lambda a: loss(decode(a)), [0.0] * len(directions),
+                               iterations, tolerance)
     return decode(best), value
 
 
