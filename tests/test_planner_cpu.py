@@ -151,9 +151,13 @@ def test_collectives_are_exposed_once_the_cores_are_saturated():
 
 def test_pipeline_bubble_is_filled_by_time_sharing():
     """pp 2 x dp 2 on 2 cores: ranks waiting in the bubble free their core, so the step is
-    the four ranks' busy seconds over the two cores plus the communication, not the
-    critical path with its bubble slowed down."""
+    the four ranks' busy seconds (compute, and the collectives' CPU: half their seconds
+    here) over the two cores plus the collectives' waiting that no other rank fills (2 of
+    4 ranks' worth), not the critical path with its bubble slowed down."""
+    import dataclasses
+
     hw = _local(2)
+    hw = hw.replace(cpu=dataclasses.replace(hw.cpu, comm_cpu={2: 0.5, 4: 0.25}))
     pipe = dict(pp=2, dp_shard=2, zero=3, pp_microbatches=2, pp_schedule="1f1b", pp_virtual=1)
     est, alone = _estimate(hw, **pipe), _estimate(_local(4), **pipe)
     wl = Workload(seq_len=128, global_batch=8, compute_dtype="fp32")
@@ -163,7 +167,11 @@ def test_pipeline_bubble_is_filled_by_time_sharing():
                for r, rt, lay in cm._all_ranks(L))
     b = est.breakdown
     comm = b["pp_comm"] + b["dp_comm"] + b["tp_comm"]
-    assert est.step_time == pytest.approx(2 * busy / 2 + comm, rel=0.05)  # copies aside
+    on_core = 0.5 * comm  # every group here has 2 ranks
+    assert est.step_time == pytest.approx((2 * busy + 4 * on_core) / 2
+                                          + (comm - on_core) * 2 / 4, rel=0.02)  # copies aside
+    without = _estimate(_local(2), **pipe)  # CPU fraction not measured: all waiting
+    assert without.step_time < est.step_time
     assert alone.step_time < est.step_time < 2 * alone.step_time
     assert b["pp_bubble"] == pytest.approx(alone.breakdown["pp_bubble"])
 
@@ -217,6 +225,23 @@ def test_busy_cores_compute_slower():
     assert two.breakdown["compute"] == pytest.approx(1.2 * one.breakdown["compute"])
     again = CpuCosts.from_table(tomllib.loads("\n".join(costs.toml_lines("x")))["x"]["cpu"])
     assert again.busy == pytest.approx({2: 1.2, 4: 1.5})  # as written
+
+
+def test_collective_cpu_fraction_round_trips_and_is_checked():
+    """The collectives' measured CPU fraction per group size is written and read back, read
+    from the nearest group size, 0 when not measured, and a value outside [0, 1] is
+    refused by name."""
+    import dataclasses
+
+    costs = dataclasses.replace(_costs(), comm_cpu={2: 0.5, 4: 0.25})
+    table = tomllib.loads("\n".join(costs.toml_lines("x")))["x"]["cpu"]
+    again = CpuCosts.from_table(table)
+    assert again.comm_cpu == pytest.approx({2: 0.5, 4: 0.25})
+    assert [again.comm_cpu_fraction(w) for w in (1, 2, 3, 4, 8)] == pytest.approx(
+        [0.0, 0.5, 0.25, 0.25, 0.25])
+    assert _costs().comm_cpu_fraction(2) == 0.0
+    with pytest.raises(ValueError, match=r"comm_cpu\.2 = 1.5"):
+        CpuCosts.from_table({**table, "comm_cpu": {"2": 1.5}})
 
 
 def _tp_calls(sp: bool):
@@ -275,14 +300,18 @@ def test_tensor_parallel_collectives_are_the_trainers(sp):
 
 def test_gloo_micro_benchmark_runs_every_collective_on_real_ranks():
     """``--calibrate``'s collective rows come from live Gloo ranks through the engine's own
-    calls (all four kinds, both payloads, a positive time each) and fit per group size."""
-    from shardwise.planner.cpu_gloo import measure_gloo
+    calls (all four kinds, both payloads, a positive time each, the CPU time beside it) and
+    fit per group size."""
+    from shardwise.planner.cpu_gloo import cpu_fractions, measure_gloo
 
     rows = measure_gloo(2, [4096, 65536], calls=3, timeout_s=120)
-    assert sorted({(k, b) for k, b, _ in rows}) == sorted(
+    assert sorted({(k, b) for k, b, _, _ in rows}) == sorted(
         (k, b) for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
         for b in (4096, 65536))
-    assert all(t > 0 for _, _, t in rows)
+    assert all(t > 0 and 0 <= c for _, _, t, c in rows)
+    assert any(c > 0 for *_, c in rows)  # a collective spends some CPU
+    frac = cpu_fractions({2: rows})
+    assert set(frac) == {2} and 0 < frac[2] <= 1
     fits = fit_collectives({2: rows})
     assert set(fits) == {"all_gather", "reduce_scatter", "all_reduce", "send_recv"}
     assert all(set(per_world) == {2} for per_world in fits.values())
@@ -299,3 +328,14 @@ def test_measure_blocks_times_the_calibration_blocks():
     assert [r[:3] for r in rows] == [tuple(b) for b in BLOCKS]
     assert all(r[3] > 0 for r in rows)
     assert rows[1][3] > rows[0][3]  # the wider block takes longer
+
+
+def test_median_blocks_takes_each_blocks_median_over_passes():
+    """The composed blocks are timed in three passes across the calibration; one fast (or
+    slow) pass does not decide a block's seconds."""
+    from shardwise.planner.cpu_bench import median_blocks
+
+    passes = [((384, 6, 3, 0.09), (640, 10, 5, 0.187)),
+              ((384, 6, 3, 0.10), (640, 10, 5, 0.240)),
+              ((384, 6, 3, 0.30), (640, 10, 5, 0.232))]
+    assert median_blocks(passes) == ((384, 6, 3, 0.10), (640, 10, 5, 0.232))

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.planner.cpu_costs import CpuCosts, Fit, Kernel, fit_terms
-from shardwise.planner.cpu_gloo import fit_collectives, measure_gloo
+from shardwise.planner.cpu_gloo import cpu_fractions, fit_collectives, measure_gloo
 from shardwise.planner.timing import best_time, median_time
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
            "measure_contention", "measure_blocks", "measure_linear", "fit_terms",
-           "fit_collectives", "LINEAR_SHAPES", "BLOCKS", "BLOCK_TOKENS", "block_config"]
+           "fit_collectives", "median_blocks", "LINEAR_SHAPES", "BLOCKS", "BLOCK_TOKENS", "block_config"]
 
 
 def _best(fn, repeats: int = 3) -> float:
@@ -281,6 +281,8 @@ def measure_contention(counts: list[int], seconds: float = 2.0) -> dict[int, flo
 def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     """Kernels and update on one thread, the slowdown with every core busy, then the
     collectives on 2 and ``ranks`` ranks."""
+    block_s = 0.2 if quick else 1.0
+    passes = [measure_blocks(seconds=block_s)]  # first, middle and last: see median_blocks
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -288,9 +290,21 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     finally:
         torch.set_num_threads(threads)
     busy = measure_contention([cores], seconds=0.5 if quick else 2.0)
-    blocks = measure_blocks(seconds=0.5 if quick else 2.0)
+    passes.append(measure_blocks(seconds=block_s))
     sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
                                                         1 << 23]
     rows = {w: measure_gloo(w, sizes, calls=5 if quick else 21) for w in sorted({2, ranks})}
+    passes.append(measure_blocks(seconds=block_s))
     # compose stays 1 here: write_calibration prices the blocks once the fits are known
-    return CpuCosts(kernels, opt, fit_collectives(rows), busy, blocks)
+    return CpuCosts(kernels, opt, fit_collectives(rows), busy, median_blocks(passes),
+                    comm_cpu=cpu_fractions(rows))
+
+
+def median_blocks(passes) -> tuple[tuple[int, int, int, float], ...]:
+    """Per block, the median seconds over passes of :func:`measure_blocks` made at
+    different moments of the calibration ([Note: composed blocks]: one pass alone let a
+    fast minute decide ``compose``)."""
+    out = []
+    for rows in zip(*passes, strict=True):
+        out.append((*rows[0][:3], statistics.median(r[3] for r in rows)))
+    return tuple(out)

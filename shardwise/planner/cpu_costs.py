@@ -40,11 +40,14 @@ sum, but it runs them one after another on cold caches (each operator evicts the
 one's operands), and it is measured as the median step, on a machine whose speed drifts
 with its neighbours. So ``--calibrate`` also runs whole Llama blocks (shardwise.models'
 ``TransformerBlock``, forward and backward, widths 384 and 640: not the registry models'
-own, whose powers of two run slower still) for two seconds each and keeps the median
-call, prices the same blocks from the fits, and stores the ratio (geometric mean over the
-blocks) as ``compose``: the trainer's layers and head are priced at ``compose`` times
-their parts. Measured here: 0.98-1.29 on single blocks across runs minutes apart, the
-median call 5-30% above the fastest.
+own, whose powers of two run slower still) for a second each, three times (before the
+kernels, between them and the collectives, after), and keeps the median call of each pass
+and the median of the three passes, prices the same blocks from the fits, and stores the
+ratio (geometric mean over the blocks) as ``compose``: the trainer's layers and head are
+priced at ``compose`` times their parts. Measured here: 0.98-1.29 on single blocks across
+runs minutes apart, the median call 5-30% above the fastest; one pass of two seconds made
+the whole calibration (the width-640 block at 0.187 s in one calibration, 0.232-0.249 s
+in four passes minutes later: compose 1.01 against 1.15, every prediction 13% fast).
 """
 
 from __future__ import annotations
@@ -103,6 +106,17 @@ class CpuCosts:
     compose: float = 1.0
     """The blocks' measured seconds over what the fits price them at (geometric mean):
     the factor the trainer's layers and head are priced with ([Note: composed blocks])."""
+    comm_cpu: dict[int, float] = field(default_factory=dict)
+    """Measured: group size -> the fraction of a collective's seconds its callers spend on
+    a core (process CPU time over wall time, median over kinds and payloads); the rest is
+    waiting ([Note: CPU ranks share the cores] in cpu_stage.py). Empty: not measured (0)."""
+
+    def comm_cpu_fraction(self, world: int) -> float:
+        """The CPU fraction of a collective over ``world`` ranks, from the nearest measured
+        group size (the larger on a tie); 0 when not measured or ``world`` is 1."""
+        if world <= 1 or not self.comm_cpu:
+            return 0.0
+        return self.comm_cpu[min(self.comm_cpu, key=lambda w: (abs(w - world), -w))]
 
     def contention(self, ranks: int, cores: int) -> float:
         """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores: 1
@@ -172,10 +186,15 @@ class CpuCosts:
         if not 0.2 <= compose <= 5.0:
             raise ValueError(f"calibration [local.cpu] compose = {compose}: expected a "
                              f"factor between 0.2 and 5 (measured blocks over priced)")
+        comm_cpu = {int(k): float(v) for k, v in t.get("comm_cpu", {}).items()}
+        bad = [(k, v) for k, v in comm_cpu.items() if not 0.0 <= v <= 1.0]
+        if bad:
+            raise ValueError(f"calibration [local.cpu] comm_cpu.{bad[0][0]} = {bad[0][1]}: "
+                             f"expected a fraction between 0 and 1 (CPU seconds over seconds)")
         return cls(kernels, opt, {k: v for k, v in colls.items() if v},
                    {int(k): float(v) for k, v in t.get("busy", {}).items()},
                    tuple((int(d), int(h), int(kv), float(sec)) for d, h, kv, sec in blocks),
-                   compose)
+                   compose, comm_cpu)
 
     def toml_lines(self, prefix: str = "local") -> list[str]:
         """This record as the ``[<prefix>.cpu]`` tables of a calibration file."""
@@ -190,6 +209,8 @@ class CpuCosts:
         lines.append("blocks = [" + ", ".join(f"[{d}, {h}, {kv}, {sec:.6g}]"
                                               for d, h, kv, sec in self.blocks) + "]")
         lines.append(f"compose = {self.compose:.4g}")
+        lines.append("comm_cpu = { " + ", ".join(f"{k} = {v:.4g}" for k, v in
+                                                 sorted(self.comm_cpu.items())) + " }")
         lines.append(f"[{prefix}.cpu.collectives]")
         for kind, by_world in self.collectives.items():
             inner = ", ".join(f"{w} = [{f.latency:.6g}, {f.per_unit:.6g}]"

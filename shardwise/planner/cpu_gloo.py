@@ -1,8 +1,9 @@
 """The engine's Gloo collectives on CPU ranks, met as the trainer meets them, for
 ``--calibrate`` ([Note: CPU kernels] in cpu_costs.py).
 
-    rows = measure_gloo(2, [4096, 1 << 20])   # (kind, payload bytes, seconds)
+    rows = measure_gloo(2, [4096, 1 << 20])   # (kind, payload bytes, seconds, CPU seconds)
     fits = fit_collectives({2: rows})         # kind -> group size -> Fit
+    cpu_fractions({2: rows})                  # group size -> CPU seconds / seconds
 
 Collectives run on real Gloo ranks through the engine's own calls
 (``shardwise.distributed.comm``), met as the trainer meets them: every rank computes a few
@@ -12,7 +13,12 @@ latency and copies, and the wait for a peer still computing (with two ranks the 
 is half the mean difference of their compute times, what the slower one costs the step);
 measured here at 2 ranks: 1.8-3.9 ms for all-gathers of 4 KB-1 MB that take 0.6-1.9 ms
 back to back. Under time-sharing (more ranks than cores) the slices the others take are
-part of it too.
+part of it too. The process CPU time of each call is measured beside it: the part of a
+collective that occupies a core (the copies, the reduction, Gloo's threads), which
+time-shared ranks compete for; the rest is waiting, during which another rank can run.
+Measured here: a median of 0.5 of the seconds at 2 ranks (0.33-0.68 over kinds and
+payloads), 0.25 at 4 ranks on 2 cores (0.12-0.35: most of it is waiting for the peers'
+time slices).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 from shardwise.planner.cpu_costs import Fit, fit_terms
 from shardwise.planner.timing import run_local_ranks
 
-__all__ = ["measure_gloo", "fit_collectives"]
+__all__ = ["measure_gloo", "fit_collectives", "cpu_fractions"]
 
 
 def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
@@ -50,13 +56,14 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
             comm_objects.barrier(label="calibrate")
             compute()
             fn()
-            times = []
+            times, cpu = [], []
             for _ in range(calls):  # the same calls on every rank
                 compute()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
                 times.append(time.perf_counter() - t0)
-            rows.append((kind, nbytes, _trimmed_mean(times)))
+                cpu.append(time.process_time() - c0)  # this thread's and Gloo's threads'
+            rows.append((kind, nbytes, _trimmed_mean(times), _trimmed_mean(cpu)))
     queue.put(rows)
     dist.destroy_process_group()
 
@@ -100,23 +107,36 @@ def _send_recv(t: torch.Tensor, inbox: torch.Tensor, rank: int, peer: int) -> No
 
 
 def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float = 300.0
-                 ) -> list[tuple[str, int, float]]:
-    """(kind, payload bytes, seconds) of the engine's collectives on ``world`` Gloo ranks,
-    each met after a few milliseconds of compute (see the module docstring; payload: the
-    gathered shard, the reduced shard, the all-reduced tensor, one message each way)."""
+                 ) -> list[tuple[str, int, float, float]]:
+    """(kind, payload bytes, seconds, CPU seconds) of the engine's collectives on ``world``
+    Gloo ranks, each met after a few milliseconds of compute (see the module docstring;
+    payload: the gathered shard, the reduced shard, the all-reduced tensor, one message
+    each way). CPU seconds: the process time a rank spends per call, its own thread's and
+    Gloo's ([Note: CPU ranks share the cores] in cpu_stage.py)."""
     per_rank = run_local_ranks(_gloo_worker, world, (sizes, calls),
                                "collective micro-benchmark", timeout_s)
     # every rank's mean wait: the one that arrives late waits little, the others more
-    return [(k, b, sum(r[i][2] for r in per_rank) / len(per_rank))
-            for i, (k, b, _) in enumerate(per_rank[0])]
+    n = len(per_rank)
+    return [(k, b, sum(r[i][2] for r in per_rank) / n, sum(r[i][3] for r in per_rank) / n)
+            for i, (k, b, _, _) in enumerate(per_rank[0])]
 
 
-def fit_collectives(rows_by_world: dict[int, list[tuple[str, int, float]]]
-                    ) -> dict[str, dict[int, Fit]]:
-    """kind -> group size -> ``latency + bytes / bandwidth`` fit."""
+def fit_collectives(rows_by_world: dict[int, list[tuple]]) -> dict[str, dict[int, Fit]]:
+    """kind -> group size -> ``latency + bytes / bandwidth`` fit of the rows' seconds."""
     out: dict[str, dict[int, Fit]] = {}
     for world, rows in rows_by_world.items():
-        for kind in sorted({k for k, _, _ in rows}):
-            pts = [((1.0, float(b)), t) for k, b, t in rows if k == kind]
+        for kind in sorted({r[0] for r in rows}):
+            pts = [((1.0, float(r[1])), r[2]) for r in rows if r[0] == kind]
             out.setdefault(kind, {})[world] = Fit(*fit_terms(pts))
+    return out
+
+
+def cpu_fractions(rows_by_world: dict[int, list[tuple]]) -> dict[int, float]:
+    """Group size -> the median over kinds and payloads of a collective's CPU seconds over
+    its seconds (rows of :func:`measure_gloo`; groups without CPU times are left out)."""
+    out = {}
+    for world, rows in rows_by_world.items():
+        ratios = sorted(r[3] / r[2] for r in rows if len(r) > 3 and r[2] > 0)
+        if ratios:
+            out[world] = min(1.0, ratios[len(ratios) // 2])
     return out

@@ -11,9 +11,18 @@ times longer; in a pipeline a rank waiting in the bubble frees its core for the 
 the bubble is filled rather than added. Collectives are not hidden behind compute once the
 cores are saturated (as many ranks as cores, or more): Gloo's threads copy and reduce on
 the same cores the compute threads are using, so the engine's asynchronous gathers and
-reductions only overlap when a core is idle; and their calibrated times already include
-the time-sharing of the group that measured them. Communication waits (a collective
-waiting for a peer still computing) cost no CPU and are not part of a rank's busy seconds.
+reductions only overlap when a core is idle. Under time-sharing a collective's seconds are
+of two kinds, which the calibration measures apart (process CPU time beside wall time,
+``CpuCosts.comm_cpu``): its own CPU (copies, the reduction, Gloo's threads: about half of
+a 2-rank collective's seconds here), which competes for the cores like compute and joins
+the busy seconds; and waiting (for a peer still computing, or descheduled), during which
+another rank runs on the core, so only ``cores / ranks`` of it is exposed (the rounds of
+the cores' round robin in which no other rank is runnable). The calibrated 4-rank
+collectives are mostly such waiting (CPU 0.25 of their seconds): adding them whole to the
+busy seconds over the cores counted the other ranks' compute twice (the 4-rank
+data-parallel step predicted +5-18%), and leaving their CPU out of the busy seconds left
+out 0.04-0.10 s of CPU a rank spends per step on its collectives (tensor-parallel and
+pipeline steps at 4 ranks predicted 6-32% fast).
 
 Cores are not independent either: they share the clock budget (a lone busy core runs at a
 higher boost frequency), the last-level cache and the memory bandwidth. The calibration
@@ -163,14 +172,15 @@ def saturated(hw, ranks: int) -> bool:
     return bool(hw.cores) and ranks >= hw.cores
 
 
-def time_shared(hw, ranks: int, critical: float, busy_total: float, exposed_comm: float
+def time_shared(hw, ranks: int, critical: float, busy_total: float, waiting: float
                 ) -> float:
     """The step time of ``ranks`` ranks on ``hw.cores`` cores ([Note: CPU ranks share the
-    cores]): the critical path, or the ranks' busy seconds over the cores plus the
-    communication that waits, whichever is longer."""
+    cores]): the critical path, or the ranks' busy seconds (compute and the collectives'
+    own CPU) over the cores plus the share of a rank's collective waiting no other rank
+    fills (``cores / ranks`` of it), whichever is longer."""
     if not hw.cores or ranks <= hw.cores:
         return critical
-    return max(critical, busy_total / hw.cores + exposed_comm)
+    return max(critical, busy_total / hw.cores + waiting * hw.cores / ranks)
 
 
 def _step_collectives(cm, L) -> float:
@@ -226,7 +236,11 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
         busy += (L.pp_microbatches * (rt.fwd + rt.bwd) + cm._optimizer(L, lay, f, la)[0]
                  + copies(lay, f, la))
     busy *= slow * L.gpus / L.pp  # every pipeline rank's data and tensor replicas
-    comm = sum(breakdown[k] for k in ("tp_comm", "cp_comm", "ep_all_to_all", "pp_comm",
-                                      "dp_comm")) - own
+    groups = {"tp_comm": L.tp, "cp_comm": L.cp, "ep_all_to_all": L.ep, "pp_comm": 2,
+              "dp_comm": world}
+    comm = {k: breakdown[k] - (own if k == "dp_comm" else 0.0) for k in groups}
+    on_core = sum(hw.cpu.comm_cpu_fraction(groups[k]) * v for k, v in comm.items())
+    busy += on_core * L.gpus  # every rank's collectives occupy its core that long
     critical = sum(breakdown.values())
-    breakdown["compute"] += time_shared(hw, L.gpus, critical, busy, comm) - critical
+    waiting = sum(comm.values()) - on_core
+    breakdown["compute"] += time_shared(hw, L.gpus, critical, busy, waiting) - critical
