@@ -33,7 +33,9 @@ measures:
   fragmentation allowances, and the loss's working buffers, left out: they are not
   bytes the engine holds or autograd saves).
 
-The load average (``os.getloadavg()``) is recorded with every case of every round.
+The load average (``os.getloadavg()``) and the share of the machine's CPU time the
+hypervisor gave other guests while the case ran (steal, from ``/proc/stat``) are recorded
+with every case of every round.
 
 Random tokens of the model's vocabulary feed both (the numbers do not depend on the
 text). With 2 cores, 4 ranks time-share them ([Note: CPU ranks share the cores] in
@@ -164,17 +166,31 @@ def run_case(model: str, ranks: int, over: dict[str, str], seq: int, batch: int,
 
     cfg = _config(model, ranks, over, seq, batch)
     model_cfg = build_model_config(cfg)
-    load = os.getloadavg()[0]
+    load, before = os.getloadavg()[0], _cpu_jiffies()
     steps = STEPS[model] if steps is None else steps
     rows = run_ranks(_rank, ranks, args=(cfg, model_cfg, steps), threads=1,
                      env={"OMP_NUM_THREADS": "1"}, timeout_s=900)
+    after = _cpu_jiffies()
     mem = [sum(r[k] for k in KINDS) for r in rows]
     big = rows[mem.index(max(mem))]
     return {"step_time": max(r["step_time"] for r in rows),
             "best_step_time": max(r["best_step_time"] for r in rows),
             "cpu_step_time": max(r["cpu_step_time"] for r in rows), "memory": max(mem),
             "breakdown": {k: big[k] for k in KINDS},
-            "load": [load, os.getloadavg()[0]]}
+            "load": [load, os.getloadavg()[0]],
+            "steal": (after[1] - before[1]) / max(1, after[0] - before[0])
+            if before and after else None}
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(all, stolen) CPU time of the machine so far from ``/proc/stat`` (Linux), or None:
+    the share the hypervisor gave other guests while a case ran."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
 
 
 def _calibrate(path: str | None) -> tuple[Path, float]:
@@ -217,8 +233,8 @@ def _measure_round(rows, grid, args, hw, rnd: int) -> None:
         got = run_case(model, ranks, over, args.seq, args.batch, args.steps)
         for key, name in (("step", "step_time"), ("best", "best_step_time"),
                           ("cpu", "cpu_step_time"), ("mem", "memory"),
-                          ("breakdown", "breakdown"), ("load", "load")):
-            row[key].append(got[name])
+                          ("breakdown", "breakdown"), ("load", "load"), ("steal", "steal")):
+            row.setdefault(key, []).append(got[name])
         print(f"round {rnd + 1}: {row['case']}: step {got['step_time']:.3f} s "
               f"(predicted {row['pred']['step_time']:.3f}, CPU {got['cpu_step_time']:.3f}), "
               f"memory {got['memory'] / _MIB:.1f} MiB (predicted "

@@ -46,7 +46,9 @@ def _kinds(r: dict[str, Any]) -> str:
 
 
 def _loads(r: dict[str, Any]) -> str:
-    return ", ".join(f"{a:.1f}" for a, _ in r.get("load", []))
+    loads = ", ".join(f"{a:.1f}" for a, _ in r.get("load", []))
+    steal = [s for s in r.get("steal", []) if s is not None]
+    return loads + (" (steal " + ", ".join(f"{s:.0%}" for s in steal) + ")" if steal else "")
 
 
 def _row(r: dict[str, Any]) -> str:
@@ -92,7 +94,8 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta.get('duration_s', 0) / 60:.0f} min). Error = predicted / measured - 1, per "
         f"round; targets: step time (the median step, wall clock) within +-15%, memory "
         f"within +-10%, in every round. Load = `os.getloadavg()` (1 min) when each round's "
-        f"case started."
+        f"case started; steal = the share of the machine's CPU time the hypervisor gave "
+        f"other guests while it ran (`/proc/stat`)."
         + (" Predictions made again from the run's calibration by a later planner "
            "(`--report-only --repredict`)." if meta.get("repredicted") else ""),
         "",
