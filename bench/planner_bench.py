@@ -234,7 +234,7 @@ def _measure_round(rows, grid, args, hw, rnd: int) -> None:
         for key, name in (("step", "step_time"), ("best", "best_step_time"),
                           ("cpu", "cpu_step_time"), ("mem", "memory"),
                           ("breakdown", "breakdown"), ("load", "load"), ("steal", "steal")):
-            row.setdefault(key, []).append(got[name])
+            row[key].append(got[name])
         print(f"round {rnd + 1}: {row['case']}: step {got['step_time']:.3f} s "
               f"(predicted {row['pred']['step_time']:.3f}, CPU {got['cpu_step_time']:.3f}), "
               f"memory {got['memory'] / _MIB:.1f} MiB (predicted "
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     hw = get_hardware("local", calibration=path)
     grid = [g for g in GRID if args.only in _name(*g)]
     rows = [{"case": _name(*g), "pred": None, "step": [], "best": [], "cpu": [], "mem": [],
-             "breakdown": [], "load": []} for g in grid]
+             "breakdown": [], "load": [], "steal": []} for g in grid]
     for rnd in range(args.rounds):
         _measure_round(rows, grid, args, hw, rnd)
     meta = {"rounds": args.rounds, "seq": args.seq, "batch": args.batch,

@@ -25,7 +25,8 @@ from shardwise.planner.timing import best_time, median_time
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
            "measure_contention", "measure_blocks", "measure_linear", "fit_terms",
-           "fit_collectives", "median_blocks", "LINEAR_SHAPES", "BLOCKS", "BLOCK_TOKENS", "block_config"]
+           "fit_collectives", "median_blocks", "LINEAR_SHAPES", "BLOCKS", "BLOCK_TOKENS",
+           "block_config"]
 
 
 def _best(fn, repeats: int = 3) -> float:

@@ -116,7 +116,7 @@ class CpuCosts:
         group size (the larger on a tie); 0 when not measured or ``world`` is 1."""
         if world <= 1 or not self.comm_cpu:
             return 0.0
-        return self.comm_cpu[min(self.comm_cpu, key=lambda w: (abs(w - world), -w))]
+        return self.comm_cpu[_nearest(self.comm_cpu, world)]
 
     def contention(self, ranks: int, cores: int) -> float:
         """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores: 1
@@ -149,8 +149,7 @@ class CpuCosts:
             return None
         if world <= 1 or nbytes <= 0:
             return 0.0
-        near = min(by_world, key=lambda w: (abs(w - world), -w))
-        return by_world[near](nbytes)
+        return by_world[_nearest(by_world, world)](nbytes)
 
     # ------------------------------------------------------------------ TOML
     @classmethod
@@ -217,6 +216,11 @@ class CpuCosts:
                               for w, f in sorted(by_world.items()))
             lines.append(f"{kind} = {{ {inner} }}")
         return lines
+
+
+def _nearest(sizes, world: int) -> int:
+    """The measured group size nearest ``world`` (the larger on a tie)."""
+    return min(sizes, key=lambda w: (abs(w - world), -w))
 
 
 def fit_terms(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:

@@ -236,8 +236,8 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
         busy += (L.pp_microbatches * (rt.fwd + rt.bwd) + cm._optimizer(L, lay, f, la)[0]
                  + copies(lay, f, la))
     busy *= slow * L.gpus / L.pp  # every pipeline rank's data and tensor replicas
-    groups = {"tp_comm": L.tp, "cp_comm": L.cp, "ep_all_to_all": L.ep, "pp_comm": 2,
-              "dp_comm": world}
+    groups = {"tp_comm": L.tp, "cp_comm": L.cp, "ep_all_to_all": L.ep,
+              "pp_comm": 2, "dp_comm": world}  # a pipeline send pairs two ranks
     comm = {k: breakdown[k] - (own if k == "dp_comm" else 0.0) for k in groups}
     on_core = sum(hw.cpu.comm_cpu_fraction(groups[k]) * v for k, v in comm.items())
     busy += on_core * L.gpus  # every rank's collectives occupy its core that long
