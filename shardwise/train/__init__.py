@@ -1,6 +1,7 @@
 """shardwise.train: configuration, the trainer and the ``shardwise`` command.
 
     config.py     dataclasses, TOML + --section.key overrides, value checks
+    config_sections.py  the parallel, precision, comm, offload and moe sections
     config_io.py  nested dataclasses <-> TOML / command line (generic)
     preflight.py  every check on user input, before any rank trains; data preparation
     rundir.py     which folder a run writes to (never over an earlier run), log.overwrite
