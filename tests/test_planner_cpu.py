@@ -6,6 +6,8 @@ A synthetic ``local`` device (every fit known) keeps the timing tests free of ti
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,17 +94,30 @@ def test_composed_blocks_are_priced_from_the_fits(tmp_path):
     plain = get_hardware("local", calibration=write_calibration(meas, tmp_path / "a.toml"))
     priced = [priced_block_seconds(plain, d, h, kv) for d, h, kv in ((384, 6, 3), (640, 10, 5))]
     assert priced[1] > priced[0] > 0
-    blocks = ((384, 6, 3, 1.2 * priced[0]), (640, 10, 5, 1.5 * priced[1]))
+    blocks = ((384, 6, 3, 1.2 * priced[0], 1.1 * priced[0]),
+              (640, 10, 5, 1.5 * priced[1], 0.9 * priced[1]))
     meas.cpu = replace(meas.cpu, blocks=blocks)
     hw = get_hardware("local", calibration=write_calibration(meas, tmp_path / "b.toml"))
     assert hw.cpu.compose == pytest.approx((1.2 * 1.5) ** 0.5, rel=1e-3)
+    # [Note: undisturbed steps]: the fastest calls give their own factor
+    assert hw.cpu.compose_best == pytest.approx((1.1 * 0.9) ** 0.5, rel=1e-3)
+    assert hw.cpu.undisturbed().compose == hw.cpu.compose_best
+    assert hw.cpu.undisturbed().kernels == hw.cpu.kernels
     for got, want in zip(hw.cpu.blocks, blocks, strict=True):
         assert got == pytest.approx(want, rel=1e-5)
     assert compose_factor(plain, ()) == 1.0
     with pytest.raises(ValueError, match="compose = 9"):
         CpuCosts.from_table({"compose": 9})
+    with pytest.raises(ValueError, match="compose_best = 0.1"):
+        CpuCosts.from_table({"compose_best": 0.1})
     with pytest.raises(ValueError, match="blocks"):
         CpuCosts.from_table({"blocks": [[384, 6, 3]]})
+    # a calibration written before the fastest calls were kept: four columns, no
+    # compose_best; the median stands in for both
+    old = CpuCosts.from_table({"blocks": [[384, 6, 3, 0.08]], "compose": 1.1})
+    assert old.blocks == ((384, 6, 3, 0.08, 0.08),)
+    assert (old.compose_best, old.undisturbed().compose) == (0.0, 1.1)
+    assert "compose_best" not in "\n".join(old.toml_lines())
 
 
 @pytest.mark.parametrize("layout", [{}, {"tp": 2, "sp": True}, {"pp": 2, "pp_microbatches": 2,
@@ -225,6 +240,13 @@ def test_busy_cores_compute_slower():
     assert two.breakdown["compute"] == pytest.approx(1.2 * one.breakdown["compute"])
     again = CpuCosts.from_table(tomllib.loads("\n".join(costs.toml_lines("x")))["x"]["cpu"])
     assert again.busy == pytest.approx({2: 1.2, 4: 1.5})  # as written
+    assert again.busy_best == {} and again.undisturbed().busy == again.busy
+    # [Note: undisturbed steps]: the fastest calls' slowdown, written, read, and used
+    quiet = replace(costs, busy_best={2: 1.05})
+    back = CpuCosts.from_table(tomllib.loads("\n".join(quiet.toml_lines("x")))["x"]["cpu"])
+    assert back.busy_best == pytest.approx({2: 1.05})
+    assert back.undisturbed().contention(2, 2) == pytest.approx(1.05)
+    assert back.contention(2, 2) == pytest.approx(1.2)
 
 
 def test_collective_cpu_fraction_round_trips_and_is_checked():
@@ -326,8 +348,19 @@ def test_measure_blocks_times_the_calibration_blocks():
     rows = measure_blocks(seconds=0.01)
     assert torch.get_num_threads() == threads  # restored
     assert [r[:3] for r in rows] == [tuple(b) for b in BLOCKS]
-    assert all(r[3] > 0 for r in rows)
+    assert all(r[3] >= r[4] > 0 for r in rows)  # the median call, then the fastest
     assert rows[1][3] > rows[0][3]  # the wider block takes longer
+
+
+def test_contention_ratios_run_the_block_on_every_core():
+    """Both slowdowns come back per process count, never below 1 (the lone process's
+    median and fastest calls are the references), and a lone process asks for nothing."""
+    from shardwise.planner.cpu_bench import contention_ratios, measure_contention
+
+    median, fastest = contention_ratios([1, 2], seconds=0.05)
+    assert set(median) == set(fastest) == {2}
+    assert median[2] >= 1.0 and fastest[2] >= 1.0
+    assert contention_ratios([1]) == ({}, {}) and measure_contention([1]) == {}
 
 
 def test_median_blocks_takes_each_blocks_median_over_passes():
@@ -335,7 +368,10 @@ def test_median_blocks_takes_each_blocks_median_over_passes():
     slow) pass does not decide a block's seconds."""
     from shardwise.planner.cpu_bench import median_blocks
 
-    passes = [((384, 6, 3, 0.09), (640, 10, 5, 0.187)),
-              ((384, 6, 3, 0.10), (640, 10, 5, 0.240)),
-              ((384, 6, 3, 0.30), (640, 10, 5, 0.232))]
-    assert median_blocks(passes) == ((384, 6, 3, 0.10), (640, 10, 5, 0.232))
+    passes = [((384, 6, 3, 0.09, 0.08), (640, 10, 5, 0.187, 0.180)),
+              ((384, 6, 3, 0.10, 0.07), (640, 10, 5, 0.240, 0.175)),
+              ((384, 6, 3, 0.30, 0.09), (640, 10, 5, 0.232, 0.172))]
+    # the median of the medians, the fastest call of any pass
+    assert median_blocks(passes) == ((384, 6, 3, 0.10, 0.07), (640, 10, 5, 0.232, 0.172))
+    assert median_blocks([((384, 6, 3, 0.09),), ((384, 6, 3, 0.12),), ((384, 6, 3, 0.1),)]) \
+        == ((384, 6, 3, 0.1, 0.09),)  # four columns: the medians stand in

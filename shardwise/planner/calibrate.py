@@ -289,10 +289,12 @@ def priced_block_seconds(hw, dim: int, heads: int, kv_heads: int) -> float:
     return t.fwd + t.bwd
 
 
-def compose_factor(hw, blocks) -> float:
+def compose_factor(hw, blocks, fastest: bool = False) -> float:
     """The geometric mean of measured over priced seconds of ``blocks`` ((dim, heads,
-    kv_heads, seconds) rows) on ``hw`` ([Note: composed blocks]); 1 with none."""
-    ratios = [sec / priced_block_seconds(hw, d, h, kv) for d, h, kv, sec in blocks]
+    kv_heads, seconds[, fastest seconds]) rows) on ``hw`` ([Note: composed blocks]): the
+    median calls, or with ``fastest`` the fastest calls (a row without them counts its
+    median); 1 with none."""
+    ratios = [b[-1 if fastest else 3] / priced_block_seconds(hw, *b[:3]) for b in blocks]
     return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 1.0
 
 
@@ -338,8 +340,9 @@ def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
             from shardwise.planner.hardware import get_hardware
 
             table = tomllib.loads("\n".join(lines + [""] + cpu.toml_lines("local")))
-            cpu = dataclasses.replace(cpu, compose=compose_factor(
-                get_hardware("local", extra_tables=[table]), cpu.blocks))
+            plain = get_hardware("local", extra_tables=[table])
+            cpu = dataclasses.replace(cpu, compose=compose_factor(plain, cpu.blocks),
+                                      compose_best=compose_factor(plain, cpu.blocks, True))
         lines += [""] + cpu.toml_lines("local")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

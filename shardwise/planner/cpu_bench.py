@@ -24,7 +24,7 @@ from shardwise.planner.cpu_gloo import cpu_fractions, fit_collectives, measure_g
 from shardwise.planner.timing import best_time, median_time
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
-           "measure_contention", "measure_blocks", "measure_linear", "fit_terms",
+           "measure_contention", "contention_ratios", "measure_blocks", "measure_linear", "fit_terms",
            "fit_collectives", "median_blocks", "LINEAR_SHAPES", "BLOCKS", "BLOCK_TOKENS",
            "block_config"]
 
@@ -206,9 +206,11 @@ def block_config(dim: int, heads: int, kv_heads: int):
     return get_model_config("debug", dim=dim, n_heads=heads, n_kv_heads=kv_heads, n_layers=1)
 
 
-def _block_work(seconds: float, shape: tuple[int, int, int] = BLOCKS[0]) -> float:
-    """Median thread CPU seconds of a Llama block's forward and backward (shardwise.models;
-    ``shape`` = (dim, heads, kv_heads), 4 x 128 tokens), repeated for ``seconds``."""
+def _block_work(seconds: float, shape: tuple[int, int, int] = BLOCKS[0]
+                ) -> tuple[float, float]:
+    """(median, fastest) thread CPU seconds of a Llama block's forward and backward
+    (shardwise.models; ``shape`` = (dim, heads, kv_heads), 4 x 128 tokens), repeated for
+    ``seconds``."""
     from shardwise.models import TransformerBlock
     from shardwise.models.layers import rope_tables
 
@@ -231,15 +233,15 @@ def _block_work(seconds: float, shape: tuple[int, int, int] = BLOCKS[0]) -> floa
         t0 = time.thread_time()
         fn()
         times.append(time.thread_time() - t0)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
-def measure_blocks(seconds: float = 2.0) -> tuple[tuple[int, int, int, float], ...]:
-    """``(dim, heads, kv_heads, median seconds)`` of each of ``BLOCKS`` on one thread
-    ([Note: composed blocks])."""
+def measure_blocks(seconds: float = 2.0) -> tuple[tuple[int, int, int, float, float], ...]:
+    """``(dim, heads, kv_heads, median seconds, fastest seconds)`` of each of ``BLOCKS``
+    on one thread ([Note: composed blocks])."""
     threads = torch.get_num_threads()
     try:
-        return tuple((*shape, _block_work(seconds, shape)) for shape in BLOCKS)
+        return tuple((*shape, *_block_work(seconds, shape)) for shape in BLOCKS)
     finally:
         torch.set_num_threads(threads)
 
@@ -250,6 +252,12 @@ def _contention_worker(barrier, queue, seconds: float) -> None:
 
 
 def measure_contention(counts: list[int], seconds: float = 2.0) -> dict[int, float]:
+    """:func:`contention_ratios`' median-call ratios."""
+    return contention_ratios(counts, seconds)[0]
+
+
+def contention_ratios(counts: list[int], seconds: float = 2.0
+                      ) -> tuple[dict[int, float], dict[int, float]]:
     """How much more CPU time a process needs for the same work when ``k`` compute at once
     ([Note: CPU ranks share the cores]), for each ``k`` of ``counts`` (the calibration asks
     for every core busy; more processes than cores measured 1.00-1.04 here on an idle
@@ -259,11 +267,16 @@ def measure_contention(counts: list[int], seconds: float = 2.0) -> dict[int, flo
     over the same on one process alone (>= 1). Measured here with every core busy: 1.14-
     1.18 on the block, against 1.07 for a square multiply alone and 1.03 for SiLU: the
     trainer's transposed multiplies and its working set share the caches and the memory
-    bandwidth."""
+    bandwidth.
+
+    Returns the ratios of the median calls and of the fastest calls (the slowest
+    process's fastest call over the lone process's: [Note: undisturbed steps] in
+    cpu_costs.py; the median calls measured 1.00-1.27 across calibrations, as a
+    neighbour slowed one measurement or the other)."""
     ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
     ks = sorted({k for k in counts if k > 1})
     if not ks:
-        return {}
+        return {}, {}
     out = []
     for k in [1] + ks:
         barrier, queue = ctx.Barrier(k), ctx.Queue()
@@ -272,11 +285,13 @@ def measure_contention(counts: list[int], seconds: float = 2.0) -> dict[int, flo
         for p in procs:
             p.start()
         try:
-            out.append(max(queue.get(timeout=120) for _ in procs))
+            got = [queue.get(timeout=120) for _ in procs]
+            out.append((max(m for m, _ in got), max(b for _, b in got)))
         finally:
             for p in procs:
                 p.join(timeout=10)
-    return {k: max(1.0, t / out[0]) for k, t in zip(ks, out[1:], strict=True)}
+    return tuple({k: max(1.0, t[i] / out[0][i]) for k, t in zip(ks, out[1:], strict=True)}
+                 for i in (0, 1))
 
 
 def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
@@ -290,7 +305,7 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
         kernels, opt = measure_kernels(quick), measure_optimizer(quick)
     finally:
         torch.set_num_threads(threads)
-    busy = measure_contention([cores], seconds=0.5 if quick else 2.0)
+    busy, busy_best = contention_ratios([cores], seconds=0.5 if quick else 2.0)
     passes.append(measure_blocks(seconds=block_s))
     sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
                                                         1 << 23]
@@ -298,14 +313,16 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     passes.append(measure_blocks(seconds=block_s))
     # compose stays 1 here: write_calibration prices the blocks once the fits are known
     return CpuCosts(kernels, opt, fit_collectives(rows), busy, median_blocks(passes),
-                    comm_cpu=cpu_fractions(rows))
+                    comm_cpu=cpu_fractions(rows), busy_best=busy_best)
 
 
-def median_blocks(passes) -> tuple[tuple[int, int, int, float], ...]:
-    """Per block, the median seconds over passes of :func:`measure_blocks` made at
-    different moments of the calibration ([Note: composed blocks]: one pass alone let a
-    fast minute decide ``compose``)."""
+def median_blocks(passes) -> tuple[tuple[int, int, int, float, float], ...]:
+    """Per block, the median of the passes' median seconds and the fastest call of any
+    pass, over passes of :func:`measure_blocks` made at different moments of the
+    calibration ([Note: composed blocks]: one pass alone let a fast minute decide
+    ``compose``). A pass without its fastest call (four columns) counts its median."""
     out = []
     for rows in zip(*passes, strict=True):
-        out.append((*rows[0][:3], statistics.median(r[3] for r in rows)))
+        out.append((*rows[0][:3], statistics.median(r[3] for r in rows),
+                    min(r[4] if len(r) > 4 else r[3] for r in rows)))
     return tuple(out)
