@@ -15,12 +15,15 @@ each), builds the model exactly as ``shardwise train`` does (``build_parallel_mo
 measures:
 
 * **step time**: the median of ``trainer.train_step`` over the timed steps after the first
-  (warm-up) step (the slowest rank's), and the best (fastest) step, which filters out time
-  slices other processes take, as the calibration's micro-benchmarks do, and the CPU time
-  the slowest rank's process used per step (one thread: what its compute and its share of
-  communication cost, whatever other jobs do to the wall clock); against
-  ``CostModel.estimate(layout, exact=True).step_time`` for the layout the config describes
-  (``plan_layout.layout_of``, the mapping ``--parallel.plan auto`` uses);
+  (warm-up) step (the slowest rank's), and the best (fastest) step, which filters out the
+  moments a neighbour slows the machine, as the calibration's micro-benchmarks do, and the
+  CPU time the slowest rank's process used per step (one thread: what its compute and its
+  share of communication cost, whatever other jobs do to the wall clock); the median
+  against ``CostModel.estimate(layout, exact=True).step_time`` for the layout the config
+  describes (``plan_layout.layout_of``, the mapping ``--parallel.plan auto`` uses), the
+  best step against the same estimate with the layers priced at the calibration blocks'
+  fastest calls (``CpuCosts.undisturbed``, [Note: undisturbed steps] in
+  shardwise/planner/cpu_costs.py);
 * **memory**: per rank, the engine's own accounting in the first step (``memory_report``
   after the update, before gradients are freed: parameters, gradients, optimizer state,
   the peak of gathered parameters and communication buffers, and tensor parallelism's
@@ -83,7 +86,7 @@ GRID = [("debug", 1, {"parallel.stage": "0"}),
         ("small", 2, {"parallel.pp": "2", "parallel.pp_microbatches": "2",
                       "parallel.stage": "2", "train.batch_size": "8"}),
         ("small", 4, {"parallel.stage": "3"})]
-STEPS = {"debug": 8, "small": 5}  # timed steps (after the first, memory-tracked step)
+STEPS = {"debug": 16, "small": 8}  # timed steps (after the first, memory-tracked step)
 KINDS = ("params", "grads", "optimizer", "whole_grads", "transient", "activations")
 
 
@@ -148,14 +151,18 @@ def _predict(cfg, model_cfg, hw) -> dict[str, float]:
     from shardwise.train import plan_layout
 
     spec, hw, wl = plan_layout.planner_inputs(cfg, model_cfg, hw)
+    layout = plan_layout.layout_of(cfg)
     # exact: the given layout's pipeline simulated with each rank's own costs (a last
     # stage with the head is slower than the first), as the search prices its best
-    est = CostModel(spec, hw, wl).estimate(plan_layout.layout_of(cfg), exact=True)
+    est = CostModel(spec, hw, wl).estimate(layout, exact=True)
+    quiet = hw.replace(cpu=hw.cpu.undisturbed()) if hw.cpu is not None else hw
     m = est.memory
     kinds = {"states": m.params + m.grads + m.optimizer, "whole_grads": m.full_grads,
              "transient": m.unsharded + m.comm, "activations": m.activations}
     return {"step_time": est.step_time, "layout": plan_layout.describe(est.layout),
-            "memory": sum(kinds.values()), "kinds": kinds, "bottleneck": est.bottleneck}
+            "memory": sum(kinds.values()), "kinds": kinds, "bottleneck": est.bottleneck,
+            # [Note: undisturbed steps]: against the trainer's fastest step
+            "best_step_time": CostModel(spec, quiet, wl).estimate(layout, exact=True).step_time}
 
 
 def run_case(model: str, ranks: int, over: dict[str, str], seq: int, batch: int,
@@ -204,6 +211,14 @@ def _calibrate(path: str | None) -> tuple[Path, float]:
     return out, time.perf_counter() - start
 
 
+def _factors(hw) -> dict[str, Any]:
+    """The calibration's factors the two predictions differ by ([Note: undisturbed
+    steps]): the median calls' and the fastest calls'."""
+    c = hw.cpu
+    return {"compose": c.compose, "compose_best": c.compose_best,
+            "busy": c.busy, "busy_best": c.busy_best}
+
+
 def _name(model: str, ranks: int, over: dict[str, str]) -> str:
     keys = {"parallel.stage": "stage", "parallel.tp": "tp", "parallel.pp": "pp",
             "parallel.pp_microbatches": "microbatches", "train.batch_size": "batch"}
@@ -248,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per case (default: 5 for debug, 3 for small)")
+                   help="timed steps per case (default: 16 for debug, 8 for small)")
     p.add_argument("--calibration", help="an existing calibration file to reuse, or where "
                    "to write the new one")
     p.add_argument("--only", default="", help="run cases whose name contains this")
@@ -276,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"rounds": args.rounds, "seq": args.seq, "batch": args.batch,
             "cores": usable_cores(), "calibration_s": secs,
             "calibration": Path(path).read_text(), "steps": args.steps,
+            "steps_per_model": STEPS, **_factors(hw),
             "duration_s": time.perf_counter() - start}
     inputs = _inputs(rows, args.seq, args.batch, hw)
     print(write_results(rows, meta, hw, inputs, Path(args.out)))
@@ -300,6 +316,7 @@ def report_only(out: Path = OUT, repredict: bool = False) -> None:
             cfg = _config(*by_name[r["case"]], meta["seq"], meta["batch"])
             r["pred"] = _predict(cfg, build_model_config(cfg), hw)
         meta["repredicted"] = True
+    meta.update(_factors(hw))
     inputs = _inputs(data["rows"], meta["seq"], meta["batch"], hw)
     print(write_results(data["rows"], meta, hw, inputs, out))
 

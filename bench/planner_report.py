@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OUT", "FIT_CASES", "write_results", "report", "refit", "refit_report"]
+__all__ = ["OUT", "FIT_CASES", "write_results", "report", "refit", "refit_report", "verdict"]
 
 OUT = Path(__file__).resolve().parent / "results"
 _MIB = 2 ** 20
@@ -39,6 +39,13 @@ def _espan(e: list[float], fmt: str = "+.0%") -> str:
     return f"{min(e):{fmt}}..{max(e):{fmt}}"
 
 
+def _factor(x) -> str:
+    """A calibration factor, or a ``{processes: factor}`` table, for the header."""
+    if isinstance(x, dict):
+        return ", ".join(f"{v:.3g} ({k} busy)" for k, v in x.items()) or "not measured"
+    return f"{x:.3g}" if x else "not measured"
+
+
 def _kinds(r: dict[str, Any]) -> str:
     b, k = r["breakdown"][0], r["pred"]["kinds"]
     meas = {name: sum(b.get(x, 0) for x in parts) for name, parts in _KINDS}
@@ -51,17 +58,35 @@ def _loads(r: dict[str, Any]) -> str:
     return loads + (" (steal " + ", ".join(f"{s:.0%}" for s in steal) + ")" if steal else "")
 
 
+def verdict(oks: list[bool], name: str) -> str:
+    """``name`` when every round holds the target, ``NAME MISS`` when none does, and
+    ``name not settled`` when the rounds straddle it (more rounds would decide)."""
+    if oks and all(oks):
+        return name
+    return f"{name.upper()} MISS" if not any(oks) else f"{name} not settled"
+
+
+def _best_cells(r: dict[str, Any]) -> tuple[str, str, list[bool]]:
+    """(undisturbed prediction, its error against the best steps, per-round targets)."""
+    pb = r["pred"].get("best_step_time")
+    if pb is None:  # a run from before the undisturbed prediction
+        return "-", "-", []
+    return f"{pb:.3f}", _espan(_err(pb, r["best"])), _ok(pb, r["best"], STEP_TOL)
+
+
 def _row(r: dict[str, Any]) -> str:
     p = r["pred"]
-    ok_t, ok_m = all(_ok(p["step_time"], r["step"], STEP_TOL)), all(_ok(p["memory"], r["mem"],
-                                                                       MEM_TOL))
+    ok_t, ok_m = _ok(p["step_time"], r["step"], STEP_TOL), _ok(p["memory"], r["mem"], MEM_TOL)
+    pb, eb, ok_b = _best_cells(r)
+    marks = [verdict(ok_t, "time"), verdict(ok_b, "best") if ok_b else None,
+             verdict(ok_m, "mem")]
     return (f"| {r['case']} | {p['layout']} | {p['bottleneck']} | {p['step_time']:.3f} | "
             f"{_span(r['step'])} | {_espan(_err(p['step_time'], r['step']))} | "
-            f"{_span(r['best'])} | {_span(r['cpu'])} | "
+            f"{pb} | {_span(r['best'])} | {eb} | {_span(r['cpu'])} | "
             f"{_espan(_err(p['step_time'], r['cpu']))} | {p['memory'] / _MIB:.1f} | "
             f"{_span([m / _MIB for m in r['mem']], '.1f')} | "
             f"{_espan(_err(p['memory'], r['mem']), '+.1%')} | {_kinds(r)} | {_loads(r)} | "
-            f"{'time' if ok_t else 'TIME MISS'}, {'mem' if ok_m else 'MEM MISS'} |")
+            f"{', '.join(m for m in marks if m)} |")
 
 
 def _summary(rows: list[dict[str, Any]], rounds: int) -> list[str]:
@@ -72,39 +97,55 @@ def _summary(rows: list[dict[str, Any]], rounds: int) -> list[str]:
         loads = [a for r in rows for a, _ in r.get("load", [])[i:i + 1]]
         lines.append(f"- round {i + 1} (load average {_span(loads, '.2f')}): step time "
                      f"{t} of {len(rows)}, memory {m} of {len(rows)}")
-    t = sum(all(_ok(r["pred"]["step_time"], r["step"], STEP_TOL)) for r in rows)
+    oks = [_ok(r["pred"]["step_time"], r["step"], STEP_TOL) for r in rows]
+    t, unsettled = sum(all(o) for o in oks), sum(any(o) and not all(o) for o in oks)
     c = sum(all(_ok(r["pred"]["step_time"], r["cpu"], STEP_TOL)) for r in rows)
     m = sum(all(_ok(r["pred"]["memory"], r["mem"], MEM_TOL)) for r in rows)
-    lines.append(f"- every round: step time (median) {t} of {len(rows)} cases (CPU time per "
-                 f"step: {c}), memory {m} of {len(rows)}")
+    lines.append(f"- every round: step time (median) {t} of {len(rows)} cases ({unsettled} "
+                 f"not settled: within in some rounds only; CPU time per step: {c}), memory "
+                 f"{m} of {len(rows)}")
+    best = [_best_cells(r)[2] for r in rows]
+    if all(best):
+        per_round = ", ".join(f"{sum(o[i] for o in best)}" for i in range(rounds))
+        lines.append(f"- fastest step against the undisturbed prediction ([Note: undisturbed "
+                     f"steps]): every round {sum(all(o) for o in best)} of {len(rows)} "
+                     f"({sum(any(o) and not all(o) for o in best)} not settled; per round "
+                     f"{per_round})")
     return lines
 
 
 def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The markdown table: prediction, measured per round (range), error per round."""
     steps = meta.get("steps")
+    by_model = meta.get("steps_per_model", {"debug": 8, "small": 5})  # older runs: 8 / 5
+    per_model = " / ".join(f"{n} ({m})" for m, n in by_model.items()) + " timed steps"
     lines = [
         "# Planner predictions against the trainer on CPU ranks",
         "",
         f"`python bench/planner_bench.py` ({meta['rounds']} rounds, seq {meta['seq']}, "
         f"batch {meta['batch']} sequences per data rank, one thread per rank, "
         f"{meta['cores']} cores; "
-        f"{'%d timed steps per case' % steps if steps else '8 (debug) / 5 (small) timed steps'}"
+        f"{'%d timed steps per case' % steps if steps else per_model}"
         f"; calibration {meta['calibration_s']:.0f} s, whole run "
         f"{meta.get('duration_s', 0) / 60:.0f} min). Error = predicted / measured - 1, per "
         f"round; targets: step time (the median step, wall clock) within +-15%, memory "
-        f"within +-10%, in every round. Load = `os.getloadavg()` (1 min) when each round's "
+        f"within +-10%, in every round (a row within in some rounds only is \"not "
+        f"settled\"). The fastest step is compared with the undisturbed prediction (the "
+        f"layers priced at the calibration blocks' fastest calls, `compose_best` "
+        f"{_factor(meta.get('compose_best'))} and `busy_best` "
+        f"{_factor(meta.get('busy_best'))}, against `compose` "
+        f"{_factor(meta.get('compose'))} and `busy` {_factor(meta.get('busy'))} for the "
+        f"median). Load = `os.getloadavg()` (1 min) when each round's "
         f"case started; steal = the share of the machine's CPU time the hypervisor gave "
         f"other guests while it ran (`/proc/stat`)."
         + (" Predictions made again from the run's calibration by a later planner "
            "(`--report-only --repredict`)." if meta.get("repredicted") else ""),
         "",
         "| case | layout | bottleneck | step predicted s | measured s (rounds) | error | "
-        "best step s | CPU s/step | error | memory predicted MiB | measured MiB | error | "
-        "states / whole grads / transient / activations MiB, predicted : measured "
-        "(round 1) | load | within |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
-        "--- |"]
+        "undisturbed predicted s | best step s | error | CPU s/step | error | memory "
+        "predicted MiB | measured MiB | error | states / whole grads / transient / "
+        "activations MiB, predicted : measured (round 1) | load | within |",
+        "| " + " | ".join(["---"] * 17) + " |"]
     lines += [_row(r) for r in rows]
     lines += ["", "Within target:", *_summary(rows, meta["rounds"]), ""]
     return "\n".join(lines)
