@@ -76,9 +76,9 @@ def test_every_block_is_understood():
     ("text\n<!-- docs-test: ranks=2 -->\n", "not directly above a code block"),
 ])
 def test_markers_that_cannot_be_understood_are_refused(tmp_path, monkeypatch, text, error):
-    import docs_blocks
+    import docs_parse
 
-    monkeypatch.setattr(docs_blocks, "ROOT", tmp_path)
+    monkeypatch.setattr(docs_parse, "ROOT", tmp_path)
     page = tmp_path / "page.md"
     page.write_text(text)
     with pytest.raises(DocsError, match=error):
@@ -86,9 +86,9 @@ def test_markers_that_cannot_be_understood_are_refused(tmp_path, monkeypatch, te
 
 
 def test_markers_and_modes(tmp_path, monkeypatch):
-    import docs_blocks
+    import docs_parse
 
-    monkeypatch.setattr(docs_blocks, "ROOT", tmp_path)
+    monkeypatch.setattr(docs_parse, "ROOT", tmp_path)
     page = tmp_path / "page.md"
     page.write_text("<!-- docs-test: args=--train.steps 2 -->\n<!-- test-command -->\n\n"
                     "```bash\nshardwise train  # x\n```\n\n"
