@@ -83,7 +83,7 @@ class _Truth:
         spec, _, wl = plan_layout.planner_inputs(self.cfg, self.model_cfg, hw)
         cm = CostModel(spec, hw, wl)
         step = cm.estimate(layout, exact=True).step_time
-        return dataclasses.replace(measured, step_time=step,
+        return dataclasses.replace(measured, step_time=step, spread=0.0,
                                    dp_collective_time=cm.dp_collective_seconds(layout))
 
 
@@ -128,6 +128,7 @@ def test_wrong_calibration_is_corrected_and_the_run_switches_layout(replanned):
     # warm-up step 1, steps 2-3 measured; the refit recovers the true link efficiency
     assert switch["step"] == 3
     assert switch["fitted"]["intra_efficiency"] == pytest.approx(TRUE_EFF, rel=0.05)
+    assert switch["measured_step_spread"] == 0.0  # injected: the truth has no noise
     assert switch["predicted_step_s"] == pytest.approx(switch["measured_step_s"], rel=0.01)
     assert switch["predicted_step_s_before_fit"] < 0.9 * switch["measured_step_s"]
     assert switch["new_layout"] == plan_layout.trainer_keys(PP2)
@@ -193,6 +194,26 @@ def test_decide_prefers_measurements_and_needs_steps_left():
     assert not d.switch and "only 2 steps are left" in d.reason
     d = decide(_A, 1.0, [(_A, 0.9)], {}, 0.1, 10, 3)
     assert not d.switch and d.best is None
+
+
+def test_decide_does_not_switch_on_noise():
+    """[Note: switching on noise]: a gain beyond the threshold but within the measured
+    steps' own scatter keeps the layout, and says so; beyond both, it switches."""
+    d = decide(_A, 1.0, [(_B, 0.85)], {}, 0.1, 10, 3, spread=0.2)
+    assert not d.switch and d.best == _B
+    assert "more than the threshold 10% but within the measured steps' spread (+-20.0%)" \
+        in d.reason
+    assert decide(_A, 1.0, [(_B, 0.75)], {}, 0.1, 10, 3, spread=0.2).switch
+    d = decide(_A, 1.0, [(_B, 0.95)], {}, 0.1, 10, 3, spread=0.2)  # the threshold first
+    assert not d.switch and "within the threshold" in d.reason
+
+
+def test_step_spread():
+    from shardwise.train.replan import step_spread
+
+    assert step_spread([1.0]) == 0.0 and step_spread([]) == 0.0
+    assert step_spread([0.9, 1.0, 1.3]) == pytest.approx(0.2)
+    assert step_spread([2.0, 2.0]) == 0.0
 
 
 def test_plan_respects_the_keys_the_user_set(tmp_path):

@@ -11,8 +11,8 @@ measured so far (``planner.calibrate``: ``matmul_max`` from step times alone, pl
 efficiency once collective times are known or two layouts are measured), re-ranks the
 layouts the trainer can build and compares the measured layout with the best other one
 (its measured time if it ran, else its prediction). If that one is faster by more than
-``parallel.replan_threshold`` of the measured step time and the run has steps left to
-measure it, every rank saves a checkpoint, the loop ends, and :func:`train_planned` starts
+``parallel.replan_threshold`` of the measured step time, and by more than the measured
+steps' own scatter ([Note: switching on noise]), and the run has steps left to measure it, every rank saves a checkpoint, the loop ends, and :func:`train_planned` starts
 ``train`` again in the new layout resuming from that checkpoint (the resume path of
 ``checkpoint.resume``: bitwise, as any resume). Each layout is measured once, so a run
 settles. Every decision is one JSON line of ``<log.dir>/plan_history.jsonl`` and one line
@@ -42,7 +42,8 @@ from shardwise.train.config import Config
 from shardwise.train.preflight import build_model_config
 from shardwise.train.trainer import train
 
-__all__ = ["Observation", "Decision", "decide", "Replanner", "train_planned", "HISTORY_FILE"]
+__all__ = ["Observation", "Decision", "decide", "step_spread", "Replanner", "train_planned",
+           "HISTORY_FILE"]
 
 HISTORY_FILE = "plan_history.jsonl"
 _MIB = 2 ** 20
@@ -58,12 +59,23 @@ class Observation:
             not measured (comm_stats counts bytes, not time).
         comm: ``{operation: {"calls": n, "bytes_sent": b}}`` per step, from comm_stats.
         model_state_bytes: parameters + gradients + optimizer state (memory_report).
+        spread: how far the measured steps lie from each other, relative to their median
+            (half their range over the median, the largest rank's): the noise of
+            ``step_time`` ([Note: switching on noise]).
     """
 
     step_time: float
     dp_collective_time: float | None = None
     comm: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     model_state_bytes: float | None = None
+    spread: float = 0.0
+
+
+def step_spread(times: list[float]) -> float:
+    """Half the range of ``times`` over their median (0 for fewer than two)."""
+    if len(times) < 2:
+        return 0.0
+    return (max(times) - min(times)) / 2 / statistics.median(times)
 
 
 @dataclass(frozen=True)
@@ -79,8 +91,15 @@ class Decision:
 
 def decide(current: Layout, measured_time: float, ranked: list[tuple[Layout, float]],
            measured: dict[Layout, float], threshold: float, steps_left: int,
-           steps_needed: int) -> Decision:
+           steps_needed: int, spread: float = 0.0) -> Decision:
     """Whether to switch from ``current``.
+
+    [Note: switching on noise] A switch costs a checkpoint and a rebuild, and a gain smaller
+    than the measured steps' own scatter may be nothing but the machine: on a shared CPU
+    machine the same step varies by a fifth from one second to the next (docs/planner.md,
+    "The machine's own noise"). So the gain must exceed both ``threshold`` and ``spread``,
+    half the measured steps' range over their median; the reason names which one held the
+    switch back.
 
     Args:
         current: the layout the run measured.
@@ -90,6 +109,7 @@ def decide(current: Layout, measured_time: float, ranked: list[tuple[Layout, flo
         threshold: the least gain, as a fraction of ``measured_time``, worth a switch.
         steps_left: steps the run has left.
         steps_needed: steps a new layout needs to be measured (warm-up included).
+        spread: the relative scatter of the measured steps (:func:`step_spread`).
 
     Returns:
         A :class:`Decision` (``best`` is None when no other layout is buildable).
@@ -104,6 +124,10 @@ def decide(current: Layout, measured_time: float, ranked: list[tuple[Layout, flo
         word = "faster" if gain >= 0 else "slower"
         return Decision(False, best, t, was_measured, f"the best other layout is {how} "
                         f"{abs(gain):.1%} {word}, within the threshold {threshold:.0%}")
+    if gain <= spread:
+        return Decision(False, best, t, was_measured, f"the best other layout is {how} "
+                        f"{gain:.1%} faster, more than the threshold {threshold:.0%} but "
+                        f"within the measured steps' spread (+-{spread:.1%})")
     if steps_left < steps_needed:
         return Decision(False, best, t, was_measured, f"{how} {gain:.1%} faster, but only "
                         f"{steps_left} steps are left (a switch needs {steps_needed})")
@@ -199,13 +223,15 @@ class Replanner:
         steps = len(self._times)
         mem = shardwise.memory_report(model, optimizer).model_state_bytes
         local = Observation(statistics.median(self._times), None,
-                            _per_step(self._comm_before, comm.comm_stats(), steps), float(mem))
+                            _per_step(self._comm_before, comm.comm_stats(), steps), float(mem),
+                            step_spread(self._times))
         if self.observe is not None:
             local = self.observe(plan_layout.layout_of(self.cfg), local)
         every = comm_objects.all_gather_object(local, label="replan.observations")
         dp = [o.dp_collective_time for o in every if o.dp_collective_time is not None]
         return Observation(max(o.step_time for o in every), max(dp) if dp else None,
-                           every[0].comm, max(o.model_state_bytes or 0 for o in every))
+                           every[0].comm, max(o.model_state_bytes or 0 for o in every),
+                           max(o.spread for o in every))
 
     def _fit(self):
         ms = [StepMeasurement(self.spec, self.wl, L, o.step_time, o.dp_collective_time)
@@ -227,11 +253,13 @@ class Replanner:
         needed = 1 + cfg.parallel.replan_steps
         d = decide(L, obs.step_time, [(e.layout, e.step_time) for e in ranked],
                    {k: v.step_time for k, v in self.measured.items()},
-                   cfg.parallel.replan_threshold, cfg.train.steps - step, needed)
+                   cfg.parallel.replan_threshold, cfg.train.steps - step, needed,
+                   obs.spread)
         cm = CostModel(self.spec, hw, self.wl)
         self._write({
             "event": "switch" if d.switch else "keep", "step": step,
             "layout": plan_layout.trainer_keys(L), "measured_step_s": obs.step_time,
+            "measured_step_spread": obs.spread,
             "predicted_step_s_before_fit": before.step_time,
             "predicted_step_s": after.step_time,
             "measured_dp_collective_s": obs.dp_collective_time,
