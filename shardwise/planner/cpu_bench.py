@@ -24,9 +24,9 @@ from shardwise.planner.cpu_gloo import cpu_fractions, fit_collectives, measure_g
 from shardwise.planner.timing import best_time, median_time
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
-           "measure_contention", "contention_ratios", "measure_blocks", "measure_linear", "fit_terms",
-           "fit_collectives", "median_blocks", "LINEAR_SHAPES", "BLOCKS", "BLOCK_TOKENS",
-           "block_config"]
+           "measure_contention", "contention_ratios", "measure_blocks", "measure_linear",
+           "fit_terms", "fit_collectives", "median_blocks", "LINEAR_SHAPES", "BLOCKS",
+           "BLOCK_TOKENS", "block_config"]
 
 
 def _best(fn, repeats: int = 3) -> float:
@@ -124,7 +124,8 @@ def _attention(quick: bool, engine: float = 0.0) -> tuple[Kernel, Kernel]:
     fwd, bwd = [], []
     for b, h, t, hd in shapes:
         q, k, v = (torch.randn(b, h, t, hd, requires_grad=True) for _ in range(3))
-        fn = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        def fn(q=q, k=k, v=v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         tf = _best(fn)
         tfb = _best(_grad_of(fn, (q, k, v), torch.randn(b, h, t, hd)))
         x = (1.0, 2.0 * b * h * t * t * hd, b * h * t * t / 2)  # latency, FLOPs, scores

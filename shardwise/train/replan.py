@@ -12,7 +12,8 @@ efficiency once collective times are known or two layouts are measured), re-rank
 layouts the trainer can build and compares the measured layout with the best other one
 (its measured time if it ran, else its prediction). If that one is faster by more than
 ``parallel.replan_threshold`` of the measured step time, and by more than the measured
-steps' own scatter ([Note: switching on noise]), and the run has steps left to measure it, every rank saves a checkpoint, the loop ends, and :func:`train_planned` starts
+steps' own scatter ([Note: switching on noise]), and the run has steps left to measure
+it, every rank saves a checkpoint, the loop ends, and :func:`train_planned` starts
 ``train`` again in the new layout resuming from that checkpoint (the resume path of
 ``checkpoint.resume``: bitwise, as any resume). Each layout is measured once, so a run
 settles. Every decision is one JSON line of ``<log.dir>/plan_history.jsonl`` and one line
