@@ -19,22 +19,41 @@ Checks, in order (each error names the rank, the action and what is missing):
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from shardwise.parallel.pipeline.actions import Action, Kind
 from shardwise.parallel.pipeline.p2p import message_key, needs_message, peer_rank
 from shardwise.parallel.pipeline.replay import DeadlockError, replay
 
-if TYPE_CHECKING:
-    from shardwise.parallel.pipeline.schedule import Schedule
+__all__ = ["validate_schedule", "ScheduleData"]
 
-__all__ = ["validate_schedule"]
+
+class ScheduleData(Protocol):
+    """What the checks read of a schedule: ``schedule.Schedule`` is one (it validates
+    itself with :func:`validate_schedule`, so this module sits below it). Read-only, as a
+    frozen dataclass's fields are."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pp(self) -> int: ...
+    @property
+    def microbatches(self) -> int: ...
+    @property
+    def virtual(self) -> int: ...
+    @property
+    def placement(self) -> Sequence[int]: ...
+    @property
+    def ranks(self) -> Sequence[Sequence[Action]]: ...
+    @property
+    def num_stages(self) -> int: ...
 
 _MAX_LISTED = 8
 _BACKWARD = (Kind.B, Kind.I)
 
 
-def validate_schedule(schedule: Schedule) -> None:
+def validate_schedule(schedule: ScheduleData) -> None:
     """Raise if ``schedule`` cannot run correctly on real ranks.
 
     Args:
@@ -63,7 +82,7 @@ def validate_schedule(schedule: Schedule) -> None:
         raise DeadlockError(head + str(exc)) from None
 
 
-def _shape(s: Schedule) -> list[str]:
+def _shape(s: ScheduleData) -> list[str]:
     problems = []
     for rank, actions in enumerate(s.ranks):
         for i, a in enumerate(actions):
@@ -82,7 +101,7 @@ def _shape(s: Schedule) -> list[str]:
     return problems
 
 
-def _completeness(s: Schedule) -> list[str]:
+def _completeness(s: ScheduleData) -> list[str]:
     counts = Counter((a.kind, a.stage, a.microbatch) for acts in s.ranks for a in acts
                      if a.is_compute)
     problems = []
@@ -111,7 +130,7 @@ def _completeness(s: Schedule) -> list[str]:
     return problems
 
 
-def _local_order(s: Schedule) -> list[str]:
+def _local_order(s: ScheduleData) -> list[str]:
     problems = []
     for rank, actions in enumerate(s.ranks):
         done: set[tuple[Kind, int, int]] = set()
@@ -126,7 +145,7 @@ def _local_order(s: Schedule) -> list[str]:
     return problems
 
 
-def _unmet(s: Schedule, a: Action, done, backward_done) -> list[str]:
+def _unmet(s: ScheduleData, a: Action, done, backward_done) -> list[str]:
     """The dependencies of ``a`` that have not run earlier on its rank (as text)."""
     st, mb = a.stage, a.microbatch
     needed: list[tuple[bool, str]] = []
@@ -152,7 +171,7 @@ def _unmet(s: Schedule, a: Action, done, backward_done) -> list[str]:
     return [text for ok, text in needed if not ok]
 
 
-def _messages(s: Schedule) -> list[str]:
+def _messages(s: ScheduleData) -> list[str]:
     problems = []
     links: dict[tuple[int, int, bool], list[tuple[int, Action]]] = defaultdict(list)
     for rank, actions in enumerate(s.ranks):
