@@ -272,7 +272,7 @@ def contention_ratios(counts: list[int], seconds: float = 2.0
 
     Returns the ratios of the median calls and of the fastest calls (the slowest
     process's fastest call over the lone process's: [Note: undisturbed steps] in
-    cpu_costs.py; the median calls measured 1.00-1.27 across calibrations, as a
+    cpu_costs.py; the median calls measured 1.00-1.39 across calibrations, as a
     neighbour slowed one measurement or the other)."""
     ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
     ks = sorted({k for k in counts if k > 1})
