@@ -36,7 +36,9 @@ busy (interpolated below).
 from __future__ import annotations
 
 from shardwise.planner import comm_model
+from shardwise.planner.cpu_pipeline import contended_pipeline
 from shardwise.planner.memory import unit_state
+from shardwise.planner.pipeline import min_microbatches, stage_costs
 
 __all__ = ["cpu_pricable", "layer_kernels", "head_kernels", "optimizer_seconds",
            "engine_copy_seconds", "saturated", "time_shared", "cpu_step", "tp_layer_comm",
@@ -206,6 +208,26 @@ def _rank_units(cm, L, layers, first: bool, last: bool) -> list:
             + [u for u, n in experts.items() for _ in range(n)])
 
 
+def _contended(cm, L) -> tuple[float, float]:
+    """(the busiest pipeline rank's compute stretch, the step's bubble) when the pipeline's
+    ranks slow each other only while they compute at once ([Note: contention follows the
+    schedule] in cpu_pipeline.py). Every pipeline rank's data and tensor replicas compute
+    beside it, so ``n`` pipeline ranks computing are ``n * gpus / pp`` ranks."""
+    hw, m, v = cm.hw, L.pp_microbatches, max(1, L.pp_virtual)
+    ranks = cm._all_ranks(L)
+    r_star = max(range(len(ranks)), key=lambda k: ranks[k][1].busy)
+    stages = stage_costs(L.pp_schedule, L.pp, v, [cm._fbw(x[1]) for x in ranks])
+    per_pp = L.gpus // L.pp
+    slowdown = tuple(hw.cpu.contention(n * per_pp, hw.cores) for n in range(1, L.pp + 1))
+    m_sim = max(min_microbatches(L.pp_schedule, L.pp), m if m < 3 * L.pp
+                else 2 * L.pp + m % L.pp)  # as pipeline.schedule_profile simulates
+    rounded = tuple(tuple(float(f"{x:.4g}") for x in s) for s in stages)  # cache hits
+    run = contended_pipeline(L.pp_schedule, L.pp, v, m_sim, rounded, slowdown)
+    alone = run.alone[r_star]
+    stretch = run.busy[r_star] / alone if alone else 1.0
+    return stretch, run.step - run.busy[r_star]
+
+
 def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool) -> None:
     """CPU ranks: slow the compute by the cores' contention, add the engine's copies to
     ``dp_comm`` and the cores' time-sharing to ``compute``, in place ([Note: CPU ranks
@@ -224,8 +246,14 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
                                    wl.act_bytes, wl.param_bytes)
 
     slow = hw.cpu.contention(L.gpus, hw.cores or 1)  # busy cores compute slower
-    for k in ("compute", "optimizer", "pp_bubble"):
-        breakdown[k] *= slow
+    if hw.cores and L.pp > 1 and L.gpus <= hw.cores:  # [Note: contention follows the schedule]
+        stretch, bubble = _contended(cm, L)
+        breakdown["compute"] *= stretch
+        breakdown["pp_bubble"] = bubble
+        breakdown["optimizer"] *= slow
+    else:
+        for k in ("compute", "optimizer", "pp_bubble"):
+            breakdown[k] *= slow
     own = slow * copies(layers, first, last)
     breakdown["dp_comm"] += own + _step_collectives(cm, L)
     if not hw.cores or L.gpus <= hw.cores:
