@@ -11,14 +11,17 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OUT", "FIT_CASES", "write_results", "report", "refit", "refit_report", "verdict"]
+__all__ = ["OUT", "FIT_CASES", "FIT_PARAMS", "write_results", "report", "refit", "refit_report",
+           "verdict"]
 
 OUT = Path(__file__).resolve().parent / "results"
 _MIB = 2 ** 20
 STEP_TOL, MEM_TOL = 0.15, 0.10
-FIT_CASES = ("debug x1 stage 0", "small x1 stage 0")
-"""Rows the refit of the second table learns from (one rank: compute alone); the other
+FIT_CASES = ("debug x1 stage 0", "small x1 stage 0", "debug x2 stage 0")
+"""Rows the refit of the second table learns from: one rank (compute alone, two widths) and
+two data-parallel ranks (the same compute with both cores busy: ``cpu_busy``); the other
 rows are judged with the refitted constants."""
+FIT_PARAMS = ("matmul_max", "memory_efficiency", "cpu_busy")
 _KINDS = (("states", ("params", "grads", "optimizer")), ("whole_grads", ("whole_grads",)),
           ("transient", ("transient",)), ("activations", ("activations",)))
 
@@ -152,10 +155,10 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def refit(rows: list[dict[str, Any]], hw, inputs: list[tuple]) -> tuple[Any, list[float]]:
-    """What ``--parallel.plan auto`` does with measurements: refit ``matmul_max`` and
-    ``memory_efficiency`` to the FIT_CASES' measured step times (median over rounds), then
-    predict every row again. ``inputs``: each row's (spec, workload, layout). Returns (the
-    device, the predictions in row order)."""
+    """What ``--parallel.plan auto`` does with measurements: refit FIT_PARAMS to the
+    FIT_CASES' measured step times (median over rounds), then predict every row again.
+    ``inputs``: each row's (spec, workload, layout). Returns (the device, the predictions
+    in row order)."""
     from shardwise.planner.calibrate import StepMeasurement, calibrate
     from shardwise.planner.cost_model import CostModel
 
@@ -163,20 +166,25 @@ def refit(rows: list[dict[str, Any]], hw, inputs: list[tuple]) -> tuple[Any, lis
           for i, r in enumerate(rows) if r["case"] in FIT_CASES]
     if not ms:
         return hw, [r["pred"]["step_time"] for r in rows]
-    fitted, _ = calibrate(ms, hw, params=("matmul_max", "memory_efficiency"))
+    fitted, _ = calibrate(ms, hw, params=FIT_PARAMS)
     return fitted, [CostModel(spec, fitted, wl).estimate(L, exact=True).step_time
                     for spec, wl, L in inputs]
+
+
+def _busy(hw) -> float:
+    return hw.cpu.contention(hw.cores, hw.cores) if hw.cpu is not None and hw.cores else 1.0
 
 
 def refit_report(rows: list[dict[str, Any]], fitted, preds: list[float]) -> str:
     """The second table: step times predicted after the refit, against the medians."""
     lines = ["## After refitting to measured steps", "",
-             f"`matmul_max` and `memory_efficiency` refit (planner.calibrate, as "
-             f"`--parallel.plan auto` does) to the median step times of "
-             f"{' and '.join(FIT_CASES)}, along the combinations of the two the "
+             f"`matmul_max`, `memory_efficiency` and `cpu_busy` refit (planner.calibrate, "
+             f"as `--parallel.plan auto` does) to the median step times of "
+             f"{', '.join(FIT_CASES)}, along the combinations of the three the "
              f"measurements determine ([Note: identified directions] in "
              f"shardwise/planner/fit.py): matmul_max {fitted.matmul_max:.3g}, "
-             f"memory_efficiency {fitted.memory_efficiency:.3g}. The other rows are held out.",
+             f"memory_efficiency {fitted.memory_efficiency:.3g}, cpu_busy "
+             f"{_busy(fitted):.3g}. The other rows are held out.",
              "", "| case | fit on | step predicted s | measured s (rounds) | error | within |",
              "| --- | --- | --- | --- | --- | --- |"]
     ok = n = 0
@@ -198,7 +206,8 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], hw, inputs: 
     for r, p in zip(rows, preds, strict=True):
         r["refit_step_time"] = p
     meta["refit"] = {"cases": list(FIT_CASES), "matmul_max": fitted.matmul_max,
-                     "memory_efficiency": fitted.memory_efficiency}
+                     "memory_efficiency": fitted.memory_efficiency,
+                     "cpu_busy": _busy(fitted)}
     text = report(rows, meta) + "\n" + refit_report(rows, fitted, preds)
     out.mkdir(parents=True, exist_ok=True)
     (out / "planner_bench.json").write_text(json.dumps({"meta": meta, "rows": rows},

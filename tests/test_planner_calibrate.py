@@ -114,3 +114,36 @@ def test_calibrate_fits_one_speed_from_two_steps_of_the_same_mix():
     split, _ = calibrate(measured, hw, params=params[:2], min_ratio=0.0)
     apart = [getattr(split, p) / getattr(hw, p) for p in params[:2]]
     assert (apart[0] - 1) * (apart[1] - 1) < 0, apart  # one faster, the other slower
+
+
+def test_calibrate_fits_the_cores_contention_from_a_two_rank_step():
+    """A CPU device calibrated with no contention (``busy`` 1.0) whose two cores really
+    compute 1.3x slower together, and whose multiplies run 10% slower than calibrated: two
+    one-rank steps and one two-rank step recover both (the one-rank steps cannot see
+    ``cpu_busy``, the two-rank step cannot tell it from the multiplies alone), and the
+    fastest calls' slowdown moves by the same ratio."""
+    import dataclasses
+
+    from tests.test_planner_cpu import _local
+
+    base = _local(2)
+    start = base.replace(cpu=dataclasses.replace(base.cpu, busy={2: 1.0}, busy_best={2: 1.1}))
+    truth = start.replace(matmul_max=start.matmul_max * 0.9,
+                          cpu=dataclasses.replace(start.cpu, busy={2: 1.3}))
+    wl = Workload(seq_len=128, global_batch=4, compute_dtype="fp32")
+    cases = [(get_model_spec("debug"), wl, Layout(microbatch=4)),
+             (get_model_spec("small"), wl, Layout(microbatch=4)),
+             (get_model_spec("debug"), Workload(seq_len=128, global_batch=8,
+                                                compute_dtype="fp32"),
+              Layout(dp_shard=2, zero=0, microbatch=4))]
+    measured = [StepMeasurement(s, w, L, CostModel(s, truth, w).estimate(L, exact=True)
+                                .step_time) for s, w, L in cases]
+    fitted, err = calibrate(measured, start, params=("matmul_max", "cpu_busy"))
+    assert err < 1e-6
+    assert fitted.matmul_max == pytest.approx(truth.matmul_max, rel=0.01)
+    assert fitted.cpu.contention(2, 2) == pytest.approx(1.3, rel=0.01)
+    assert fitted.cpu.undisturbed().contention(2, 2) == pytest.approx(1.1 * 1.3, rel=0.01)
+    one_rank, _ = calibrate(measured[:2], start, params=("matmul_max", "cpu_busy"))
+    assert one_rank.cpu.contention(2, 2) == pytest.approx(1.0)  # not identified: kept
+    with pytest.raises(ValueError, match="cpu_busy needs a CPU device.*'h100-sxm' has none"):
+        calibrate(measured, get_hardware("h100"), params=("cpu_busy",))

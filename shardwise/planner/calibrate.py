@@ -46,7 +46,37 @@ __all__ = ["StepMeasurement", "calibrate", "measure_local", "write_calibration",
            "fit_matmul_curve", "fit_alpha_beta", "usable_cores"]
 
 _FITTABLE = {"matmul_max": (0.05, 1.5), "memory_efficiency": (0.05, 1.5),
-             "intra_efficiency": (0.02, 1.5), "inter_efficiency": (0.02, 1.5)}
+             "intra_efficiency": (0.02, 1.5), "inter_efficiency": (0.02, 1.5),
+             "cpu_busy": (1.0, 3.0)}
+"""Constants :func:`calibrate` fits, with their bounds. ``cpu_busy`` is a CPU device's
+slowdown with every core computing (``CpuCosts.busy`` at ``cores``): the one constant of
+``local`` that one-rank steps cannot see, and the least steady of its calibration
+([Note: undisturbed steps] in cpu_costs.py)."""
+
+
+def _constant(hw, name: str) -> float:
+    if name == "cpu_busy":
+        if hw.cpu is None or not hw.cores:
+            raise ValueError(f"calibrate: cpu_busy needs a CPU device with its cores; "
+                             f"{hw.name!r} has none")
+        return max(1.0, hw.cpu.contention(hw.cores, hw.cores))
+    return getattr(hw, name)
+
+
+def _with_constants(hw, params: dict[str, float]):
+    """``hw`` with fitted constants; ``cpu_busy`` replaces the every-core slowdown (and
+    scales the fastest calls' one, ``busy_best``, by the same ratio); counts of busy
+    ranks below the cores are interpolated again from it."""
+    rest = {k: v for k, v in params.items() if k != "cpu_busy"}
+    out = hw.replace(**rest) if rest else hw
+    if "cpu_busy" in params:
+        c, busy = hw.cpu, params["cpu_busy"]
+        ratio = busy / _constant(hw, "cpu_busy")
+        best = c.undisturbed().contention(hw.cores, hw.cores)
+        out = out.replace(cpu=dataclasses.replace(
+            c, busy={hw.cores: busy},
+            busy_best={hw.cores: max(1.0, best * ratio)} if c.busy_best else {}))
+    return out
 
 
 @dataclass(frozen=True)
@@ -86,7 +116,7 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
             different parts, identify more constants).
         hw: the :class:`~shardwise.planner.hardware.Hardware` to correct.
         params: which constants to fit (any of matmul_max, memory_efficiency,
-            intra_efficiency, inter_efficiency).
+            intra_efficiency, inter_efficiency; cpu_busy on a CPU device).
         iterations: optimiser steps.
         min_ratio: a combination of constants is fitted when the predictions depend on it
             at least this fraction as strongly as on the best-determined one; the others
@@ -110,11 +140,11 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
         if m.dp_collective_time:
             observed.append(m.dp_collective_time)
             which.append((i, 1))
-    start = {p: getattr(hw, p) for p in params}
+    start = {p: _constant(hw, p) for p in params}
     bounds = {p: _FITTABLE[p] for p in params}
 
     def predicted(p):
-        h = hw.replace(**p)
+        h = _with_constants(hw, p)
         preds = [_predict(h, m) for m in measurements]
         return [preds[i][k] for i, k in which]
 
@@ -126,7 +156,7 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
         best, err = fit_constants(start, bounds, loss, iterations)
     else:  # fit what the measurements determine ([Note: identified directions] in fit.py)
         best, err = fit_directions(start, bounds, directions, loss, iterations)
-    return hw.replace(**best), err
+    return _with_constants(hw, best), err
 
 
 def _directions(predicted, start: dict[str, float], min_ratio: float, h: float = 0.05

@@ -30,7 +30,8 @@ times a Llama block's forward and backward on one process alone and on as many p
 as cores (measured here, every core busy: 1.03-1.18x the CPU time, depending on what else
 the machine ran; the debug model's multiplies took 1.32x longer at 2 ranks than at 1 in a
 profile); that ratio (``CpuCosts.busy``) slows every rank's compute once every core is
-busy (interpolated below).
+busy (interpolated below). A pipeline whose ranks each keep a core is slowed only while
+its ranks compute at once ([Note: contention follows the schedule] in cpu_pipeline.py).
 """
 
 from __future__ import annotations

@@ -241,6 +241,8 @@ class Replanner:
         params = ("matmul_max", "intra_efficiency", "inter_efficiency")[:max(1, known)]
         if self.hw.gpus_per_node >= self.env.world_size and len(params) == 3:
             params = params[:2]  # one node: the inter-node link is not used
+        if self.hw.cpu is not None and self.hw.cores and self.env.world_size > 1:
+            params += ("cpu_busy",)  # CPU ranks: the cores' contention, seen only here
         return calibrate(ms, self.hw, params=params), params
 
     def _decide(self, step: int, obs: Observation, logger) -> Layout | None:
