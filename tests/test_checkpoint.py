@@ -130,11 +130,12 @@ def _saved(tmp_path: Path, **over) -> tuple[Path, torch.nn.Module]:
 
 def test_rng_states_and_extras_round_trip(tmp_path):
     model, opt = _build(0, None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    _train(model, opt, 1)  # an optimizer step before the schedule's, as training runs them
+    sched.step()
     torch.manual_seed(3)
     random.seed(4)
     np.random.seed(5)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
-    sched.step()
     checkpoint.save(tmp_path / "c", model, opt, extra={"schedule": sched, "k": {"a": (1, None)}})
     expect = (torch.rand(3), random.random(), np.random.rand())
     model2, opt2 = _build(1, None)
