@@ -21,8 +21,8 @@ are priced this way; ranks beyond the cores are time-shared and priced by
 
 from __future__ import annotations
 
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 from shardwise.parallel.pipeline import Costs, build_schedule
