@@ -39,7 +39,7 @@ from __future__ import annotations
 from shardwise.planner import comm_model
 from shardwise.planner.cpu_pipeline import contended_pipeline
 from shardwise.planner.memory import unit_state
-from shardwise.planner.pipeline import min_microbatches, stage_costs
+from shardwise.planner.pipeline import rounded, simulated_microbatches, stage_costs
 
 __all__ = ["cpu_pricable", "layer_kernels", "head_kernels", "optimizer_seconds",
            "engine_copy_seconds", "saturated", "time_shared", "cpu_step", "tp_layer_comm",
@@ -214,16 +214,14 @@ def _contended(cm, L) -> tuple[float, float]:
     ranks slow each other only while they compute at once ([Note: contention follows the
     schedule] in cpu_pipeline.py). Every pipeline rank's data and tensor replicas compute
     beside it, so ``n`` pipeline ranks computing are ``n * gpus / pp`` ranks."""
-    hw, m, v = cm.hw, L.pp_microbatches, max(1, L.pp_virtual)
+    hw, v = cm.hw, max(1, L.pp_virtual)
     ranks = cm._all_ranks(L)
     r_star = max(range(len(ranks)), key=lambda k: ranks[k][1].busy)
     stages = stage_costs(L.pp_schedule, L.pp, v, [cm._fbw(x[1]) for x in ranks])
     per_pp = L.gpus // L.pp
     slowdown = tuple(hw.cpu.contention(n * per_pp, hw.cores) for n in range(1, L.pp + 1))
-    m_sim = max(min_microbatches(L.pp_schedule, L.pp), m if m < 3 * L.pp
-                else 2 * L.pp + m % L.pp)  # as pipeline.schedule_profile simulates
-    rounded = tuple(tuple(float(f"{x:.4g}") for x in s) for s in stages)  # cache hits
-    run = contended_pipeline(L.pp_schedule, L.pp, v, m_sim, rounded, slowdown)
+    m_sim = simulated_microbatches(L.pp_schedule, L.pp, L.pp_microbatches)
+    run = contended_pipeline(L.pp_schedule, L.pp, v, m_sim, rounded(stages), slowdown)
     alone = run.alone[r_star]
     stretch = run.busy[r_star] / alone if alone else 1.0
     return stretch, run.step - run.busy[r_star]

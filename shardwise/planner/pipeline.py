@@ -41,7 +41,7 @@ from shardwise.parallel.pipeline.schedule import looped_placement, v_placement
 from shardwise.parallel.pipeline.schedules import schedule_spec
 
 __all__ = ["PipelineProfile", "schedule_profile", "min_microbatches", "stage_costs",
-           "placement"]
+           "placement", "simulated_microbatches", "rounded"]
 
 
 @dataclass(frozen=True)
@@ -114,11 +114,19 @@ def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f:
         return _closed(schedule, p, v, m, f, b, w)
     per_stage = stage_costs(schedule, p, v, rank_costs or [(f, b, w)] * p)
     stages = tuple(zip(*per_stage, strict=True))
-    m_sim = max(min_microbatches(schedule, p), m if m < 3 * p else 2 * p + m % p)
-    bubble, peaks = _simulated(schedule, p, v, m_sim, _rounded(stages), round(comm, 9))
+    m_sim = simulated_microbatches(schedule, p, m)
+    bubble, peaks = _simulated(schedule, p, v, m_sim, rounded(stages), round(comm, 9))
     if schedule == "gpipe":  # GPipe holds every micro-batch: its peak grows with m
         peaks = tuple(float(m) for _ in peaks)
     return PipelineProfile(bubble, max(peaks), peaks, "simulator")
+
+
+def simulated_microbatches(schedule: str, pp: int, microbatches: int) -> int:
+    """How many micro-batches the exact profile replays for ``microbatches``: all of them
+    below ``3 pp``, else ``2 pp + m mod p``, which has the same bubble ([Note: pipeline
+    profile]); at least the schedule's minimum."""
+    m = microbatches
+    return max(min_microbatches(schedule, pp), m if m < 3 * pp else 2 * pp + m % pp)
 
 
 def placement(schedule: str, pp: int, virtual: int) -> tuple[int, ...]:
@@ -142,8 +150,9 @@ def stage_costs(schedule: str, pp: int, virtual: int,
     return tuple(tuple(x[k] for x in rows) for k in range(4))
 
 
-def _rounded(stages: tuple) -> tuple:
-    """Stage costs rounded to 4 significant digits so near-equal layouts share a run."""
+def rounded(stages: tuple) -> tuple:
+    """Stage costs rounded to 4 significant digits so near-equal layouts share a cached
+    replay."""
     def r(x: float) -> float:
         return float(f"{x:.4g}")
     return tuple(tuple(r(x) for x in s) for s in stages)
