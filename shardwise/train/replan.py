@@ -8,7 +8,8 @@ step and then ``parallel.replan_steps`` measured steps: step time (the slowest r
 median), bytes and calls per collective from ``comm_stats`` (per step), and the model-state
 bytes of ``memory_report``. Rank 0 then refits the device's constants to every layout
 measured so far (``planner.calibrate``: ``matmul_max`` from step times alone, plus the link
-efficiency once collective times are known or two layouts are measured), re-ranks the
+efficiency once collective times are known or two layouts are measured, and on multi-rank
+CPU jobs the cores' contention ``cpu_busy``), re-ranks the
 layouts the trainer can build and compares the measured layout with the best other one
 (its measured time if it ran, else its prediction). If that one is faster by more than
 ``parallel.replan_threshold`` of the measured step time, and by more than the measured
