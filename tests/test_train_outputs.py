@@ -112,7 +112,8 @@ def test_the_quick_start_runs_twice_into_two_folders(tmp_path):
 # ----------------------------------------------------------------------------- printing
 
 
-def test_start_up_prints_the_non_default_keys_and_the_file():
+def test_start_up_prints_the_non_default_keys_and_the_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a quick-start run's runs/debug in the checkout moves it on
     cfg = load_config(None, {"train.steps": "30", "optim.betas": "0.9,0.99"})
     cfg = choose_log_dir(cfg)
     from shardwise.train.config import resolve_world
