@@ -19,7 +19,7 @@ from shardwise.planner.calibrate import LocalMeasurements, write_calibration
 from shardwise.planner.catalogue import from_llama_config
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.cpu_bench import fit_collectives, fit_terms
-from shardwise.planner.cpu_costs import KERNELS, CpuCosts, Fit, Kernel
+from shardwise.planner.cpu_costs import KERNELS, CpuCosts, Crowd, Fit, Kernel
 from shardwise.planner.cpu_stage import layer_kernels
 from shardwise.planner.layout import Layout
 from shardwise.planner.workload import Workload
@@ -375,3 +375,126 @@ def test_median_blocks_takes_each_blocks_median_over_passes():
     assert median_blocks(passes) == ((384, 6, 3, 0.10, 0.07), (640, 10, 5, 0.232, 0.172))
     assert median_blocks([((384, 6, 3, 0.09),), ((384, 6, 3, 0.12),), ((384, 6, 3, 0.1),)]) \
         == ((384, 6, 3, 0.1, 0.09),)  # four columns: the medians stand in
+
+
+# ---------------------------------------------------------------- crowded collectives
+def _crowded(hw, slow: float, cpu_fraction: float = 0.2):
+    """``hw`` with its 2-rank groups measured crowded in a 4-rank world: ``slow`` times
+    their lone fits ([Note: crowded collectives] in shardwise/planner/cpu_stage.py)."""
+    lone = hw.cpu.collectives
+    crowd = Crowd({k: {2: Fit(slow * v[2].latency, slow * v[2].per_unit)}
+                   for k, v in lone.items()}, {2: cpu_fraction})
+    return hw.replace(cpu=replace(hw.cpu, crowded={4: crowd}))
+
+
+def _fractions(hw):
+    return hw.replace(cpu=replace(hw.cpu, comm_cpu={2: 0.5, 4: 0.25}))
+
+
+def test_crowded_fits_replace_the_smaller_groups_beyond_the_cores_only():
+    c = _crowded(_fractions(_local(2)), 4.0).cpu
+    assert c.in_world(2, 2) is c and c.in_world(4, 4) is c  # every rank keeps a core
+    four = c.in_world(4, 2)
+    assert four.collective("all_gather", 2, 1e6) == pytest.approx(
+        4 * c.collective("all_gather", 2, 1e6))
+    # the world's own group was measured with every rank running: unchanged
+    assert four.collective("reduce_scatter", 4, 1e6) == c.collective("reduce_scatter", 4, 1e6)
+    assert four.comm_cpu == {2: 0.2, 4: 0.25} and not four.crowded
+    assert four.in_world(4, 2) is four  # applying it twice changes nothing
+    eight = c.in_world(8, 2)  # beyond the measured world: the nearest one's crowd
+    assert eight.collective("all_reduce", 2, 1e5) == four.collective("all_reduce", 2, 1e5)
+
+
+def test_crowded_fits_round_trip_through_the_calibration_file_and_are_checked():
+    c = _crowded(_fractions(_local(2)), 3.0).cpu
+    table = tomllib.loads("\n".join(c.toml_lines("x")))["x"]["cpu"]
+    again = CpuCosts.from_table(table)
+    assert set(again.crowded) == {4} and again.crowded[4].comm_cpu == pytest.approx({2: 0.2})
+    for kind, by_group in c.crowded[4].collectives.items():
+        got = again.crowded[4].collectives[kind][2]
+        assert (got.latency, got.per_unit) == pytest.approx(
+            (by_group[2].latency, by_group[2].per_unit), rel=1e-5)
+    assert CpuCosts.from_table({k: v for k, v in table.items() if k != "crowded"}).crowded == {}
+    with pytest.raises(ValueError, match=r"crowded\.4\.comm_cpu\.2 = 1.5"):
+        CpuCosts.from_table({**table, "crowded": {"4": {"comm_cpu": {"2": 1.5}}}})
+    with pytest.raises(ValueError, match=r"crowded\.4\.all_gather\.2"):
+        CpuCosts.from_table({**table, "crowded": {"4": {"collectives": {
+            "all_gather": {"2": [1.0]}}}}})
+
+
+_PIPE = dict(pp=2, dp_shard=2, zero=3, pp_microbatches=2, pp_schedule="1f1b", pp_virtual=1)
+
+
+def test_crowded_groups_lengthen_a_pipeline_beyond_the_cores_not_data_parallelism():
+    """pp 2 x dp 2 on 4 ranks over 2 cores: the step is its critical path with the
+    crowded 2-rank fits, or the time-shared bound with the lone ones, whichever is longer.
+    A crowd as fast as the lone groups changes nothing; 4 ranks of pure data parallelism
+    (the world's own group) and 2 ranks on 2 cores never read the crowd."""
+    base = _fractions(_local(2))
+    plain = _estimate(base, **_PIPE)
+    assert _estimate(_crowded(base, 1.0), **_PIPE).step_time == pytest.approx(
+        plain.step_time, rel=1e-12)
+    slow = _crowded(base, 30.0)
+    est = _estimate(slow, **_PIPE)
+    wl = Workload(seq_len=128, global_batch=8, compute_dtype="fp32")
+    timeline = CostModel(get_model_spec("debug"), slow.replace(cpu=slow.cpu.in_world(4, 2)),
+                         wl)
+    timeline.timeline_only = True
+    own = timeline.estimate(Layout(microbatch=4, **_PIPE), exact=True)
+    assert est.step_time == pytest.approx(own.step_time)
+    assert est.step_time > plain.step_time  # the timeline with the slow pairs is longer
+    assert est.breakdown["dp_comm"] > plain.breakdown["dp_comm"]
+    assert sum(est.breakdown.values()) == pytest.approx(est.step_time)
+    cm, L = CostModel(get_model_spec("debug"), slow, wl), Layout(microbatch=4, **_PIPE)
+    assert cm.dp_collective_seconds(L) > CostModel(get_model_spec("debug"), base, wl
+                                                   ).dp_collective_seconds(L)
+    assert cm.lower_bound(L) <= est.step_time
+    for other in (dict(dp_shard=4, zero=3), dict(dp_shard=2, zero=3),
+                  dict(pp=2, zero=2, pp_microbatches=2, pp_schedule="1f1b", pp_virtual=1)):
+        assert _estimate(slow, **other).step_time == _estimate(base, **other).step_time
+
+
+def test_calibration_measures_the_crowd_only_beyond_the_cores(monkeypatch):
+    """measure_cpu times each smaller group of a world beyond the cores, all groups at
+    once (the kernels and blocks faked: only the collectives' wiring is under test)."""
+    from shardwise.planner import cpu_bench
+
+    launched = []
+
+    def fake_gloo(world, sizes, calls=21, timeout_s=300.0, group=None):
+        launched.append((world, group))
+        slow = 3.0 if group else 1.0
+        return [(k, b, slow * (1e-3 + b * 1e-9), 0.5e-3) for b in sizes
+                for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")]
+
+    monkeypatch.setattr(cpu_bench, "measure_gloo", fake_gloo)
+    monkeypatch.setattr(cpu_bench, "measure_blocks", lambda seconds: ((384, 6, 3, 0.1, 0.09),))
+    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: _costs().kernels)
+    monkeypatch.setattr(cpu_bench, "measure_optimizer", lambda quick: Fit(1e-5, 1e-9))
+    monkeypatch.setattr(cpu_bench, "contention_ratios", lambda counts, seconds: (
+        {2: 1.1}, {2: 1.05}))
+    four = cpu_bench.measure_cpu(4, quick=True, cores=2)
+    assert launched == [(2, None), (4, None), (4, 2)]
+    crowd = four.crowded[4]
+    assert set(crowd.collectives["all_gather"]) == {2} and crowd.comm_cpu[2] < four.comm_cpu[2]
+    assert crowd.collectives["send_recv"][2](1e6) == pytest.approx(
+        3 * four.collectives["send_recv"][2](1e6), rel=1e-6)
+    launched.clear()
+    assert cpu_bench.measure_cpu(2, quick=True, cores=2).crowded == {}
+    assert launched == [(2, None)]
+
+
+def test_gloo_micro_benchmark_runs_groups_inside_a_larger_world():
+    """Two 2-rank groups of a 4-rank world run the same collectives at once, through the
+    engine's calls on their own groups; a group that does not divide the world is refused
+    by value before any rank starts."""
+    from shardwise.planner.cpu_gloo import measure_gloo
+
+    rows = measure_gloo(4, [4096], calls=3, timeout_s=120, group=2)
+    assert sorted(k for k, *_ in rows) == ["all_gather", "all_reduce", "reduce_scatter",
+                                           "send_recv"]
+    assert all(t > 0 and c >= 0 for *_, t, c in rows)
+    for bad in (3, 1):
+        with pytest.raises(ValueError, match=f"group={bad} must be at least 2 and divide "
+                                             "world=4"):
+            measure_gloo(4, [4096], group=bad)

@@ -28,6 +28,7 @@ includes the device optimizer step; context-parallel exchanges count as tp_comm)
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -100,10 +101,30 @@ class CostModel:
 
     def __init__(self, spec, hw, wl: Workload) -> None:
         self.spec, self.hw, self.wl = spec, hw, wl
+        # CPU ranks: price one rank's own timeline, not the cores' time-sharing (the
+        # crowded half of [Note: crowded collectives] in cpu_stage.py)
+        self.timeline_only = False
         self.stages = StageCoster(spec, hw, wl)
         self._ranks: dict[tuple, list[tuple[int, RankTimes, list[int]]]] = {}
         self._flops: float | None = None
         self._cache: dict[tuple, object] = {}  # units, states, dp times, optimizer, recompute
+
+    def _for_ranks(self, L: Layout) -> "CostModel":
+        """The model pricing ``L``'s collectives on one rank's timeline: on CPU ranks
+        beyond the cores, one with the fits its groups meet amid the other ranks
+        ([Note: crowded collectives] in cpu_stage.py); otherwise this one."""
+        cpu = self.hw.cpu
+        if cpu is None or not cpu.crowded or self.timeline_only:
+            return self
+        crowded = cpu.in_world(L.gpus, self.hw.cores)
+        if crowded is cpu:
+            return self
+        return self._cached(("crowded", L.gpus), lambda: self._timeline_model(crowded))
+
+    def _timeline_model(self, cpu) -> "CostModel":
+        cm = CostModel(self.spec, self.hw.replace(cpu=cpu), self.wl)
+        cm.timeline_only = True
+        return cm
 
     def _cached(self, key: tuple, make):
         if key not in self._cache:
@@ -226,6 +247,8 @@ class CostModel:
     def dp_collective_seconds(self, L: Layout) -> float:
         """Seconds of one step's data-parallel collectives on the first pipeline rank,
         overlapped or not (what a profile of its gathers and reductions adds up to)."""
+        if (cm := self._for_ranks(L)) is not self:
+            return cm.dp_collective_seconds(L)
         gather, _, red, _ = self._dp_times(L, *self._rank_plan(L, 0))
         if L.zero == 3:
             gather *= L.pp_microbatches * (2 if self.wl.reshard_after_forward else 1)
@@ -296,6 +319,15 @@ class CostModel:
             exact: price every pipeline rank and simulate the schedule the executor runs
                 (see [Note: pipeline profile]); default: sampled ranks and closed forms.
         """
+        if (cm := self._for_ranks(L)) is not self:  # [Note: crowded collectives]
+            own, shared = cm.estimate(L, exact), self._estimate(L, exact)
+            extra = max(0.0, shared.step_time - own.step_time)
+            breakdown = {**own.breakdown, "compute": own.breakdown["compute"] + extra}
+            return dataclasses.replace(own, step_time=own.step_time + extra,
+                                       breakdown=breakdown)
+        return self._estimate(L, exact)
+
+    def _estimate(self, L: Layout, exact: bool) -> Estimate:
         wl, hw, spec = self.wl, self.hw, self.spec
         m = L.pp_microbatches
         ranks = self._all_ranks(L) if exact else self._sample_ranks(L)

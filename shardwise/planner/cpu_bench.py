@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from shardwise.planner.cpu_costs import CpuCosts, Fit, Kernel, fit_terms
+from shardwise.planner.cpu_costs import CpuCosts, Crowd, Fit, Kernel, fit_terms
 from shardwise.planner.cpu_gloo import cpu_fractions, fit_collectives, measure_gloo
 from shardwise.planner.timing import best_time, median_time
 
@@ -297,7 +297,8 @@ def contention_ratios(counts: list[int], seconds: float = 2.0
 
 def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     """Kernels and update on one thread, the slowdown with every core busy, then the
-    collectives on 2 and ``ranks`` ranks."""
+    collectives on 2 and ``ranks`` ranks, and with more ranks than ``cores`` those of
+    each smaller group of the ``ranks`` ([Note: crowded collectives] in cpu_stage.py)."""
     block_s = 0.2 if quick else 1.0
     passes = [measure_blocks(seconds=block_s)]  # first, middle and last: see median_blocks
     threads = torch.get_num_threads()
@@ -310,11 +311,18 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     passes.append(measure_blocks(seconds=block_s))
     sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
                                                         1 << 23]
-    rows = {w: measure_gloo(w, sizes, calls=5 if quick else 21) for w in sorted({2, ranks})}
+    calls = 5 if quick else 21
+    rows = {w: measure_gloo(w, sizes, calls=calls) for w in sorted({2, ranks})}
+    crowded = {}
+    if cores and ranks > cores:  # [Note: crowded collectives] in cpu_stage.py
+        sub = {g: measure_gloo(ranks, sizes, calls=calls, group=g)
+               for g in range(2, ranks) if ranks % g == 0}
+        if sub:
+            crowded[ranks] = Crowd(fit_collectives(sub), cpu_fractions(sub))
     passes.append(measure_blocks(seconds=block_s))
     # compose stays 1 here: write_calibration prices the blocks once the fits are known
     return CpuCosts(kernels, opt, fit_collectives(rows), busy, median_blocks(passes),
-                    comm_cpu=cpu_fractions(rows), busy_best=busy_best)
+                    comm_cpu=cpu_fractions(rows), busy_best=busy_best, crowded=crowded)
 
 
 def median_blocks(passes) -> tuple[tuple[int, int, int, float, float], ...]:

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Fit", "Kernel", "CpuCosts", "KERNELS", "COLLECTIVES", "fit_terms"]
+__all__ = ["Fit", "Kernel", "Crowd", "CpuCosts", "KERNELS", "COLLECTIVES", "fit_terms"]
 
 KERNELS = ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual", "attention", "softmax",
            "embedding", "cross_entropy", "copy")
@@ -94,6 +94,20 @@ class Kernel:
 
     fwd: Fit
     bwd: Fit
+
+
+@dataclass(frozen=True)
+class Crowd:
+    """Collectives of groups smaller than a world of more ranks than cores, measured with
+    every rank of the world running ([Note: crowded collectives] in cpu_stage.py).
+
+    Attributes:
+        collectives: kind -> group size -> fit of seconds against payload bytes.
+        comm_cpu: group size -> CPU seconds over seconds of those collectives.
+    """
+
+    collectives: dict[str, dict[int, Fit]]
+    comm_cpu: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,24 @@ class CpuCosts:
     busy_best: dict[int, float] = field(default_factory=dict)
     """Measured: ``busy`` from the fastest calls instead of the median ones, the slowdown
     of :meth:`undisturbed` (empty: not measured, ``busy`` stands in)."""
+    crowded: dict[int, Crowd] = field(default_factory=dict)
+    """Measured: world size (more ranks than cores) -> its smaller groups' collectives
+    (:meth:`in_world`; empty: not measured, the groups' lone fits stand in)."""
+
+    def in_world(self, ranks: int, cores: int) -> "CpuCosts":
+        """These costs as a job of ``ranks`` ranks on ``cores`` cores meets its
+        collectives ([Note: crowded collectives] in cpu_stage.py): beyond the cores, the
+        group sizes measured crowded in the nearest measured world (the larger on a tie)
+        replace their lone fits and CPU fractions. The result carries no crowds, so
+        applying it twice changes nothing; within the cores, these costs unchanged."""
+        if not self.crowded or not cores or ranks <= cores:
+            return self
+        crowd = self.crowded[_nearest(self.crowded, ranks)]
+        colls = {k: {**v, **crowd.collectives.get(k, {})} for k, v in self.collectives.items()}
+        for k, v in crowd.collectives.items():
+            colls.setdefault(k, dict(v))
+        return dataclasses.replace(self, collectives=colls, crowded={},
+                                   comm_cpu={**self.comm_cpu, **crowd.comm_cpu})
 
     def comm_cpu_fraction(self, world: int) -> float:
         """The CPU fraction of a collective over ``world`` ranks, from the nearest measured
@@ -203,8 +235,21 @@ class CpuCosts:
                     raise ValueError(f"calibration [local.cpu] {name}: expected [fwd latency, "
                                      f"fwd per unit, bwd latency, bwd per unit], got {v!r}")
                 kernels[name] = Kernel(fit(v[:2], name), fit(v[2:], name))
-        colls = {kind: {int(w): fit(v, f"{kind}.{w}") for w, v in t.get("collectives", {})
-                        .get(kind, {}).items()} for kind in COLLECTIVES}
+        def collectives(table: dict, where: str) -> dict[str, dict[int, Fit]]:
+            out = {kind: {int(w): fit(v, f"{where}{kind}.{w}") for w, v in table.get(
+                "collectives", {}).get(kind, {}).items()} for kind in COLLECTIVES}
+            return {k: v for k, v in out.items() if v}
+
+        def fractions(table: dict, where: str) -> dict[int, float]:
+            out = {int(k): float(v) for k, v in table.get("comm_cpu", {}).items()}
+            bad = [(k, v) for k, v in out.items() if not 0.0 <= v <= 1.0]
+            if bad:
+                raise ValueError(f"calibration [local.cpu] {where}comm_cpu.{bad[0][0]} = "
+                                 f"{bad[0][1]}: expected a fraction between 0 and 1 (CPU "
+                                 f"seconds over seconds)")
+            return out
+
+        colls = collectives(t, "")
         opt = fit(t.get("optimizer", [0.0, 0.0]), "optimizer")
         blocks = t.get("blocks", [])
         if not (isinstance(blocks, list) and all(isinstance(b, list) and len(b) in (4, 5)
@@ -217,17 +262,16 @@ class CpuCosts:
             if not 0.2 <= v <= 5.0:
                 raise ValueError(f"calibration [local.cpu] {key} = {v}: expected a factor "
                                  f"between 0.2 and 5 (measured blocks over priced)")
-        comm_cpu = {int(k): float(v) for k, v in t.get("comm_cpu", {}).items()}
-        bad = [(k, v) for k, v in comm_cpu.items() if not 0.0 <= v <= 1.0]
-        if bad:
-            raise ValueError(f"calibration [local.cpu] comm_cpu.{bad[0][0]} = {bad[0][1]}: "
-                             f"expected a fraction between 0 and 1 (CPU seconds over seconds)")
+        comm_cpu = fractions(t, "")
+        crowded = {int(w): Crowd(collectives(c, f"crowded.{w}."),
+                                 fractions(c, f"crowded.{w}."))
+                   for w, c in t.get("crowded", {}).items()}
         busy, busy_best = ({int(k): float(v) for k, v in t.get(key, {}).items()}
                            for key in ("busy", "busy_best"))
-        return cls(kernels, opt, {k: v for k, v in colls.items() if v}, busy,
+        return cls(kernels, opt, colls, busy,
                    tuple((int(b[0]), int(b[1]), int(b[2]), float(b[3]), float(b[-1]))
                          for b in blocks),  # an older file's four columns: best = median
-                   compose, compose_best, comm_cpu, busy_best)
+                   compose, compose_best, comm_cpu, busy_best, crowded)
 
     def toml_lines(self, prefix: str = "local") -> list[str]:
         """This record as the ``[<prefix>.cpu]`` tables of a calibration file."""
@@ -248,14 +292,26 @@ class CpuCosts:
         lines.append(f"compose = {self.compose:.4g}")
         if self.compose_best:
             lines.append(f"compose_best = {self.compose_best:.4g}")
-        lines.append("comm_cpu = { " + ", ".join(f"{k} = {v:.4g}" for k, v in
-                                                 sorted(self.comm_cpu.items())) + " }")
-        lines.append(f"[{prefix}.cpu.collectives]")
-        for kind, by_world in self.collectives.items():
-            inner = ", ".join(f"{w} = [{f.latency:.6g}, {f.per_unit:.6g}]"
-                              for w, f in sorted(by_world.items()))
-            lines.append(f"{kind} = {{ {inner} }}")
+        lines.append(_fractions_line(self.comm_cpu))
+        lines += _collectives_lines(f"{prefix}.cpu", self.collectives)
+        for world, crowd in sorted(self.crowded.items()):
+            lines += [f"[{prefix}.cpu.crowded.{world}]", _fractions_line(crowd.comm_cpu)]
+            lines += _collectives_lines(f"{prefix}.cpu.crowded.{world}", crowd.collectives)
         return lines
+
+
+def _fractions_line(comm_cpu: dict[int, float]) -> str:
+    return "comm_cpu = { " + ", ".join(f"{k} = {v:.4g}" for k, v in
+                                       sorted(comm_cpu.items())) + " }"
+
+
+def _collectives_lines(table: str, collectives: dict[str, dict[int, Fit]]) -> list[str]:
+    lines = [f"[{table}.collectives]"]
+    for kind, by_world in collectives.items():
+        inner = ", ".join(f"{w} = [{f.latency:.6g}, {f.per_unit:.6g}]"
+                          for w, f in sorted(by_world.items()))
+        lines.append(f"{kind} = {{ {inner} }}")
+    return lines
 
 
 def _nearest(sizes, world: int) -> int:

@@ -19,6 +19,9 @@ time-shared ranks compete for; the rest is waiting, during which another rank ca
 Measured here: a median of 0.5 of the seconds at 2 ranks (0.33-0.68 over kinds and
 payloads), 0.25 at 4 ranks on 2 cores (0.12-0.35: most of it is waiting for the peers'
 time slices).
+
+Beyond the cores, ``group`` measures groups smaller than the world with every group
+running at once ([Note: crowded collectives] in cpu_stage.py).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ __all__ = ["measure_gloo", "fit_collectives", "cpu_fractions"]
 
 
 def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
-                 queue) -> None:
+                 group_size: int, queue) -> None:
     import torch.distributed as dist
 
     from shardwise.distributed import comm_objects
@@ -44,6 +47,11 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
     torch.set_num_threads(1)
     quiet_flight_recorder("gloo")
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = None  # the world
+    if group_size < world:  # every rank creates every group (new_group is collective)
+        groups = [dist.new_group(list(range(s, s + group_size)))
+                  for s in range(0, world, group_size)]
+        group = groups[rank // group_size]
     a, b = torch.randn(256, 256), torch.randn(256, 1024)
 
     def compute():  # about 5 ms of multiplies on one thread, as between two collectives
@@ -52,7 +60,7 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
 
     rows = []
     for nbytes in sizes:
-        for kind, fn in _gloo_ops(rank, world, nbytes).items():
+        for kind, fn in _gloo_ops(rank, group_size, nbytes, group).items():
             comm_objects.barrier(label="calibrate")
             compute()
             fn()
@@ -77,19 +85,21 @@ def _trimmed_mean(times: list[float]) -> float:
     return sum(mid) / len(mid)
 
 
-def _gloo_ops(rank: int, world: int, nbytes: int) -> dict:
-    """The engine's collectives on payloads of ``nbytes`` (see :func:`measure_gloo`)."""
+def _gloo_ops(rank: int, size: int, nbytes: int, group=None) -> dict:
+    """The engine's collectives on payloads of ``nbytes`` over ``group`` (``size`` ranks,
+    None: the world; see :func:`measure_gloo`)."""
     from shardwise.distributed import comm
 
     numel = max(1, nbytes // 4)
-    shard, out = torch.ones(numel), torch.empty(numel * world)
-    full, scratch = torch.ones(numel * world), torch.empty(numel * world)
+    shard, out = torch.ones(numel), torch.empty(numel * size)
+    full, scratch = torch.ones(numel * size), torch.empty(numel * size)
     inbox = torch.empty(numel)
-    peer = rank ^ 1 if (rank ^ 1) < world else rank
-    return {"all_gather": lambda: comm.all_gather_into_tensor(out, shard, label="cal"),
-            "reduce_scatter": lambda: comm.reduce_scatter_tensor(shard, full, label="cal",
-                                                                scratch=scratch),
-            "all_reduce": lambda: comm.all_reduce(shard, label="cal"),
+    # the neighbour inside the group (groups are blocks of consecutive, even-aligned ranks)
+    peer = rank ^ 1 if (rank ^ 1) // size == rank // size and size > 1 else rank
+    return {"all_gather": lambda: comm.all_gather_into_tensor(out, shard, group, label="cal"),
+            "reduce_scatter": lambda: comm.reduce_scatter_tensor(shard, full, group,
+                                                                label="cal", scratch=scratch),
+            "all_reduce": lambda: comm.all_reduce(shard, group, label="cal"),
             "send_recv": lambda: _send_recv(shard, inbox, rank, peer)}
 
 
@@ -106,14 +116,27 @@ def _send_recv(t: torch.Tensor, inbox: torch.Tensor, rank: int, peer: int) -> No
         w.wait()
 
 
-def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float = 300.0
-                 ) -> list[tuple[str, int, float, float]]:
+def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float = 300.0,
+                 group: int | None = None) -> list[tuple[str, int, float, float]]:
     """(kind, payload bytes, seconds, CPU seconds) of the engine's collectives on ``world``
     Gloo ranks, each met after a few milliseconds of compute (see the module docstring;
     payload: the gathered shard, the reduced shard, the all-reduced tensor, one message
     each way). CPU seconds: the process time a rank spends per call, its own thread's and
-    Gloo's ([Note: CPU ranks share the cores] in cpu_stage.py)."""
-    per_rank = run_local_ranks(_gloo_worker, world, (sizes, calls),
+    Gloo's ([Note: CPU ranks share the cores] in cpu_stage.py).
+
+    Args:
+        group: the ranks of each collective (None: all ``world``): the world splits into
+            ``world / group`` groups of consecutive ranks, each running the same calls at
+            the same time ([Note: crowded collectives] in cpu_stage.py).
+
+    Raises:
+        ValueError: ``group`` not a divisor of ``world`` of at least 2.
+    """
+    group = world if group is None else group
+    if group < 2 or world % group:
+        raise ValueError(f"measure_gloo: group={group} must be at least 2 and divide "
+                         f"world={world}")
+    per_rank = run_local_ranks(_gloo_worker, world, (sizes, calls, group),
                                "collective micro-benchmark", timeout_s)
     # every rank's mean wait: the one that arrives late waits little, the others more
     n = len(per_rank)

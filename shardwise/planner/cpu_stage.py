@@ -32,6 +32,20 @@ the machine ran; the debug model's multiplies took 1.32x longer at 2 ranks than 
 profile); that ratio (``CpuCosts.busy``) slows every rank's compute once every core is
 busy (interpolated below). A pipeline whose ranks each keep a core is slowed only while
 its ranks compute at once ([Note: contention follows the schedule] in cpu_pipeline.py).
+
+[Note: crowded collectives] With more ranks than cores, a collective over a group smaller
+than the world meets peers that are descheduled: pp 2 x dp 2 on 4 ranks reduces over
+pairs while the other stage's ranks compute on the same cores. Measured here on 2 cores,
+a 2-rank all-gather or reduce-scatter of 4 KB-1 MB takes 0.9-2.2 ms on 2 processes and
+3.2-7.9 ms when 4 processes run two such pairs at once. ``--calibrate`` therefore also
+times, for a world beyond the cores, every smaller group that divides it, all groups at
+once (``measure_gloo(world, sizes, group=g)`` in cpu_gloo.py, ``CpuCosts.crowded``). Those
+seconds are one rank's timeline amid the others: their waiting is mostly the other
+ranks' compute, which the time-shared bound above already counts over the cores. So a
+layout of that many ranks is priced twice and the longer wins: its critical path with the
+crowded fits (``CostModel.timeline_only``: no time-sharing bound), and the time-shared
+bound with the lone groups' fits, as before. The world's own group was always measured
+with every rank running, so pure data parallelism is unchanged.
 """
 
 from __future__ import annotations
@@ -255,7 +269,7 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
             breakdown[k] *= slow
     own = slow * copies(layers, first, last)
     breakdown["dp_comm"] += own + _step_collectives(cm, L)
-    if not hw.cores or L.gpus <= hw.cores:
+    if not hw.cores or L.gpus <= hw.cores or cm.timeline_only:
         return
     busy = 0.0
     for r, rt, lay in cm._all_ranks(L):
