@@ -378,13 +378,21 @@ def test_median_blocks_takes_each_blocks_median_over_passes():
 
 
 # ---------------------------------------------------------------- crowded collectives
-def _crowded(hw, slow: float, cpu_fraction: float = 0.2):
-    """``hw`` with its 2-rank groups measured crowded in a 4-rank world: ``slow`` times
-    their lone fits ([Note: crowded collectives] in shardwise/planner/cpu_stage.py)."""
+def _crowd(hw, slow: float, cpu_fraction: float = 0.2, gap_s: float = 4e-3) -> Crowd:
     lone = hw.cpu.collectives
-    crowd = Crowd({k: {2: Fit(slow * v[2].latency, slow * v[2].per_unit)}
-                   for k, v in lone.items()}, {2: cpu_fraction})
-    return hw.replace(cpu=replace(hw.cpu, crowded={4: crowd}))
+    return Crowd({k: {2: Fit(slow * v[2].latency, slow * v[2].per_unit)}
+                  for k, v in lone.items()}, {2: cpu_fraction}, gap_s)
+
+
+def _crowded(hw, slow: float, cpu_fraction: float = 0.2, short: float | None = None,
+             gaps: tuple[float, float] = (1e-3, 4e-3)):
+    """``hw`` with its 2-rank groups measured crowded in a 4-rank world: ``slow`` times
+    their lone fits after ``gaps[1]`` seconds of compute, and ``short`` times after
+    ``gaps[0]`` if given ([Note: crowded collectives] in shardwise/planner/cpu_stage.py)."""
+    crowds = (_crowd(hw, slow, cpu_fraction, gaps[1]),)
+    if short is not None:
+        crowds = (_crowd(hw, short, cpu_fraction / 2, gaps[0]),) + crowds
+    return hw.replace(cpu=replace(hw.cpu, crowded={4: crowds}))
 
 
 def _fractions(hw):
@@ -403,23 +411,45 @@ def test_crowded_fits_replace_the_smaller_groups_beyond_the_cores_only():
     assert four.in_world(4, 2) is four  # applying it twice changes nothing
     eight = c.in_world(8, 2)  # beyond the measured world: the nearest one's crowd
     assert eight.collective("all_reduce", 2, 1e5) == four.collective("all_reduce", 2, 1e5)
+    assert c.in_world(4, 2, gap_s=1e-4).collective("all_reduce", 2, 1e5) == \
+        four.collective("all_reduce", 2, 1e5)  # one gap measured: it stands for every gap
+
+
+def test_crowds_are_interpolated_between_the_measured_gaps_and_clamped():
+    """After 1 ms of compute the pairs were 2x their lone fits, after 4 ms 5x: 2.5 ms
+    between the two is 3.5x, and outside the measured gaps the nearest one holds."""
+    c = _crowded(_fractions(_local(2)), 5.0, short=2.0).cpu
+    lone = c.collective("all_gather", 2, 1e6)
+
+    def at(gap):
+        return c.in_world(4, 2, gap_s=gap).collective("all_gather", 2, 1e6) / lone
+
+    assert [at(g) for g in (1e-3, 2.5e-3, 4e-3)] == pytest.approx([2.0, 3.5, 5.0])
+    assert at(1e-5) == pytest.approx(2.0) and at(1.0) == pytest.approx(5.0)
+    assert c.in_world(4, 2).collective("all_gather", 2, 1e6) / lone == pytest.approx(5.0)
+    assert c.in_world(4, 2, gap_s=2.5e-3).comm_cpu[2] == pytest.approx(0.15)
 
 
 def test_crowded_fits_round_trip_through_the_calibration_file_and_are_checked():
-    c = _crowded(_fractions(_local(2)), 3.0).cpu
+    c = _crowded(_fractions(_local(2)), 3.0, short=1.5).cpu
     table = tomllib.loads("\n".join(c.toml_lines("x")))["x"]["cpu"]
     again = CpuCosts.from_table(table)
-    assert set(again.crowded) == {4} and again.crowded[4].comm_cpu == pytest.approx({2: 0.2})
-    for kind, by_group in c.crowded[4].collectives.items():
-        got = again.crowded[4].collectives[kind][2]
-        assert (got.latency, got.per_unit) == pytest.approx(
-            (by_group[2].latency, by_group[2].per_unit), rel=1e-5)
+    assert set(again.crowded) == {4} and len(again.crowded[4]) == 2
+    for want, got in zip(c.crowded[4], again.crowded[4], strict=True):
+        assert got.gap_s == pytest.approx(want.gap_s)
+        assert got.comm_cpu == pytest.approx(want.comm_cpu)
+        for kind, by_group in want.collectives.items():
+            g = got.collectives[kind][2]
+            assert (g.latency, g.per_unit) == pytest.approx(
+                (by_group[2].latency, by_group[2].per_unit), rel=1e-5)
     assert CpuCosts.from_table({k: v for k, v in table.items() if k != "crowded"}).crowded == {}
     with pytest.raises(ValueError, match=r"crowded\.4\.comm_cpu\.2 = 1.5"):
-        CpuCosts.from_table({**table, "crowded": {"4": {"comm_cpu": {"2": 1.5}}}})
+        CpuCosts.from_table({**table, "crowded": {"4": [{"comm_cpu": {"2": 1.5}}]}})
     with pytest.raises(ValueError, match=r"crowded\.4\.all_gather\.2"):
-        CpuCosts.from_table({**table, "crowded": {"4": {"collectives": {
-            "all_gather": {"2": [1.0]}}}}})
+        CpuCosts.from_table({**table, "crowded": {"4": [{"collectives": {
+            "all_gather": {"2": [1.0]}}}]}})
+    with pytest.raises(ValueError, match=r"crowded\.4: expected an array of tables"):
+        CpuCosts.from_table({**table, "crowded": {"4": {"comm_cpu": {"2": 0.5}}}})
 
 
 _PIPE = dict(pp=2, dp_shard=2, zero=3, pp_microbatches=2, pp_schedule="1f1b", pp_virtual=1)
@@ -454,34 +484,61 @@ def test_crowded_groups_lengthen_a_pipeline_beyond_the_cores_not_data_parallelis
         assert _estimate(slow, **other).step_time == _estimate(base, **other).step_time
 
 
+def test_tensor_parallel_collectives_meet_the_crowd_at_their_own_gap():
+    """tp 2 x dp 2 on 4 ranks: the tensor-parallel pairs meet their peers a fraction of a
+    layer apart, so they are priced at the crowd interpolated at that gap (here below the
+    short one: the 1 ms crowd), while the data-parallel pairs take the layer-gap crowd."""
+    base = _fractions(_local(2))
+    tp = dict(tp=2, sp=True, dp_shard=2, zero=3)
+    cm = CostModel(get_model_spec("debug"), base, Workload(seq_len=128, global_batch=8,
+                                                           compute_dtype="fp32"))
+    L = Layout(microbatch=4, **tp)
+    _, rt, layers = max(cm._sample_ranks(L), key=lambda x: x[1].busy)
+    gap = cm._tp_gap(L)
+    assert gap == pytest.approx((rt.fwd + rt.bwd) / (10 * len(layers)))
+    gaps = (2 * gap, 8 * gap)  # the layout's gap is below the short one
+    short_lone = _estimate(_crowded(base, 20.0, short=1.0, gaps=gaps), **tp)
+    both_slow = _estimate(_crowded(base, 20.0, short=20.0, gaps=gaps), **tp)
+    lone = _estimate(base, **tp)
+    assert short_lone.breakdown["tp_comm"] == pytest.approx(lone.breakdown["tp_comm"])
+    assert both_slow.breakdown["tp_comm"] > 10 * lone.breakdown["tp_comm"]
+    assert short_lone.breakdown["dp_comm"] == pytest.approx(both_slow.breakdown["dp_comm"])
+    assert short_lone.breakdown["dp_comm"] > lone.breakdown["dp_comm"]
+    assert cm._tp_gap(Layout(microbatch=4, dp_shard=4, zero=3)) is None
+
+
 def test_calibration_measures_the_crowd_only_beyond_the_cores(monkeypatch):
     """measure_cpu times each smaller group of a world beyond the cores, all groups at
-    once (the kernels and blocks faked: only the collectives' wiring is under test)."""
+    once, at both gaps (the kernels and blocks faked: only the collectives' wiring is
+    under test)."""
     from shardwise.planner import cpu_bench
 
     launched = []
 
-    def fake_gloo(world, sizes, calls=21, timeout_s=300.0, group=None):
-        launched.append((world, group))
-        slow = 3.0 if group else 1.0
+    def fake_gloo(world, sizes, calls=21, timeout_s=300.0, group=None, multiplies=3):
+        launched.append((world, group, multiplies))
+        slow = 1.0 + (group is not None) * multiplies
         return [(k, b, slow * (1e-3 + b * 1e-9), 0.5e-3) for b in sizes
                 for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")]
 
     monkeypatch.setattr(cpu_bench, "measure_gloo", fake_gloo)
+    monkeypatch.setattr(cpu_bench, "gap_seconds", lambda mult: mult * 1.5e-3)
     monkeypatch.setattr(cpu_bench, "measure_blocks", lambda seconds: ((384, 6, 3, 0.1, 0.09),))
     monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: _costs().kernels)
     monkeypatch.setattr(cpu_bench, "measure_optimizer", lambda quick: Fit(1e-5, 1e-9))
     monkeypatch.setattr(cpu_bench, "contention_ratios", lambda counts, seconds: (
         {2: 1.1}, {2: 1.05}))
     four = cpu_bench.measure_cpu(4, quick=True, cores=2)
-    assert launched == [(2, None), (4, None), (4, 2)]
-    crowd = four.crowded[4]
-    assert set(crowd.collectives["all_gather"]) == {2} and crowd.comm_cpu[2] < four.comm_cpu[2]
-    assert crowd.collectives["send_recv"][2](1e6) == pytest.approx(
-        3 * four.collectives["send_recv"][2](1e6), rel=1e-6)
+    assert launched == [(2, None, 3), (4, None, 3), (4, 2, 1), (4, 2, 3)]
+    short, long = four.crowded[4]
+    assert (short.gap_s, long.gap_s) == pytest.approx((1.5e-3, 4.5e-3))
+    assert set(long.collectives["all_gather"]) == {2} and long.comm_cpu[2] < four.comm_cpu[2]
+    for crowd, slow in ((short, 2.0), (long, 4.0)):
+        assert crowd.collectives["send_recv"][2](1e6) == pytest.approx(
+            slow * four.collectives["send_recv"][2](1e6), rel=1e-6)
     launched.clear()
     assert cpu_bench.measure_cpu(2, quick=True, cores=2).crowded == {}
-    assert launched == [(2, None)]
+    assert launched == [(2, None, 3)]
 
 
 def test_gloo_micro_benchmark_runs_groups_inside_a_larger_world():
@@ -498,3 +555,5 @@ def test_gloo_micro_benchmark_runs_groups_inside_a_larger_world():
         with pytest.raises(ValueError, match=f"group={bad} must be at least 2 and divide "
                                              "world=4"):
             measure_gloo(4, [4096], group=bad)
+    with pytest.raises(ValueError, match="multiplies=0 must be at least 1"):
+        measure_gloo(2, [4096], multiplies=0)

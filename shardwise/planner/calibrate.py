@@ -10,7 +10,8 @@ achieved FLOP/s by size, fitted to the efficiency curve of hardware.py), a large
 (memory bandwidth), and all-reduces and all-gathers on real Gloo ranks for each group size
 and several message sizes (latency and bandwidth fitted to the alpha-beta model of
 comm_model.py through the byte formulas of ``shardwise.distributed.comm_bytes``), then the
-CPU rank's kernels, update and collectives of [Note: CPU kernels] (cpu_bench.py). The
+CPU rank's kernels, update and collectives of [Note: CPU kernels] (cpu_bench.py), with a
+world beyond the cores its smaller groups crowded ([Note: crowded collectives]). The
 result is written as a hardware-catalogue entry named ``local`` (so every later prediction
 reads it like any device), with the raw measurements beside it.
 

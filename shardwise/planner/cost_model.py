@@ -33,7 +33,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from shardwise.planner import comm_model
-from shardwise.planner.cpu_stage import cpu_step, optimizer_seconds, saturated
+from shardwise.planner.cpu_stage import (cpu_step, optimizer_seconds, saturated,
+                                         tp_collectives_per_layer)
 from shardwise.planner.engine_buffers import rank_transient
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import MemoryBreakdown, state_bytes, unit_state
@@ -114,15 +115,28 @@ class CostModel:
         beyond the cores, one with the fits its groups meet amid the other ranks
         ([Note: crowded collectives] in cpu_stage.py); otherwise this one."""
         cpu = self.hw.cpu
-        if cpu is None or not cpu.crowded or self.timeline_only:
+        if (cpu is None or not cpu.crowded or self.timeline_only
+                or cpu.in_world(L.gpus, self.hw.cores) is cpu):
             return self
-        crowded = cpu.in_world(L.gpus, self.hw.cores)
-        if crowded is cpu:
-            return self
-        return self._cached(("crowded", L.gpus), lambda: self._timeline_model(crowded))
+        gap = self._tp_gap(L)
+        key = ("crowded", L.gpus, None if gap is None else round(gap, 6))
+        return self._cached(key, lambda: self._timeline_model(L.gpus, gap))
 
-    def _timeline_model(self, cpu) -> "CostModel":
-        cm = CostModel(self.spec, self.hw.replace(cpu=cpu), self.wl)
+    def _tp_gap(self, L: Layout) -> float | None:
+        """Seconds of compute between two of the busiest rank's tensor-parallel
+        collectives (None without tensor parallelism)."""
+        if L.tp <= 1:
+            return None
+        _, rt, layers = max(self._sample_ranks(L), key=lambda x: x[1].busy)
+        calls = len(layers) * tp_collectives_per_layer(L.sp, L.ac == "full")
+        return (rt.fwd + rt.bwd) / calls if calls else None
+
+    def _timeline_model(self, ranks: int, tp_gap: float | None) -> "CostModel":
+        hw, cores = self.hw, self.hw.cores
+        cm = CostModel(self.spec, hw.replace(cpu=hw.cpu.in_world(ranks, cores)), self.wl)
+        if tp_gap is not None:  # a fraction of a layer apart: the peers' turns are shorter
+            cm.stages = StageCoster(self.spec, hw.replace(
+                cpu=hw.cpu.in_world(ranks, cores, tp_gap)), self.wl)
         cm.timeline_only = True
         return cm
 

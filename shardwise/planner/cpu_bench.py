@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.planner.cpu_costs import CpuCosts, Crowd, Fit, Kernel, fit_terms
-from shardwise.planner.cpu_gloo import cpu_fractions, fit_collectives, measure_gloo
+from shardwise.planner.cpu_gloo import (cpu_fractions, fit_collectives, gap_seconds,
+                                        measure_gloo)
 from shardwise.planner.timing import best_time, median_time
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
@@ -194,6 +195,11 @@ def measure_optimizer(quick: bool = False) -> Fit:
     return Fit(*fit_terms(rows))
 
 
+CROWD_GAPS = (1, 3)
+"""The compute before each crowded call, in ``cpu_gloo._multiplies`` units: about 1.4 ms
+(a tensor-parallel collective's, ten to a layer) and 4 ms (a layer's, between a unit's
+gathers and reductions) here ([Note: crowded collectives] in cpu_stage.py)."""
+
 BLOCKS = ((384, 6, 3), (640, 10, 5))
 """(dim, heads, kv_heads) of the blocks [Note: composed blocks] times (head width 64)."""
 BLOCK_TOKENS = (4, 128)
@@ -298,7 +304,8 @@ def contention_ratios(counts: list[int], seconds: float = 2.0
 def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     """Kernels and update on one thread, the slowdown with every core busy, then the
     collectives on 2 and ``ranks`` ranks, and with more ranks than ``cores`` those of
-    each smaller group of the ``ranks`` ([Note: crowded collectives] in cpu_stage.py)."""
+    each smaller group of the ``ranks`` after each gap of ``CROWD_GAPS`` ([Note: crowded
+    collectives] in cpu_stage.py)."""
     block_s = 0.2 if quick else 1.0
     passes = [measure_blocks(seconds=block_s)]  # first, middle and last: see median_blocks
     threads = torch.get_num_threads()
@@ -314,11 +321,14 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     calls = 5 if quick else 21
     rows = {w: measure_gloo(w, sizes, calls=calls) for w in sorted({2, ranks})}
     crowded = {}
-    if cores and ranks > cores:  # [Note: crowded collectives] in cpu_stage.py
-        sub = {g: measure_gloo(ranks, sizes, calls=calls, group=g)
-               for g in range(2, ranks) if ranks % g == 0}
-        if sub:
-            crowded[ranks] = Crowd(fit_collectives(sub), cpu_fractions(sub))
+    groups = [g for g in range(2, ranks) if ranks % g == 0]
+    if cores and ranks > cores and groups:  # [Note: crowded collectives] in cpu_stage.py
+        crowds = []
+        for mult in CROWD_GAPS:
+            sub = {g: measure_gloo(ranks, sizes, calls=calls, group=g, multiplies=mult)
+                   for g in groups}
+            crowds.append(Crowd(fit_collectives(sub), cpu_fractions(sub), gap_seconds(mult)))
+        crowded[ranks] = tuple(sorted(crowds, key=lambda c: c.gap_s))
     passes.append(measure_blocks(seconds=block_s))
     # compose stays 1 here: write_calibration prices the blocks once the fits are known
     return CpuCosts(kernels, opt, fit_collectives(rows), busy, median_blocks(passes),

@@ -99,15 +99,36 @@ class Kernel:
 @dataclass(frozen=True)
 class Crowd:
     """Collectives of groups smaller than a world of more ranks than cores, measured with
-    every rank of the world running ([Note: crowded collectives] in cpu_stage.py).
+    every rank of the world running, each call after ``gap_s`` seconds of compute ([Note:
+    crowded collectives] in cpu_stage.py).
 
     Attributes:
         collectives: kind -> group size -> fit of seconds against payload bytes.
         comm_cpu: group size -> CPU seconds over seconds of those collectives.
+        gap_s: the compute each rank ran before each call (what its peers' turns on
+            the cores last).
     """
 
     collectives: dict[str, dict[int, Fit]]
     comm_cpu: dict[int, float] = field(default_factory=dict)
+    gap_s: float = 0.0
+
+    def blend(self, other: "Crowd", gap_s: float) -> "Crowd":
+        """This crowd and ``other`` (a longer gap) interpolated linearly at ``gap_s``,
+        clamped to the two measured gaps (the group sizes both measured)."""
+        span = other.gap_s - self.gap_s
+        w = min(1.0, max(0.0, (gap_s - self.gap_s) / span)) if span > 0 else 1.0
+
+        def mix(a: float, b: float) -> float:
+            return a + w * (b - a)
+
+        colls = {k: {g: Fit(mix(f.latency, other.collectives[k][g].latency),
+                            mix(f.per_unit, other.collectives[k][g].per_unit))
+                     for g, f in v.items() if g in other.collectives.get(k, {})}
+                 for k, v in self.collectives.items()}
+        cpu = {g: mix(v, other.comm_cpu[g]) for g, v in self.comm_cpu.items()
+               if g in other.comm_cpu}
+        return Crowd({k: v for k, v in colls.items() if v}, cpu, mix(self.gap_s, other.gap_s))
 
 
 @dataclass(frozen=True)
@@ -146,19 +167,27 @@ class CpuCosts:
     busy_best: dict[int, float] = field(default_factory=dict)
     """Measured: ``busy`` from the fastest calls instead of the median ones, the slowdown
     of :meth:`undisturbed` (empty: not measured, ``busy`` stands in)."""
-    crowded: dict[int, Crowd] = field(default_factory=dict)
-    """Measured: world size (more ranks than cores) -> its smaller groups' collectives
-    (:meth:`in_world`; empty: not measured, the groups' lone fits stand in)."""
+    crowded: dict[int, tuple[Crowd, ...]] = field(default_factory=dict)
+    """Measured: world size (more ranks than cores) -> its smaller groups' collectives at
+    one or more gaps, shortest first (:meth:`in_world`; empty: not measured, the groups'
+    lone fits stand in)."""
 
-    def in_world(self, ranks: int, cores: int) -> "CpuCosts":
+    def in_world(self, ranks: int, cores: int, gap_s: float | None = None) -> "CpuCosts":
         """These costs as a job of ``ranks`` ranks on ``cores`` cores meets its
         collectives ([Note: crowded collectives] in cpu_stage.py): beyond the cores, the
         group sizes measured crowded in the nearest measured world (the larger on a tie)
-        replace their lone fits and CPU fractions. The result carries no crowds, so
-        applying it twice changes nothing; within the cores, these costs unchanged."""
+        replace their lone fits and CPU fractions, interpolated between the measured gaps
+        at ``gap_s``, the compute between the job's collectives (None: the longest
+        measured gap). The result carries no crowds, so applying it again changes
+        nothing; within the cores, these costs unchanged."""
         if not self.crowded or not cores or ranks <= cores:
             return self
-        crowd = self.crowded[_nearest(self.crowded, ranks)]
+        crowds = self.crowded[_nearest(self.crowded, ranks)]
+        crowd = crowds[-1]
+        if gap_s is not None and len(crowds) > 1:
+            pair = next(((a, b) for a, b in zip(crowds, crowds[1:], strict=False)
+                         if gap_s <= b.gap_s), crowds[-2:])
+            crowd = pair[0].blend(pair[1], gap_s)
         colls = {k: {**v, **crowd.collectives.get(k, {})} for k, v in self.collectives.items()}
         for k, v in crowd.collectives.items():
             colls.setdefault(k, dict(v))
@@ -263,9 +292,15 @@ class CpuCosts:
                 raise ValueError(f"calibration [local.cpu] {key} = {v}: expected a factor "
                                  f"between 0.2 and 5 (measured blocks over priced)")
         comm_cpu = fractions(t, "")
-        crowded = {int(w): Crowd(collectives(c, f"crowded.{w}."),
-                                 fractions(c, f"crowded.{w}."))
-                   for w, c in t.get("crowded", {}).items()}
+        crowded = {}
+        for w, crowds in t.get("crowded", {}).items():
+            if not isinstance(crowds, list):
+                raise ValueError(f"calibration [local.cpu] crowded.{w}: expected an array "
+                                 f"of tables ([[local.cpu.crowded.{w}]]), got {crowds!r}")
+            where = f"crowded.{w}."
+            crowded[int(w)] = tuple(sorted((Crowd(collectives(c, where), fractions(c, where),
+                                                  float(c.get("gap_s", 0.0)))
+                                            for c in crowds), key=lambda c: c.gap_s))
         busy, busy_best = ({int(k): float(v) for k, v in t.get(key, {}).items()}
                            for key in ("busy", "busy_best"))
         return cls(kernels, opt, colls, busy,
@@ -294,9 +329,12 @@ class CpuCosts:
             lines.append(f"compose_best = {self.compose_best:.4g}")
         lines.append(_fractions_line(self.comm_cpu))
         lines += _collectives_lines(f"{prefix}.cpu", self.collectives)
-        for world, crowd in sorted(self.crowded.items()):
-            lines += [f"[{prefix}.cpu.crowded.{world}]", _fractions_line(crowd.comm_cpu)]
-            lines += _collectives_lines(f"{prefix}.cpu.crowded.{world}", crowd.collectives)
+        for world, crowds in sorted(self.crowded.items()):
+            for crowd in crowds:
+                lines += [f"[[{prefix}.cpu.crowded.{world}]]", f"gap_s = {crowd.gap_s:.6g}",
+                          _fractions_line(crowd.comm_cpu)]
+                lines += _collectives_lines(f"{prefix}.cpu.crowded.{world}",
+                                            crowd.collectives)
         return lines
 
 

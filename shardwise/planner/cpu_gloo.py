@@ -21,7 +21,8 @@ payloads), 0.25 at 4 ranks on 2 cores (0.12-0.35: most of it is waiting for the 
 time slices).
 
 Beyond the cores, ``group`` measures groups smaller than the world with every group
-running at once ([Note: crowded collectives] in cpu_stage.py).
+running at once, and ``multiplies`` sets the compute before each call ([Note: crowded
+collectives] in cpu_stage.py).
 """
 
 from __future__ import annotations
@@ -34,11 +35,40 @@ import torch
 from shardwise.planner.cpu_costs import Fit, fit_terms
 from shardwise.planner.timing import run_local_ranks
 
-__all__ = ["measure_gloo", "fit_collectives", "cpu_fractions"]
+__all__ = ["measure_gloo", "gap_seconds", "fit_collectives", "cpu_fractions"]
+
+
+def _multiplies(count: int):
+    """The compute between two calls: ``count`` multiplies of about 1.4 ms each on one
+    thread here, as a layer's work (or a tenth of it) comes between two collectives."""
+    a, b = torch.randn(256, 256), torch.randn(256, 1024)
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, b)
+    return compute
+
+
+def gap_seconds(multiplies: int = 3, repeats: int = 21) -> float:
+    """Median seconds of the compute :func:`measure_gloo` runs before each call, on this
+    thread (one thread, as each rank runs it)."""
+    compute = _multiplies(multiplies)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        compute()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            compute()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return sorted(times)[len(times) // 2]
 
 
 def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
-                 group_size: int, queue) -> None:
+                 group_size: int, multiplies: int, queue) -> None:
     import torch.distributed as dist
 
     from shardwise.distributed import comm_objects
@@ -52,11 +82,7 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
         groups = [dist.new_group(list(range(s, s + group_size)))
                   for s in range(0, world, group_size)]
         group = groups[rank // group_size]
-    a, b = torch.randn(256, 256), torch.randn(256, 1024)
-
-    def compute():  # about 5 ms of multiplies on one thread, as between two collectives
-        for _ in range(3):
-            torch.mm(a, b)
+    compute = _multiplies(multiplies)
 
     rows = []
     for nbytes in sizes:
@@ -117,7 +143,8 @@ def _send_recv(t: torch.Tensor, inbox: torch.Tensor, rank: int, peer: int) -> No
 
 
 def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float = 300.0,
-                 group: int | None = None) -> list[tuple[str, int, float, float]]:
+                 group: int | None = None, multiplies: int = 3
+                 ) -> list[tuple[str, int, float, float]]:
     """(kind, payload bytes, seconds, CPU seconds) of the engine's collectives on ``world``
     Gloo ranks, each met after a few milliseconds of compute (see the module docstring;
     payload: the gathered shard, the reduced shard, the all-reduced tensor, one message
@@ -128,6 +155,8 @@ def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float
         group: the ranks of each collective (None: all ``world``): the world splits into
             ``world / group`` groups of consecutive ranks, each running the same calls at
             the same time ([Note: crowded collectives] in cpu_stage.py).
+        multiplies: the compute before each call, in :func:`_multiplies` units (3: about
+            4 ms here; :func:`gap_seconds` times it).
 
     Raises:
         ValueError: ``group`` not a divisor of ``world`` of at least 2.
@@ -136,7 +165,9 @@ def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float
     if group < 2 or world % group:
         raise ValueError(f"measure_gloo: group={group} must be at least 2 and divide "
                          f"world={world}")
-    per_rank = run_local_ranks(_gloo_worker, world, (sizes, calls, group),
+    if multiplies < 1:
+        raise ValueError(f"measure_gloo: multiplies={multiplies} must be at least 1")
+    per_rank = run_local_ranks(_gloo_worker, world, (sizes, calls, group, multiplies),
                                "collective micro-benchmark", timeout_s)
     # every rank's mean wait: the one that arrives late waits little, the others more
     n = len(per_rank)

@@ -46,6 +46,16 @@ layout of that many ranks is priced twice and the longer wins: its critical path
 crowded fits (``CostModel.timeline_only``: no time-sharing bound), and the time-shared
 bound with the lone groups' fits, as before. The world's own group was always measured
 with every rank running, so pure data parallelism is unchanged.
+
+How long a crowded call waits depends on how long the peers' turns on the cores last, so
+the crowd is measured twice, after about 1.4 ms and about 4 ms of compute per call
+(``CROWD_GAPS`` in cpu_bench.py; the 2-rank pairs' extra wait was 2.4 ms and 3.8 ms on
+average here, and 4.5 ms after 8.5 ms). The data-parallel gathers and reductions (one
+of each per unit, a layer apart) and the pipeline's sends take the longer gap's fits;
+the tensor-parallel collectives, ten to a layer with sequence parallelism, take the
+crowd interpolated at their own gap, the busiest rank's compute per micro-batch over
+its tensor-parallel calls (``CostModel._tp_gap``), clamped to the measured gaps. Priced
+at the long gap, tp 2 x dp 2 on 4 ranks came out +18% to +36%.
 """
 
 from __future__ import annotations
@@ -57,7 +67,7 @@ from shardwise.planner.pipeline import rounded, simulated_microbatches, stage_co
 
 __all__ = ["cpu_pricable", "layer_kernels", "head_kernels", "optimizer_seconds",
            "engine_copy_seconds", "saturated", "time_shared", "cpu_step", "tp_layer_comm",
-           "tp_head_comm"]
+           "tp_head_comm", "tp_collectives_per_layer"]
 
 
 def cpu_pricable(hw, spec, moe: bool = False) -> bool:
@@ -117,6 +127,13 @@ def _tp_times(hw, tokens: float, dim: int, act_bytes: int, tp: int) -> tuple[flo
     return (comm_model.all_gather_time(act / tp, grp, hw),
             comm_model.reduce_scatter_time(act / tp, grp, hw),
             comm_model.all_reduce_time(act, grp, hw))
+
+
+def tp_collectives_per_layer(sp: bool, recompute: bool) -> int:
+    """The tensor-parallel collectives one layer issues per micro-batch (see
+    :func:`tp_layer_comm`)."""
+    fwd, bwd = (2, 3) if sp else (1, 1)
+    return 2 * (fwd * (2 if recompute else 1) + bwd)
 
 
 def tp_layer_comm(hw, tokens: float, dim: int, act_bytes: int, tp: int, sp: bool,
