@@ -345,3 +345,45 @@ def test_when_the_rank_hosting_the_store_dies_the_others_still_report():
                              "group 0) failed: Connection closed by peer"), out[1]
     assert "the other ranks could not be asked: the c10d store failed" in out[1]
     assert "rank 0: no answer: could not be asked" in out[1]
+
+
+def _ends_without_destroy(rank: int, port: int) -> None:
+    """One rank of a 2-rank job that returns with its process group and watchdog alive."""
+    import atexit
+    import threading
+
+    def report() -> None:  # registered first, so it runs after the handlers env.init adds
+        alive = [t.name for t in threading.enumerate() if t.name == "shardwise-watchdog"]
+        print(f"watchdog threads at exit: {alive}", flush=True)
+    atexit.register(report)
+    os.environ.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+                      SLURM_NTASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from shardwise.distributed import env
+
+    env.init(backend="gloo", timeout_s=T)
+    comm.all_reduce(torch.ones(4), label="only")
+    assert wdm.active() is not None
+
+
+def test_the_watchdog_thread_is_stopped_before_the_interpreter_finalises():
+    """[Note: watchdog at exit]: a script that ends without ``destroy`` must not leave the
+    watchdog's thread inside a store call while Python finalises (that aborted a survivor
+    once), so ``atexit`` stops and joins it."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = str(Path(__file__).parent)
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "SLURM_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_watchdog;"
+                               f" test_watchdog._ends_without_destroy({r}, {port})"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    out = [p.communicate(timeout=60) for p in procs]
+    for p, (stdout, stderr) in zip(procs, out):
+        assert p.returncode == 0, stderr[-2000:]
+        assert stdout.strip().endswith("watchdog threads at exit: []"), stdout

@@ -44,6 +44,7 @@ to stderr and to torchelastic's error file and ends the process with ``os._exit(
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -93,7 +94,27 @@ def start(config: WatchdogConfig | None = None) -> Watchdog | None:
     wd = Watchdog(store, dist.get_rank(), world, config,
                   prefix=f"shardwise/watchdog/{attempt}.{generation}/")
     _ACTIVE.append(wd.start())
+    _stop_at_exit()
     return wd
+
+
+_AT_EXIT: list[bool] = []
+
+
+def _stop_at_exit() -> None:
+    """Stop the watchdog before the interpreter finalises (registered once).
+
+    [Note: watchdog at exit] The watchdog's daemon thread spends its polls in the c10d
+    store's C++ calls. A process that returns from its script with the thread still
+    running (a survivor that caught a CollectiveError and ended) finalises while that
+    thread may be inside such a call; when it comes back for the GIL, Python ends it with
+    a forced unwind through pybind11's frames, which does not rethrow it, and the process
+    aborts (SIGABRT, exit status -6, seen once in CI instead of a clean exit). ``atexit``
+    handlers run before daemon threads are ended, so stopping (and joining) the thread
+    there closes that window."""
+    if not _AT_EXIT:
+        atexit.register(stop)
+        _AT_EXIT.append(True)
 
 
 def stop() -> None:
