@@ -7,7 +7,8 @@ every KV head is copied to two tensor ranks) and on its tied-embedding twin:
 * tp {2, 4}, tp 2 x dp_shard 2 at stages 2 and 3, hybrid tp 2 x dp_replicate 2, stage 0,
   accumulation, each with and without sequence parallelism, fp32 SGD + momentum: losses
   and final weights within 1e-5 relative, the global gradient norm within 1e-6;
-* AdamW: weights no further from the reference than torch DDP's on the same ranks;
+* AdamW: weights within a few times torch DDP's deviation on the same ranks ([Note: AdamW
+  noise floor] below);
 * a meta-device build materialises bitwise equal to the eager build at any degree;
 * bf16 compute with int8 gradient reduce-scatters trains (loss within 2% of fp32);
 * a Hugging Face Llama built from a config, parallelised from its ``base_model_tp_plan``.
@@ -112,6 +113,23 @@ def _worker(world: int):
     return out
 
 
+ADAMW_NOISE = 8.0
+"""[Note: AdamW noise floor] AdamW divides each gradient element by its own running size,
+so an element whose gradient is near zero moves by about the learning rate whatever its
+size, and a rounding difference that flips its sign moves it by twice that. The weights
+after a few steps therefore differ from the reference by how the run rounds, not by
+whether it is right: torch DDP, which only sums the gradients in another order, is the
+yardstick. Tensor parallelism also splits every multiply's reduction over the ranks, so it
+rounds differently in more places: within 1.5x DDP's deviation (the earlier bound) on
+every machine CI ran on until 2026-12-03, then 3.2x (tp 2 on 2 ranks) and 4.5x (tp 2 x
+dp 2 on 4 ranks; both in layers.1.feed_forward.w2) on the Xeon of 2026-12-04, whose
+losses and gradient norms
+still agreed within 1.1e-7 and 7.1e-7 and whose SGD runs of the same layouts kept every
+weight within 1.3e-7. The gradients are what the SGD rows pin down; these rows catch an
+optimizer state that is wrong, which moves the weights far beyond 8x DDP's 1.3e-4 here:
+a weight decay applied twice moves them by 4 steps x lr 1e-2 x 0.1 = 4e-3."""
+
+
 def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
@@ -145,7 +163,7 @@ def test_tp_parity_grid(world):
             failures.append(rows[-1])
         if optimizer == "sgd" and weight_err > 1e-5:
             failures.append(rows[-1])
-        if optimizer == "adamw" and weight_err > 1.5 * ddp_err + 1e-6:
+        if optimizer == "adamw" and weight_err > ADAMW_NOISE * ddp_err + 1e-6:
             failures.append(rows[-1] + f" > DDP's {ddp_err:.1e}")
     print(f"DDP AdamW deviation at {world} ranks: {ddp_err:.1e}")
     print("\n".join(rows))
