@@ -304,10 +304,36 @@ def test_report_names_a_silent_rank_and_shows_identical_stacks_once():
 # ----------------------------------------------------------------------------- no launcher
 
 
-def _store_host_dies(rank: int, port: int) -> None:
-    """One rank of a 2-rank SLURM-style job (rank 0 hosts the store, then is killed)."""
+def _slurm_env(rank: int, port: int) -> None:
+    """This process as one rank of a 2-rank SLURM-style job (no torchrun: rank 0 hosts the
+    c10d store)."""
     os.environ.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
                       SLURM_NTASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _launch_two(target: str) -> tuple[list, list[tuple[str, str]]]:
+    """Run ``test_watchdog.<target>(rank, port)`` in 2 fresh interpreters, without any
+    launcher's variables; (the processes, their (stdout, stderr))."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = str(Path(__file__).parent)
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "SLURM_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_watchdog;"
+                               f" test_watchdog.{target}({r}, {port})"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    return procs, [p.communicate(timeout=60) for p in procs]
+
+
+def _store_host_dies(rank: int, port: int) -> None:
+    """One rank of a 2-rank SLURM-style job (rank 0 hosts the store, then is killed)."""
+    _slurm_env(rank, port)
     from shardwise.distributed import env
 
     env.init(backend="gloo", timeout_s=T)
@@ -325,21 +351,8 @@ def _store_host_dies(rank: int, port: int) -> None:
 def test_when_the_rank_hosting_the_store_dies_the_others_still_report():
     """Without torchrun, rank 0 hosts the c10d store: the survivor cannot ask anyone, and says
     so instead of hanging."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    here = str(Path(__file__).parent)
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "SLURM_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_watchdog;"
-                               f" test_watchdog._store_host_dies({r}, {port})"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) for r in range(2)]
-    out = [p.communicate(timeout=60)[0] for p in procs]
+    procs, outs = _launch_two("_store_host_dies")
+    out = [o for o, _ in outs]
     assert procs[0].returncode == -signal.SIGKILL and procs[1].returncode == 0
     assert out[1].startswith("shardwise watchdog: all_reduce 'step.loss' float32[4] (seq 1 of "
                              "group 0) failed: Connection closed by peer"), out[1]
@@ -356,8 +369,7 @@ def _ends_without_destroy(rank: int, port: int) -> None:
         alive = [t.name for t in threading.enumerate() if t.name == "shardwise-watchdog"]
         print(f"watchdog threads at exit: {alive}", flush=True)
     atexit.register(report)
-    os.environ.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
-                      SLURM_NTASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _slurm_env(rank, port)
     from shardwise.distributed import env
 
     env.init(backend="gloo", timeout_s=T)
@@ -369,21 +381,7 @@ def test_the_watchdog_thread_is_stopped_before_the_interpreter_finalises():
     """[Note: watchdog at exit]: a script that ends without ``destroy`` must not leave the
     watchdog's thread inside a store call while Python finalises (that aborted a survivor
     once), so ``atexit`` stops and joins it."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    here = str(Path(__file__).parent)
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "SLURM_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_watchdog;"
-                               f" test_watchdog._ends_without_destroy({r}, {port})"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
-    out = [p.communicate(timeout=60) for p in procs]
+    procs, out = _launch_two("_ends_without_destroy")
     for p, (stdout, stderr) in zip(procs, out):
         assert p.returncode == 0, stderr[-2000:]
         assert stdout.strip().endswith("watchdog threads at exit: []"), stdout
