@@ -15,10 +15,8 @@ import torch.nn.functional as F
 from shardwise.compat import tomllib
 from shardwise.models import build_model, get_model_config
 from shardwise.planner import get_hardware, get_model_spec
-from shardwise.planner.calibrate import LocalMeasurements, write_calibration
 from shardwise.planner.catalogue import from_llama_config
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.cpu_bench import fit_collectives, fit_terms
 from shardwise.planner.cpu_costs import KERNELS, CpuCosts, Crowd, Fit, Kernel
 from shardwise.planner.cpu_stage import layer_kernels
 from shardwise.planner.layout import Layout
@@ -44,80 +42,6 @@ def _estimate(hw, **layout):
                   * layout.get("pp_microbatches", 1), compute_dtype="fp32")
     return CostModel(get_model_spec("debug"), hw, wl).estimate(Layout(microbatch=4, **layout),
                                                                exact=True)
-
-
-def test_fit_terms_recovers_latency_and_slope():
-    rows = [((1.0, n), 3e-5 + 2e-9 * n) for n in (1e3, 1e5, 1e7)]
-    assert fit_terms(rows) == pytest.approx([3e-5, 2e-9], rel=1e-6)
-    rows = [((1.0, f, s), 1e-4 + 1e-11 * f + 3e-9 * s)
-            for f, s in ((1e6, 1e4), (1e8, 1e4), (1e7, 1e6), (1e9, 1e7))]
-    assert fit_terms(rows) == pytest.approx([1e-4, 1e-11, 3e-9], rel=1e-6)
-    # a term that would come out negative is dropped, not returned negative
-    assert min(fit_terms([((1.0, n), 1e-9 * n) for n in (1e3, 1e5, 1e7)])) >= 0
-    fits = fit_collectives({2: [("all_gather", b, 1e-3 + b * 1e-9) for b in (4096, 1 << 20)]})
-    assert fits["all_gather"][2].latency == pytest.approx(1e-3)
-
-
-def test_calibration_file_round_trip(tmp_path):
-    """The kernels, update and collectives written by --calibrate are what `local` reads,
-    with the machine's cores and Gloo."""
-    costs = _costs()
-    coll = {2: [("all_reduce", b, 1e-4 + b / 1e9) for b in (4096, 1 << 20)]
-            + [("all_gather", b, 1e-4 + b / 1e9) for b in (4096, 1 << 20)]}
-    meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 4,
-                             2.0 ** 34, 2, costs)
-    path = write_calibration(meas, tmp_path / "cal.toml")
-    hw = get_hardware("local", calibration=path)
-    assert (hw.cores, hw.backend) == (2, "gloo")
-    again = hw.cpu
-    assert again.optimizer == pytest.approx(costs.optimizer)
-    for name in KERNELS:
-        assert again.kernels[name].bwd.latency == pytest.approx(costs.kernels[name].bwd.latency)
-    assert again.collective("all_gather", 4, 1e6) == pytest.approx(2e-3 + 2e-3)
-    assert again.collective("all_gather", 3, 1e6) == again.collective("all_gather", 4, 1e6)
-    assert again.collective("all_to_all", 2, 1e6) is None  # unmeasured: the link model
-    assert "cpu" in tomllib.loads(path.read_text())["local"]
-    assert (again.blocks, again.compose) == ((), 1.0)
-
-
-def test_composed_blocks_are_priced_from_the_fits(tmp_path):
-    """[Note: composed blocks]: --calibrate stores the measured blocks and the geometric
-    mean of measured over priced seconds; the file reads back the same."""
-    from dataclasses import replace
-
-    from shardwise.planner.calibrate import compose_factor, priced_block_seconds
-
-    coll = {2: [(k, b, 1e-4 + b / 1e9) for k in ("all_reduce", "all_gather")
-                for b in (4096, 1 << 20)]}
-    meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 2,
-                             2.0 ** 34, 2, _costs())
-    plain = get_hardware("local", calibration=write_calibration(meas, tmp_path / "a.toml"))
-    priced = [priced_block_seconds(plain, d, h, kv) for d, h, kv in ((384, 6, 3), (640, 10, 5))]
-    assert priced[1] > priced[0] > 0
-    blocks = ((384, 6, 3, 1.2 * priced[0], 1.1 * priced[0]),
-              (640, 10, 5, 1.5 * priced[1], 0.9 * priced[1]))
-    meas.cpu = replace(meas.cpu, blocks=blocks)
-    hw = get_hardware("local", calibration=write_calibration(meas, tmp_path / "b.toml"))
-    assert hw.cpu.compose == pytest.approx((1.2 * 1.5) ** 0.5, rel=1e-3)
-    # [Note: undisturbed steps]: the fastest calls give their own factor
-    assert hw.cpu.compose_best == pytest.approx((1.1 * 0.9) ** 0.5, rel=1e-3)
-    assert hw.cpu.undisturbed().compose == hw.cpu.compose_best
-    assert hw.cpu.undisturbed().kernels == hw.cpu.kernels
-    for got, want in zip(hw.cpu.blocks, blocks, strict=True):
-        assert got == pytest.approx(want, rel=1e-5)
-    assert compose_factor(plain, ()) == 1.0
-    with pytest.raises(ValueError, match="compose = 9"):
-        CpuCosts.from_table({"compose": 9})
-    with pytest.raises(ValueError, match="compose_best = 0.1"):
-        CpuCosts.from_table({"compose_best": 0.1})
-    with pytest.raises(ValueError, match="blocks"):
-        CpuCosts.from_table({"blocks": [[384, 6, 3]]})
-    # a calibration written before the fastest calls were kept: four columns, no
-    # compose_best; the median stands in for both
-    old = CpuCosts.from_table({"blocks": [[384, 6, 3, 0.08]], "compose": 1.1})
-    assert old.blocks == ((384, 6, 3, 0.08, 0.08),)
-    assert (old.compose_best, old.undisturbed().compose) == (0.0, 1.1)
-    assert "compose_best" not in "\n".join(old.toml_lines())
 
 
 @pytest.mark.parametrize("layout", [{}, {"tp": 2, "sp": True}, {"pp": 2, "pp_microbatches": 2,
@@ -249,23 +173,6 @@ def test_busy_cores_compute_slower():
     assert back.contention(2, 2) == pytest.approx(1.2)
 
 
-def test_collective_cpu_fraction_round_trips_and_is_checked():
-    """The collectives' measured CPU fraction per group size is written and read back, read
-    from the nearest group size, 0 when not measured, and a value outside [0, 1] is
-    refused by name."""
-    import dataclasses
-
-    costs = dataclasses.replace(_costs(), comm_cpu={2: 0.5, 4: 0.25})
-    table = tomllib.loads("\n".join(costs.toml_lines("x")))["x"]["cpu"]
-    again = CpuCosts.from_table(table)
-    assert again.comm_cpu == pytest.approx({2: 0.5, 4: 0.25})
-    assert [again.comm_cpu_fraction(w) for w in (1, 2, 3, 4, 8)] == pytest.approx(
-        [0.0, 0.5, 0.25, 0.25, 0.25])
-    assert _costs().comm_cpu_fraction(2) == 0.0
-    with pytest.raises(ValueError, match=r"comm_cpu\.2 = 1.5"):
-        CpuCosts.from_table({**table, "comm_cpu": {"2": 1.5}})
-
-
 def _tp_calls(sp: bool):
     """One training step's collective calls by label, on 2 ranks, tp 2."""
     import re
@@ -308,7 +215,8 @@ def _tp_calls(sp: bool):
 def test_tensor_parallel_collectives_are_the_trainers(sp):
     """With every collective costing 1 s, the CPU path's tensor-parallel seconds of a step
     are the number of collectives apply_tp issues (comm_stats), sequence parallel or not."""
-    from shardwise.planner.cpu_stage import tp_head_comm, tp_layer_comm
+    from shardwise.planner.cpu_stage import (tp_collectives_per_layer, tp_head_collectives,
+                                             tp_head_comm, tp_layer_comm)
     from shardwise.testing import run_ranks
 
     calls = run_ranks(_tp_calls, 2, args=(sp,), timeout_s=120)[0]
@@ -318,63 +226,29 @@ def test_tensor_parallel_collectives_are_the_trainers(sp):
     predicted = 2 * tp_layer_comm(hw, 32, 256, 4, 2, sp, False) + tp_head_comm(
         hw, 32, 256, 4, 2, sp, True, True) + (1 if sp else 0)  # + the norms' gradients
     assert predicted == got, calls
+    # the count tp_overhead is charged on ([Note: tensor-parallel pairs]) is the same
+    counted = 2 * tp_collectives_per_layer(sp, False) + tp_head_collectives(sp, True, True)
+    assert counted + (1 if sp else 0) == got
 
 
-def test_gloo_micro_benchmark_runs_every_collective_on_real_ranks():
-    """``--calibrate``'s collective rows come from live Gloo ranks through the engine's own
-    calls (all four kinds, both payloads, a positive time each, the CPU time beside it) and
-    fit per group size."""
-    from shardwise.planner.cpu_gloo import cpu_fractions, measure_gloo
-
-    rows = measure_gloo(2, [4096, 65536], calls=3, timeout_s=120)
-    assert sorted({(k, b) for k, b, _, _ in rows}) == sorted(
-        (k, b) for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
-        for b in (4096, 65536))
-    assert all(t > 0 and 0 <= c for _, _, t, c in rows)
-    assert any(c > 0 for *_, c in rows)  # a collective spends some CPU
-    frac = cpu_fractions({2: rows})
-    assert set(frac) == {2} and 0 < frac[2] <= 1
-    fits = fit_collectives({2: rows})
-    assert set(fits) == {"all_gather", "reduce_scatter", "all_reduce", "send_recv"}
-    assert all(set(per_world) == {2} for per_world in fits.values())
-
-
-def test_measure_blocks_times_the_calibration_blocks():
-    """The composed blocks run for real (shardwise.models' block, forward and backward, one
-    thread) and come back as (dim, heads, kv_heads, seconds) rows the pricing reads."""
-    from shardwise.planner.cpu_bench import BLOCKS, measure_blocks
-
-    threads = torch.get_num_threads()
-    rows = measure_blocks(seconds=0.01)
-    assert torch.get_num_threads() == threads  # restored
-    assert [r[:3] for r in rows] == [tuple(b) for b in BLOCKS]
-    assert all(r[3] >= r[4] > 0 for r in rows)  # the median call, then the fastest
-    assert rows[1][3] > rows[0][3]  # the wider block takes longer
-
-
-def test_contention_ratios_run_the_block_on_every_core():
-    """Both slowdowns come back per process count, never below 1 (the lone process's
-    median and fastest calls are the references), and a lone process asks for nothing."""
-    from shardwise.planner.cpu_bench import contention_ratios, measure_contention
-
-    median, fastest = contention_ratios([1, 2], seconds=0.05)
-    assert set(median) == set(fastest) == {2}
-    assert median[2] >= 1.0 and fastest[2] >= 1.0
-    assert contention_ratios([1]) == ({}, {}) and measure_contention([1]) == {}
-
-
-def test_median_blocks_takes_each_blocks_median_over_passes():
-    """The composed blocks are timed in three passes across the calibration; one fast (or
-    slow) pass does not decide a block's seconds."""
-    from shardwise.planner.cpu_bench import median_blocks
-
-    passes = [((384, 6, 3, 0.09, 0.08), (640, 10, 5, 0.187, 0.180)),
-              ((384, 6, 3, 0.10, 0.07), (640, 10, 5, 0.240, 0.175)),
-              ((384, 6, 3, 0.30, 0.09), (640, 10, 5, 0.232, 0.172))]
-    # the median of the medians, the fastest call of any pass
-    assert median_blocks(passes) == ((384, 6, 3, 0.10, 0.07), (640, 10, 5, 0.232, 0.172))
-    assert median_blocks([((384, 6, 3, 0.09),), ((384, 6, 3, 0.12),), ((384, 6, 3, 0.1),)]) \
-        == ((384, 6, 3, 0.1, 0.09),)  # four columns: the medians stand in
+@pytest.mark.parametrize("ac,per_layer", [("none", 10), ("full", 14)])
+def test_tp_overhead_is_charged_per_collective_while_ranks_keep_a_core(ac, per_layer):
+    """[Note: tensor-parallel pairs]: each tensor-parallel collective of a step costs
+    ``tp_overhead`` more (ten a layer with sequence parallelism, fourteen when the forward
+    is replayed, seven for the embedding, head and loss) while the ranks keep a core each;
+    beyond the cores the crowded collectives price the pairs and it is not added."""
+    base = _local(cores=2)
+    over = base.replace(cpu=replace(base.cpu, tp_overhead=1e-3))
+    tp = {"tp": 2, "sp": True, "ac": ac}
+    extra = (_estimate(over, **tp).breakdown["tp_comm"]
+             - _estimate(base, **tp).breakdown["tp_comm"])
+    assert extra == pytest.approx(1e-3 * (4 * per_layer + 7), rel=1e-9)  # debug: 4 layers
+    beyond = {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}  # 4 ranks on 2 cores
+    assert _estimate(over, **beyond).step_time == _estimate(base, **beyond).step_time
+    wide = over.replace(cores=8)
+    assert _estimate(wide, **beyond).step_time > _estimate(base.replace(cores=8),
+                                                           **beyond).step_time
+    assert _estimate(over).step_time == _estimate(base).step_time  # no tensor parallelism
 
 
 # ---------------------------------------------------------------- crowded collectives
@@ -507,53 +381,3 @@ def test_tensor_parallel_collectives_meet_the_crowd_at_their_own_gap():
     assert cm._tp_gap(Layout(microbatch=4, dp_shard=4, zero=3)) is None
 
 
-def test_calibration_measures_the_crowd_only_beyond_the_cores(monkeypatch):
-    """measure_cpu times each smaller group of a world beyond the cores, all groups at
-    once, at both gaps (the kernels and blocks faked: only the collectives' wiring is
-    under test)."""
-    from shardwise.planner import cpu_bench
-
-    launched = []
-
-    def fake_gloo(world, sizes, calls=21, timeout_s=300.0, group=None, multiplies=3):
-        launched.append((world, group, multiplies))
-        slow = 1.0 + (group is not None) * multiplies
-        return [(k, b, slow * (1e-3 + b * 1e-9), 0.5e-3) for b in sizes
-                for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")]
-
-    monkeypatch.setattr(cpu_bench, "measure_gloo", fake_gloo)
-    monkeypatch.setattr(cpu_bench, "gap_seconds", lambda mult: mult * 1.5e-3)
-    monkeypatch.setattr(cpu_bench, "measure_blocks", lambda seconds: ((384, 6, 3, 0.1, 0.09),))
-    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: _costs().kernels)
-    monkeypatch.setattr(cpu_bench, "measure_optimizer", lambda quick: Fit(1e-5, 1e-9))
-    monkeypatch.setattr(cpu_bench, "contention_ratios", lambda counts, seconds: (
-        {2: 1.1}, {2: 1.05}))
-    four = cpu_bench.measure_cpu(4, quick=True, cores=2)
-    assert launched == [(2, None, 3), (4, None, 3), (4, 2, 1), (4, 2, 3)]
-    short, long = four.crowded[4]
-    assert (short.gap_s, long.gap_s) == pytest.approx((1.5e-3, 4.5e-3))
-    assert set(long.collectives["all_gather"]) == {2} and long.comm_cpu[2] < four.comm_cpu[2]
-    for crowd, slow in ((short, 2.0), (long, 4.0)):
-        assert crowd.collectives["send_recv"][2](1e6) == pytest.approx(
-            slow * four.collectives["send_recv"][2](1e6), rel=1e-6)
-    launched.clear()
-    assert cpu_bench.measure_cpu(2, quick=True, cores=2).crowded == {}
-    assert launched == [(2, None, 3)]
-
-
-def test_gloo_micro_benchmark_runs_groups_inside_a_larger_world():
-    """Two 2-rank groups of a 4-rank world run the same collectives at once, through the
-    engine's calls on their own groups; a group that does not divide the world is refused
-    by value before any rank starts."""
-    from shardwise.planner.cpu_gloo import measure_gloo
-
-    rows = measure_gloo(4, [4096], calls=3, timeout_s=120, group=2)
-    assert sorted(k for k, *_ in rows) == ["all_gather", "all_reduce", "reduce_scatter",
-                                           "send_recv"]
-    assert all(t > 0 and c >= 0 for *_, t, c in rows)
-    for bad in (3, 1):
-        with pytest.raises(ValueError, match=f"group={bad} must be at least 2 and divide "
-                                             "world=4"):
-            measure_gloo(4, [4096], group=bad)
-    with pytest.raises(ValueError, match="multiplies=0 must be at least 1"):
-        measure_gloo(2, [4096], multiplies=0)

@@ -11,9 +11,10 @@ achieved FLOP/s by size, fitted to the efficiency curve of hardware.py), a large
 and several message sizes (latency and bandwidth fitted to the alpha-beta model of
 comm_model.py through the byte formulas of ``shardwise.distributed.comm_bytes``), then the
 CPU rank's kernels, update and collectives of [Note: CPU kernels] (cpu_bench.py), with a
-world beyond the cores its smaller groups crowded ([Note: crowded collectives]). The
-result is written as a hardware-catalogue entry named ``local`` (so every later prediction
-reads it like any device), with the raw measurements beside it.
+world beyond the cores its smaller groups crowded ([Note: crowded collectives]), and the
+composed blocks, whole and tensor-parallel (cpu_blocks.py), whose factors are priced once
+the fits are known. The result is written as a hardware-catalogue entry named ``local``
+(so every later prediction reads it like any device), with the raw measurements beside it.
 
 :func:`calibrate` is the self-correcting half: given steps measured on some device (step
 time, and optionally the seconds the data-parallel collectives took), it refits the device's
@@ -35,12 +36,14 @@ from pathlib import Path
 
 import torch
 
+from shardwise.compat import tomllib
 from shardwise.distributed import comm_bytes
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.cpu_bench import LINEAR_SHAPES, measure_cpu, measure_linear
+from shardwise.planner.cpu_blocks import composed_costs
 from shardwise.planner.cpu_costs import CpuCosts
-from shardwise.planner.fit import (fit_constants, fit_directions, identified_directions,
-                                   log_error)
+from shardwise.planner.fit import fit_constants, fit_directions, identified_directions, log_error
+from shardwise.planner.hardware import get_hardware
 from shardwise.planner.timing import best_time, kernel_clock, run_local_ranks
 
 __all__ = ["StepMeasurement", "calibrate", "measure_local", "write_calibration",
@@ -304,31 +307,6 @@ def measure_local(budget_s: float = 30.0, ranks: int | None = None) -> LocalMeas
     return LocalMeasurements(matmul, copy, coll, ranks, float(mem), cores, cpu)
 
 
-def priced_block_seconds(hw, dim: int, heads: int, kv_heads: int) -> float:
-    """What the cost model prices one calibration block at on ``hw`` (forward + backward
-    of one dense layer, its parts only: ``compose`` not applied), as
-    ``cpu_bench.measure_blocks`` runs it."""
-    from shardwise.planner.catalogue import from_llama_config
-    from shardwise.planner.cpu_bench import BLOCK_TOKENS, block_config
-    from shardwise.planner.stage_cost import StageCoster
-    from shardwise.planner.workload import Workload
-
-    batch, seq = BLOCK_TOKENS
-    spec = from_llama_config(block_config(dim, heads, kv_heads), f"block-{dim}")
-    wl = Workload(seq_len=seq, global_batch=batch, compute_dtype="fp32", param_dtype="fp32")
-    t = StageCoster(spec, hw, wl).layer(False, 1, 1, False, 1, batch, "none")
-    return t.fwd + t.bwd
-
-
-def compose_factor(hw, blocks, fastest: bool = False) -> float:
-    """The geometric mean of measured over priced seconds of ``blocks`` ((dim, heads,
-    kv_heads, seconds[, fastest seconds]) rows) on ``hw`` ([Note: composed blocks]): the
-    median calls, or with ``fastest`` the fastest calls (a row without them counts its
-    median); 1 with none."""
-    ratios = [b[-1 if fastest else 3] / priced_block_seconds(hw, *b[:3]) for b in blocks]
-    return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 1.0
-
-
 def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
     """Fit the measurements and write the ``local`` catalogue entry to ``path``."""
     peak, emax, half = fit_matmul_curve(meas.matmul)
@@ -366,14 +344,9 @@ def write_calibration(meas: LocalMeasurements, path: str | Path) -> Path:
             f'["{k}", {b}, {t:.6g}]' for k, b, t in rows) + "]")
     if meas.cpu is not None:
         cpu = meas.cpu
-        if cpu.blocks:  # price the measured blocks with the fits above
-            from shardwise.compat import tomllib
-            from shardwise.planner.hardware import get_hardware
-
+        if cpu.blocks or cpu.tp_blocks:  # price the measured blocks with the fits above
             table = tomllib.loads("\n".join(lines + [""] + cpu.toml_lines("local")))
-            plain = get_hardware("local", extra_tables=[table])
-            cpu = dataclasses.replace(cpu, compose=compose_factor(plain, cpu.blocks),
-                                      compose_best=compose_factor(plain, cpu.blocks, True))
+            cpu = composed_costs(get_hardware("local", extra_tables=[table]), cpu)
         lines += [""] + cpu.toml_lines("local")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,27 +7,29 @@ collectives, each timed at a few sizes and fitted.
 Kernels are timed on one thread (what a training rank runs), each the least CPU time of
 this thread over several calls (``time.thread_time``: the time slices other processes take
 on a shared machine are not counted, and the minimum filters out their cache pollution).
-The engine's collectives are measured by cpu_gloo.py.
+The engine's collectives are measured by cpu_gloo.py, the composed blocks (whole and
+tensor-parallel) by cpu_blocks.py.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from shardwise.planner.cpu_costs import CpuCosts, Crowd, Fit, Kernel, fit_terms
+from shardwise.planner.cpu_blocks import (block_work, measure_blocks, measure_tp_blocks,
+                                          median_blocks)
+from shardwise.planner.cpu_costs import CpuCosts
+from shardwise.planner.cpu_fits import Crowd, Fit, Kernel, fit_terms
 from shardwise.planner.cpu_gloo import (cpu_fractions, fit_collectives, gap_seconds,
                                         measure_gloo)
 from shardwise.planner.timing import best_time, median_time
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
-           "measure_contention", "contention_ratios", "measure_blocks", "measure_linear",
-           "fit_terms", "fit_collectives", "median_blocks", "LINEAR_SHAPES", "BLOCKS",
-           "BLOCK_TOKENS", "block_config"]
+           "measure_contention", "contention_ratios", "measure_linear", "fit_terms",
+           "fit_collectives", "LINEAR_SHAPES"]
 
 
 def _best(fn, repeats: int = 3) -> float:
@@ -200,62 +202,9 @@ CROWD_GAPS = (1, 3)
 (a tensor-parallel collective's, ten to a layer) and 4 ms (a layer's, between a unit's
 gathers and reductions) here ([Note: crowded collectives] in cpu_stage.py)."""
 
-BLOCKS = ((384, 6, 3), (640, 10, 5))
-"""(dim, heads, kv_heads) of the blocks [Note: composed blocks] times (head width 64)."""
-BLOCK_TOKENS = (4, 128)
-"""(sequences, sequence length) each block runs on."""
-
-
-def block_config(dim: int, heads: int, kv_heads: int):
-    """The one-layer ``LlamaConfig`` of a calibration block."""
-    from shardwise.models import get_model_config
-
-    return get_model_config("debug", dim=dim, n_heads=heads, n_kv_heads=kv_heads, n_layers=1)
-
-
-def _block_work(seconds: float, shape: tuple[int, int, int] = BLOCKS[0]
-                ) -> tuple[float, float]:
-    """(median, fastest) thread CPU seconds of a Llama block's forward and backward
-    (shardwise.models; ``shape`` = (dim, heads, kv_heads), 4 x 128 tokens), repeated for
-    ``seconds``."""
-    from shardwise.models import TransformerBlock
-    from shardwise.models.layers import rope_tables
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    dim, heads, _ = shape
-    block = TransformerBlock(block_config(*shape))
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    batch, seq = BLOCK_TOKENS
-    cos, sin = rope_tables(dim // heads, seq, 10000.0)
-    x = torch.randn(batch, seq, dim, requires_grad=True)
-
-    def fn():
-        y = block(x, cos, sin)
-        y.backward(torch.ones_like(y))
-    fn()
-    times, end = [], time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times) < 3:
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times), min(times)
-
-
-def measure_blocks(seconds: float = 2.0) -> tuple[tuple[int, int, int, float, float], ...]:
-    """``(dim, heads, kv_heads, median seconds, fastest seconds)`` of each of ``BLOCKS``
-    on one thread ([Note: composed blocks])."""
-    threads = torch.get_num_threads()
-    try:
-        return tuple((*shape, *_block_work(seconds, shape)) for shape in BLOCKS)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _contention_worker(barrier, queue, seconds: float) -> None:
     barrier.wait()
-    queue.put(_block_work(seconds))
+    queue.put(block_work(seconds))
 
 
 def measure_contention(counts: list[int], seconds: float = 2.0) -> dict[int, float]:
@@ -307,7 +256,11 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     each smaller group of the ``ranks`` after each gap of ``CROWD_GAPS`` ([Note: crowded
     collectives] in cpu_stage.py)."""
     block_s = 0.2 if quick else 1.0
-    passes = [measure_blocks(seconds=block_s)]  # first, middle and last: see median_blocks
+    pair = cores >= 2  # [Note: tensor-parallel pairs]: ranks that keep a core each
+
+    def blocks() -> tuple:  # first, middle and last: see median_blocks
+        return measure_blocks(seconds=block_s), measure_tp_blocks(block_s) if pair else ()
+    passes = [blocks()]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -315,7 +268,7 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     finally:
         torch.set_num_threads(threads)
     busy, busy_best = contention_ratios([cores], seconds=0.5 if quick else 2.0)
-    passes.append(measure_blocks(seconds=block_s))
+    passes.append(blocks())
     sizes = [1 << 12, 1 << 16, 1 << 20] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 21,
                                                         1 << 23]
     calls = 5 if quick else 21
@@ -329,19 +282,9 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
                    for g in groups}
             crowds.append(Crowd(fit_collectives(sub), cpu_fractions(sub), gap_seconds(mult)))
         crowded[ranks] = tuple(sorted(crowds, key=lambda c: c.gap_s))
-    passes.append(measure_blocks(seconds=block_s))
+    passes.append(blocks())
     # compose stays 1 here: write_calibration prices the blocks once the fits are known
-    return CpuCosts(kernels, opt, fit_collectives(rows), busy, median_blocks(passes),
-                    comm_cpu=cpu_fractions(rows), busy_best=busy_best, crowded=crowded)
-
-
-def median_blocks(passes) -> tuple[tuple[int, int, int, float, float], ...]:
-    """Per block, the median of the passes' median seconds and the fastest call of any
-    pass, over passes of :func:`measure_blocks` made at different moments of the
-    calibration ([Note: composed blocks]: one pass alone let a fast minute decide
-    ``compose``). A pass without its fastest call (four columns) counts its median."""
-    out = []
-    for rows in zip(*passes, strict=True):
-        out.append((*rows[0][:3], statistics.median(r[3] for r in rows),
-                    min(r[4] if len(r) > 4 else r[3] for r in rows)))
-    return tuple(out)
+    return CpuCosts(kernels, opt, fit_collectives(rows), busy,
+                    median_blocks(p[0] for p in passes), comm_cpu=cpu_fractions(rows),
+                    busy_best=busy_best, crowded=crowded,
+                    tp_blocks=median_blocks(p[1] for p in passes) if pair else ())

@@ -39,15 +39,20 @@ a few calls on warm caches: what they cost at best. A training step is priced fr
 sum, but it runs them one after another on cold caches (each operator evicts the last
 one's operands), and it is measured as the median step, on a machine whose speed drifts
 with its neighbours. So ``--calibrate`` also runs whole Llama blocks (shardwise.models'
-``TransformerBlock``, forward and backward, widths 384 and 640: not the registry models'
-own, whose powers of two run slower still) for a second each, three times (before the
-kernels, between them and the collectives, after), and keeps the median call of each pass
-and the median of the three passes, prices the same blocks from the fits, and stores the
-ratio (geometric mean over the blocks) as ``compose``: the trainer's layers and head are
-priced at ``compose`` times their parts. Measured here: 0.98-1.29 on single blocks across
-runs minutes apart, the median call 5-30% above the fastest; one pass of two seconds made
-the whole calibration (the width-640 block at 0.187 s in one calibration, 0.232-0.249 s
-in four passes minutes later: compose 1.01 against 1.15, every prediction 13% fast).
+``TransformerBlock``, forward and backward, widths 192, 384 and 640: not the registry
+models' own) for a second each, three times (before the kernels, between them and the
+collectives, after), and keeps the median call of each pass and the median of the three
+passes, prices the same blocks from the fits, and stores their ratio as ``compose``: the
+trainer's layers and head are priced at ``compose`` times their parts. Where the blocks
+tell the multiplies from the other kernels (their mixes of the two differ enough), the
+two get factors of their own, ``compose`` and ``compose_kernels`` ([Note: two
+composition factors] in cpu_blocks.py); otherwise one factor, the geometric mean of the
+blocks' ratios. The same blocks split 2 ways over tensor-parallel ranks give
+``tp_overhead`` ([Note: tensor-parallel pairs] in cpu_blocks.py). Measured here: 0.98-1.29
+on single blocks across runs minutes apart, the median call 5-30% above the fastest; one
+pass of two seconds made the whole calibration (the width-640 block at 0.187 s in one
+calibration, 0.232-0.249 s in four passes minutes later: compose 1.01 against 1.15, every
+prediction 13% fast).
 
 [Note: undisturbed steps] This machine's speed is not its own: the same width-640 block,
 timed back to back in one-second windows, has a median call of 181-282 ms from one second
@@ -68,67 +73,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import torch
+from shardwise.planner.cpu_fits import Crowd, Fit, Kernel, fit_terms
 
 __all__ = ["Fit", "Kernel", "Crowd", "CpuCosts", "KERNELS", "COLLECTIVES", "fit_terms"]
 
 KERNELS = ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual", "attention", "softmax",
            "embedding", "cross_entropy", "copy")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
-
-
-@dataclass(frozen=True)
-class Fit:
-    """``latency + per_unit * size`` seconds (0 for an empty size)."""
-
-    latency: float
-    per_unit: float
-
-    def __call__(self, size: float) -> float:
-        return 0.0 if size <= 0 else self.latency + self.per_unit * size
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """One kernel's forward and backward fits."""
-
-    fwd: Fit
-    bwd: Fit
-
-
-@dataclass(frozen=True)
-class Crowd:
-    """Collectives of groups smaller than a world of more ranks than cores, measured with
-    every rank of the world running, each call after ``gap_s`` seconds of compute ([Note:
-    crowded collectives] in cpu_stage.py).
-
-    Attributes:
-        collectives: kind -> group size -> fit of seconds against payload bytes.
-        comm_cpu: group size -> CPU seconds over seconds of those collectives.
-        gap_s: the compute each rank ran before each call (what its peers' turns on
-            the cores last).
-    """
-
-    collectives: dict[str, dict[int, Fit]]
-    comm_cpu: dict[int, float] = field(default_factory=dict)
-    gap_s: float = 0.0
-
-    def blend(self, other: "Crowd", gap_s: float) -> "Crowd":
-        """This crowd and ``other`` (a longer gap) interpolated linearly at ``gap_s``,
-        clamped to the two measured gaps (the group sizes both measured)."""
-        span = other.gap_s - self.gap_s
-        w = min(1.0, max(0.0, (gap_s - self.gap_s) / span)) if span > 0 else 1.0
-
-        def mix(a: float, b: float) -> float:
-            return a + w * (b - a)
-
-        colls = {k: {g: Fit(mix(f.latency, other.collectives[k][g].latency),
-                            mix(f.per_unit, other.collectives[k][g].per_unit))
-                     for g, f in v.items() if g in other.collectives.get(k, {})}
-                 for k, v in self.collectives.items()}
-        cpu = {g: mix(v, other.comm_cpu[g]) for g, v in self.comm_cpu.items()
-               if g in other.comm_cpu}
-        return Crowd({k: v for k, v in colls.items() if v}, cpu, mix(self.gap_s, other.gap_s))
 
 
 @dataclass(frozen=True)
@@ -171,6 +122,30 @@ class CpuCosts:
     """Measured: world size (more ranks than cores) -> its smaller groups' collectives at
     one or more gaps, shortest first (:meth:`in_world`; empty: not measured, the groups'
     lone fits stand in)."""
+    compose_kernels: float = 0.0
+    """The factor the layers' and head's kernels other than the multiplies (norms, RoPE,
+    SwiGLU, attention, the loss) are priced with, when the blocks tell it from the
+    multiplies' (``compose``): 0, not measured, ``compose`` stands in (:attr:`kernel_compose`,
+    [Note: composed blocks])."""
+    compose_kernels_best: float = 0.0
+    """``compose_kernels`` from the blocks' fastest calls (0: not measured)."""
+    tp_blocks: tuple[tuple[int, int, int, float, float], ...] = ()
+    """Measured: ``(dim, heads, kv_heads, seconds, fastest seconds)`` of tensor-parallel
+    (sequence-parallel) Llama blocks' forward and backward on 2 Gloo ranks, each on its
+    own core, the slowest rank's median and fastest call ([Note: tensor-parallel pairs])."""
+    tp_overhead: float = 0.0
+    """Seconds each tensor-parallel collective costs beyond its priced parts while the
+    ranks keep a core each, from ``tp_blocks``' median calls ([Note: tensor-parallel
+    pairs]); 0: not measured."""
+    tp_overhead_best: float | None = None
+    """``tp_overhead`` from the fastest calls, for :meth:`undisturbed` (None: not
+    measured, ``tp_overhead`` stands in)."""
+
+    @property
+    def kernel_compose(self) -> float:
+        """The factor of the layers' and head's non-multiply kernels: ``compose_kernels``,
+        or ``compose`` where the calibration did not tell them apart."""
+        return self.compose_kernels or self.compose
 
     def in_world(self, ranks: int, cores: int, gap_s: float | None = None) -> "CpuCosts":
         """These costs as a job of ``ranks`` ranks on ``cores`` cores meets its
@@ -203,11 +178,15 @@ class CpuCosts:
 
     def undisturbed(self) -> "CpuCosts":
         """These costs with the layers and head priced at the blocks' fastest calls
-        (``compose_best``) and every core's slowdown at theirs (``busy_best``): the step
+        (``compose_best``, ``compose_kernels_best``), every core's slowdown at theirs
+        (``busy_best``) and the tensor-parallel collectives' overhead at theirs: the step
         the ranks take when no neighbour slows the machine,
         to compare with the trainer's fastest step ([Note: undisturbed steps])."""
-        return dataclasses.replace(self, compose=self.compose_best or self.compose,
-                                   busy=self.busy_best or self.busy)
+        best = self.tp_overhead if self.tp_overhead_best is None else self.tp_overhead_best
+        return dataclasses.replace(
+            self, compose=self.compose_best or self.compose,
+            compose_kernels=self.compose_kernels_best or self.compose_kernels,
+            busy=self.busy_best or self.busy, tp_overhead=best)
 
     def contention(self, ranks: int, cores: int) -> float:
         """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores: 1
@@ -280,17 +259,6 @@ class CpuCosts:
 
         colls = collectives(t, "")
         opt = fit(t.get("optimizer", [0.0, 0.0]), "optimizer")
-        blocks = t.get("blocks", [])
-        if not (isinstance(blocks, list) and all(isinstance(b, list) and len(b) in (4, 5)
-                                                 for b in blocks)):
-            raise ValueError(f"calibration [local.cpu] blocks: expected [[dim, heads, "
-                             f"kv_heads, seconds, fastest seconds], ...], got {blocks!r}")
-        compose, compose_best = (float(t.get(k, d)) for k, d in (("compose", 1.0),
-                                                                  ("compose_best", 0.0)))
-        for key, v in (("compose", compose), ("compose_best", compose_best or 1.0)):
-            if not 0.2 <= v <= 5.0:
-                raise ValueError(f"calibration [local.cpu] {key} = {v}: expected a factor "
-                                 f"between 0.2 and 5 (measured blocks over priced)")
         comm_cpu = fractions(t, "")
         crowded = {}
         for w, crowds in t.get("crowded", {}).items():
@@ -303,10 +271,12 @@ class CpuCosts:
                                             for c in crowds), key=lambda c: c.gap_s))
         busy, busy_best = ({int(k): float(v) for k, v in t.get(key, {}).items()}
                            for key in ("busy", "busy_best"))
-        return cls(kernels, opt, colls, busy,
-                   tuple((int(b[0]), int(b[1]), int(b[2]), float(b[3]), float(b[-1]))
-                         for b in blocks),  # an older file's four columns: best = median
-                   compose, compose_best, comm_cpu, busy_best, crowded)
+        overhead = _seconds(t, "tp_overhead", 0.0)
+        return cls(kernels, opt, colls, busy, _block_rows(t, "blocks"),
+                   _factor(t, "compose", 1.0), _factor(t, "compose_best", 0.0), comm_cpu,
+                   busy_best, crowded, _factor(t, "compose_kernels", 0.0),
+                   _factor(t, "compose_kernels_best", 0.0), _block_rows(t, "tp_blocks"),
+                   overhead, _seconds(t, "tp_overhead_best", None))
 
     def toml_lines(self, prefix: str = "local") -> list[str]:
         """This record as the ``[<prefix>.cpu]`` tables of a calibration file."""
@@ -321,12 +291,18 @@ class CpuCosts:
         if self.busy_best:
             lines.append("busy_best = { " + ", ".join(f"{k} = {v:.4g}" for k, v in
                                                       sorted(self.busy_best.items())) + " }")
-        lines.append("blocks = [" + ", ".join(
-            "[" + ", ".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in b) + "]"
-            for b in self.blocks) + "]")
+        lines.append("blocks = [" + ", ".join(_row(b) for b in self.blocks) + "]")
         lines.append(f"compose = {self.compose:.4g}")
         if self.compose_best:
             lines.append(f"compose_best = {self.compose_best:.4g}")
+        for key in ("compose_kernels", "compose_kernels_best"):
+            if getattr(self, key):
+                lines.append(f"{key} = {getattr(self, key):.4g}")
+        if self.tp_blocks:
+            lines.append("tp_blocks = [" + ", ".join(_row(b) for b in self.tp_blocks) + "]")
+            lines.append(f"tp_overhead = {self.tp_overhead:.6g}")
+        if self.tp_overhead_best is not None:
+            lines.append(f"tp_overhead_best = {self.tp_overhead_best:.6g}")
         lines.append(_fractions_line(self.comm_cpu))
         lines += _collectives_lines(f"{prefix}.cpu", self.collectives)
         for world, crowds in sorted(self.crowded.items()):
@@ -336,6 +312,42 @@ class CpuCosts:
                 lines += _collectives_lines(f"{prefix}.cpu.crowded.{world}",
                                             crowd.collectives)
         return lines
+
+
+def _row(block: tuple) -> str:
+    return "[" + ", ".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in block) + "]"
+
+
+def _block_rows(t: dict, key: str) -> tuple[tuple[int, int, int, float, float], ...]:
+    """``[[dim, heads, kv_heads, seconds, fastest seconds], ...]`` of ``key`` (an older
+    file's four columns: the fastest call is the median)."""
+    rows = t.get(key, [])
+    if not (isinstance(rows, list) and all(isinstance(b, list) and len(b) in (4, 5)
+                                           for b in rows)):
+        raise ValueError(f"calibration [local.cpu] {key}: expected [[dim, heads, kv_heads, "
+                         f"seconds, fastest seconds], ...], got {rows!r}")
+    return tuple((int(b[0]), int(b[1]), int(b[2]), float(b[3]), float(b[-1])) for b in rows)
+
+
+def _factor(t: dict, key: str, default: float) -> float:
+    """A composition factor: between 0.2 and 5 (0, the default of the optional ones, is
+    "not measured")."""
+    v = float(t.get(key, default))
+    if not (0.2 <= v <= 5.0 or v == default == 0.0):
+        raise ValueError(f"calibration [local.cpu] {key} = {v}: expected a factor between "
+                         f"0.2 and 5 (measured blocks over priced)")
+    return v
+
+
+def _seconds(t: dict, key: str, default: float | None) -> float | None:
+    """Seconds per call, between 0 and 1 (``default`` when absent)."""
+    if key not in t:
+        return default
+    v = float(t[key])
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"calibration [local.cpu] {key} = {v}: expected seconds per "
+                         f"collective, at least 0 and under 1")
+    return v
 
 
 def _fractions_line(comm_cpu: dict[int, float]) -> str:
@@ -355,22 +367,3 @@ def _collectives_lines(table: str, collectives: dict[str, dict[int, Fit]]) -> li
 def _nearest(sizes, world: int) -> int:
     """The measured group size nearest ``world`` (the larger on a tie)."""
     return min(sizes, key=lambda w: (abs(w - world), -w))
-
-
-def fit_terms(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
-    """Non-negative coefficients ``c`` with ``seconds ~ sum(c_j x_j)``, least squares on the
-    relative error, from ``((x_1, ..., x_k), seconds)`` rows (a term whose coefficient
-    comes out negative is dropped and the rest refitted)."""
-    k = len(rows[0][0])
-    keep = list(range(k))
-    while keep:
-        a = torch.tensor([[x[j] / t for j in keep] for x, t in rows], dtype=torch.float64)
-        sol = torch.linalg.lstsq(a, torch.ones(len(rows), 1, dtype=torch.float64)).solution
-        coef = sol.flatten().tolist()
-        if min(coef) >= 0:
-            out = [0.0] * k
-            for j, c in zip(keep, coef, strict=True):
-                out[j] = c
-            return out
-        keep = [j for j, c in zip(keep, coef, strict=True) if c >= 0]
-    return [0.0] * k

@@ -64,10 +64,12 @@ from shardwise.planner import comm_model
 from shardwise.planner.cpu_pipeline import contended_pipeline
 from shardwise.planner.memory import unit_state
 from shardwise.planner.pipeline import rounded, simulated_microbatches, stage_costs
+from shardwise.planner.recompute import layer_ac
 
 __all__ = ["cpu_pricable", "layer_kernels", "head_kernels", "optimizer_seconds",
            "engine_copy_seconds", "saturated", "time_shared", "cpu_step", "tp_layer_comm",
-           "tp_head_comm", "tp_collectives_per_layer"]
+           "tp_head_comm", "tp_collectives_per_layer", "tp_head_collectives",
+           "tp_overhead_seconds"]
 
 
 def cpu_pricable(hw, spec, moe: bool = False) -> bool:
@@ -149,6 +151,25 @@ def tp_layer_comm(hw, tokens: float, dim: int, act_bytes: int, tp: int, sp: bool
     ag, rs, ar = _tp_times(hw, tokens, dim, act_bytes, tp)
     fwd, bwd = (ag + rs, ag + rs + ag) if sp else (ar, ar)
     return 2 * (fwd * (2 if recompute else 1) + bwd)
+
+
+def tp_head_collectives(sp: bool, first: bool, last: bool) -> int:
+    """The tensor-parallel collectives of the embedding (``first``) and the head and loss
+    (``last``) per micro-batch (see :func:`tp_head_comm`)."""
+    return (first * (2 if sp else 1)) + last * ((3 if sp else 1) + 2)
+
+
+def tp_overhead_seconds(cm, L, layers, first: bool, last: bool) -> float:
+    """What a rank holding ``layers`` pays per step beyond its tensor-parallel collectives'
+    fits: ``CpuCosts.tp_overhead`` per collective ([Note: tensor-parallel pairs] in
+    cpu_blocks.py), while its ranks keep a core each; 0 beyond the cores, where the
+    crowded collectives price the pairs."""
+    hw = cm.hw
+    if L.tp <= 1 or not hw.cpu.tp_overhead or (hw.cores and L.gpus > hw.cores):
+        return 0.0
+    calls = sum(tp_collectives_per_layer(L.sp, layer_ac(L.ac, cm.wl.selective_ac, i) == "full")
+                for i in layers) + tp_head_collectives(L.sp, first, last)
+    return L.pp_microbatches * calls * hw.cpu.tp_overhead
 
 
 def tp_head_comm(hw, tokens: float, dim: int, act_bytes: int, tp: int, sp: bool,
@@ -286,6 +307,7 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
             breakdown[k] *= slow
     own = slow * copies(layers, first, last)
     breakdown["dp_comm"] += own + _step_collectives(cm, L)
+    breakdown["tp_comm"] += tp_overhead_seconds(cm, L, layers, first, last)
     if not hw.cores or L.gpus <= hw.cores or cm.timeline_only:
         return
     busy = 0.0

@@ -127,7 +127,8 @@ class StageCoster:
         if dt != "fp8" and cpu_pricable(hw, self.spec, moe):  # [Note: CPU kernels]
             kf, kb = layer_kernels(hw, self.spec, w.tokens, self.wl.seq_len, tp, sp,
                                    w.attn_exec_flops)
-            return gemm + kf, 2 * gemm + kb, gemm, kf
+            mm, ker = self._cpu_compose()
+            return mm * gemm + ker * kf, 2 * mm * gemm + ker * kb, mm * gemm, ker * kf
         adt = ATTENTION_DTYPE.get(dt, dt)
         attn = w.attn_exec_flops / (hw.peak(adt) * hw.matmul_efficiency(w.attn_unit_flops)) \
             if w.attn_exec_flops else 0.0
@@ -143,6 +144,25 @@ class StageCoster:
         return ((gemm + attn + mem + cast_f) * slow, (2 * gemm + attn_bwd + 2 * mem + cast_b)
                 * slow, gemm * slow, cheap * slow)
 
+    def _cpu_compose(self) -> tuple[float, float]:
+        """(multiplies', other kernels') composition factors of a CPU rank's layers and
+        head ([Note: two composition factors] in cpu_blocks.py); (1, 1) where the layers
+        are not priced by the CPU kernels (a MoE model's included)."""
+        if not cpu_pricable(self.hw, self.spec, self.spec.is_moe):
+            return 1.0, 1.0
+        return self.hw.cpu.compose, self.hw.cpu.kernel_compose
+
+    def cpu_parts(self, moe: bool, tp: int, sp: bool, mb: int) -> tuple[float, float, float]:
+        """(forward multiplies, forward kernels, backward kernels) seconds of one layer on
+        a CPU rank, no composition factor (the calibration's blocks are priced by them;
+        the backward multiplies are twice the forward's)."""
+        s = self.wl.seq_len
+        w = layer_work(self.spec, moe, mb * s, s, tp, 1, self.wl.attention, self.wl.act_bytes,
+                       self.wl.fused_kernels, self.wl.fused_norm)
+        gemm = sum(n * self.hw.matmul_time(f, self.wl.compute_dtype) for f, n in w.gemms)
+        kf, kb = layer_kernels(self.hw, self.spec, w.tokens, s, tp, sp, w.attn_exec_flops)
+        return gemm, kf, kb
+
     def _price_layer(self, moe, tp, cp, sp, ep, mb, ac) -> LayerTimes:
         s, wl, hw, spec = self.wl.seq_len, self.wl, self.hw, self.spec
         tokens = mb * s / cp
@@ -153,8 +173,8 @@ class StageCoster:
             w.attn_unit_flops)) if w.attn_exec_flops else 0.0
         replayed = replayed_matmuls(spec, moe, tokens, tp, w.gemms) \
             if ac == "selective" and wl.selective_ac == "alternate_mm" else []
-        replay_gemm = sum(hw.matmul_time(f, wl.compute_dtype) for f in replayed) \
-            / (1 - wl.comm_sm_fraction)
+        replay_gemm = self._cpu_compose()[0] * sum(
+            hw.matmul_time(f, wl.compute_dtype) for f in replayed) / (1 - wl.comm_sm_fraction)
         recompute = {"none": 0.0, "selective": cheap + replay_gemm, "full": fwd}[ac]
         sel_flops = (w.attn_model_flops if wl.attention != "flash" else 0.0) + sum(replayed)
         rec_flops = {"none": 0.0, "selective": sel_flops, "full": w.model_flops}[ac]
@@ -225,14 +245,15 @@ class StageCoster:
         fwd, bwd, wgrad, tpc, cpc, epc, flops, rflops, saved, _ = sums
         tokens = L.microbatch * self.wl.seq_len / L.cp
         logits = 0.0
+        mm, ker = self._cpu_compose()  # [Note: composed blocks]
         ef, eb = self._head_kernels(L, tokens, first, last)
-        fwd, bwd = fwd + ef, bwd + eb
+        fwd, bwd = fwd + ker * ef, bwd + ker * eb
         if self.hw.cpu is not None:
             tpc += tp_head_comm(self.hw, tokens, spec.dim, self.wl.act_bytes, L.tp, L.sp,
                                 first, last)
         if last:
             hf, _, logits = head_work(spec, tokens, L.tp, self.wl.act_bytes)
-            head = self.hw.matmul_time(hf, self.wl.compute_dtype)
+            head = mm * self.hw.matmul_time(hf, self.wl.compute_dtype)
             fwd, bwd, wgrad = fwd + head, bwd + 2 * head, wgrad + head
             saved += head_saved(spec, tokens, L.tp, L.sp, self.wl.act_bytes,
                                 self.wl.fused_kernels)
@@ -243,9 +264,6 @@ class StageCoster:
                 fwd, bwd = fwd + k * (t.fwd + head), bwd + k * (t.bwd + t.recompute + 2 * head)
                 flops += k * (t.model_flops + hf)
                 saved += k * t.saved
-        if cpu_pricable(self.hw, spec, spec.is_moe):  # [Note: composed blocks]
-            c = self.hw.cpu.compose
-            fwd, bwd, wgrad = c * fwd, c * bwd, c * wgrad
         return RankTimes(fwd, bwd, wgrad, tpc, cpc, epc, flops, rflops, saved, working,
                          logits, len(layers))
 
