@@ -281,7 +281,7 @@ def test_two_composition_factors_come_from_blocks_of_different_kernel_shares(tmp
             CpuCosts.from_table({key: 9})
 
 
-def test_tp_overhead_is_what_the_pairs_take_beyond_their_price(tmp_path):
+def test_collective_overhead_is_what_the_pairs_take_beyond_their_price(tmp_path):
     """[Note: tensor-parallel pairs]: the 2-rank blocks' seconds beyond their price, per
     tensor-parallel collective (10 a layer), median and fastest calls apart; never below
     0; written, read back and checked by value."""
@@ -294,19 +294,19 @@ def test_tp_overhead_is_what_the_pairs_take_beyond_their_price(tmp_path):
     pairs = tuple((*b, p + 10 * 2e-3, q + 10 * 0.5e-3)
                   for b, p, q in zip(TP_BLOCKS, priced, quiet, strict=True))
     _, got = _plain(tmp_path, "tp.toml", tp_blocks=pairs)
-    assert got.cpu.tp_overhead == pytest.approx(2e-3, rel=1e-4)
-    assert got.cpu.tp_overhead_best == pytest.approx(0.5e-3, rel=1e-4)
-    assert got.cpu.undisturbed().tp_overhead == pytest.approx(0.5e-3, rel=1e-4)
+    assert got.cpu.collective_overhead == pytest.approx(2e-3, rel=1e-4)
+    assert got.cpu.collective_overhead_best == pytest.approx(0.5e-3, rel=1e-4)
+    assert got.cpu.undisturbed().collective_overhead == pytest.approx(0.5e-3, rel=1e-4)
     for row, want in zip(got.cpu.tp_blocks, pairs, strict=True):
         assert row == pytest.approx(want, rel=1e-5)
     fast = tuple((*b, 0.5 * p, 0.5 * p) for b, p in zip(TP_BLOCKS, priced, strict=True))
     _, none = _plain(tmp_path, "fast.toml", tp_blocks=fast)
-    assert (none.cpu.tp_overhead, none.cpu.tp_overhead_best) == (0.0, 0.0)
-    assert none.cpu.undisturbed().tp_overhead == 0.0  # a measured 0 is not "not measured"
-    old = CpuCosts.from_table({"tp_overhead": 1e-3})
-    assert (old.tp_overhead_best, old.undisturbed().tp_overhead) == (None, 1e-3)
-    with pytest.raises(ValueError, match="tp_overhead = 2.0"):
-        CpuCosts.from_table({"tp_overhead": 2})
+    assert (none.cpu.collective_overhead, none.cpu.collective_overhead_best) == (0.0, 0.0)
+    assert none.cpu.undisturbed().collective_overhead == 0.0  # a measured 0 is not "not measured"
+    old = CpuCosts.from_table({"collective_overhead": 1e-3})
+    assert (old.collective_overhead_best, old.undisturbed().collective_overhead) == (None, 1e-3)
+    with pytest.raises(ValueError, match="collective_overhead = 2.0"):
+        CpuCosts.from_table({"collective_overhead": 2})
     with pytest.raises(ValueError, match="tp_blocks"):
         CpuCosts.from_table({"tp_blocks": [[384, 6]]})
 

@@ -256,7 +256,7 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     each smaller group of the ``ranks`` after each gap of ``CROWD_GAPS`` ([Note: crowded
     collectives] in cpu_stage.py)."""
     block_s = 0.2 if quick else 1.0
-    pair = cores >= 2  # [Note: tensor-parallel pairs]: ranks that keep a core each
+    pair = cores >= 2  # [Note: tensor-parallel pairs]: 2 ranks that keep a core each
 
     def blocks() -> tuple:  # first, middle and last: see median_blocks
         return measure_blocks(seconds=block_s), measure_tp_blocks(block_s) if pair else ()

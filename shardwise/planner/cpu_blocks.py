@@ -31,9 +31,23 @@ and the trainer's 2-rank tensor-parallel steps came out 10-12% further below the
 prediction than the data-parallel steps of the same model. So ``--calibrate`` runs
 sequence-parallel blocks on 2 Gloo ranks (each on its own core, as the trainer's ranks),
 and the seconds they take beyond their priced parts, per tensor-parallel collective, are
-``tp_overhead``: the cost model adds it to every tensor-parallel collective of a job whose
-ranks keep a core each (beyond the cores, the crowded collectives measured at the
-tensor-parallel gap price the pairs instead: [Note: crowded collectives] in cpu_stage.py).
+``collective_overhead`` (0.9-1.3 ms on the median calls in three calibrations, 0.07-0.27
+ms on the fastest).
+
+[Note: collectives between operators] The engine's gathers and reductions and the
+pipeline's sends are met the same way: issued and waited for from hooks between a block's
+operators, on ranks whose peers jitter. Their excess is the same size: with the
+tensor-parallel charge alone, debug x2 at stages 1-3 ran 5-25 ms a step above its
+prediction beyond the stage-0 row (runs 19-21 of bench/planner_bench.py), about 1 ms for
+each of the 10 (stages 1-2) or 14 (stage 3) gathers and reductions the engine issued. So
+the cost model charges ``collective_overhead`` on every collective of a step
+(``cpu_stage.collective_overhead_seconds``): each tensor-parallel one, each of the engine's
+(``cpu_stage.engine_calls``, counted as comm_stats counts them) and each pipeline send or
+receive, while the ranks keep a core each; beyond the cores the crowded collectives,
+measured amid the other ranks at the tensor-parallel and the layer gap, price what a call
+meets instead ([Note: crowded collectives] in cpu_stage.py). Re-predicted from their own
+calibrations, runs 19-21's 2-rank data-parallel rows moved from -15% to -2% (the debug
+model's stages 0-3, each run's worst round) to -9% to +2%.
 """
 
 from __future__ import annotations
@@ -64,7 +78,7 @@ from shardwise.planner.workload import Workload
 __all__ = ["BLOCKS", "TP_BLOCKS", "BLOCK_TOKENS", "CONTENTION_BLOCK", "block_config",
            "block_work", "measure_blocks", "measure_tp_blocks", "median_blocks",
            "priced_block_parts", "priced_block_seconds", "priced_tp_block_seconds",
-           "compose_factors", "tp_overhead_of", "composed_costs"]
+           "compose_factors", "collective_overhead_of", "composed_costs"]
 
 BLOCKS = ((192, 6, 3), (384, 6, 3), (640, 10, 5))
 """(dim, heads, kv_heads) of the blocks [Note: composed blocks] times: kernels at about
@@ -214,7 +228,8 @@ def priced_block_seconds(hw, dim: int, heads: int, kv_heads: int) -> float:
 
 def priced_tp_block_seconds(hw, dim: int, heads: int, kv_heads: int) -> float:
     """What the cost model prices one 2-way tensor-parallel, sequence-parallel block at on
-    ``hw`` (its composition factors applied, no ``tp_overhead``), as each of 2 ranks on
+    ``hw`` (its composition factors applied, no ``collective_overhead``), as each of 2
+    ranks on
     its own core runs it: the compute slowed by the cores' contention, plus the
     collectives' fits."""
     t = _coster(hw, dim, heads, kv_heads).layer(False, 2, 1, True, 1, BLOCK_TOKENS[0], "none")
@@ -244,7 +259,7 @@ def compose_factors(hw, blocks, fastest: bool = False) -> tuple[float, float]:
     return mm, kernels
 
 
-def tp_overhead_of(hw, tp_blocks, fastest: bool = False) -> float:
+def collective_overhead_of(hw, tp_blocks, fastest: bool = False) -> float:
     """Seconds per tensor-parallel collective that ``tp_blocks`` took beyond their price on
     ``hw`` (its composition factors set), the mean over the blocks, at least 0 ([Note:
     tensor-parallel pairs]); 0 with no blocks."""
@@ -259,7 +274,8 @@ def tp_overhead_of(hw, tp_blocks, fastest: bool = False) -> float:
 def composed_costs(plain, cpu: CpuCosts) -> CpuCosts:
     """``cpu`` with every factor its blocks give, priced on ``plain`` (the calibration's
     fits, no factors): ``compose`` and ``compose_kernels`` from ``blocks``, then
-    ``tp_overhead`` from ``tp_blocks`` priced with those; each also from the fastest calls
+    ``collective_overhead`` from ``tp_blocks`` priced with those; each also from the
+    fastest calls
     ([Note: undisturbed steps] in cpu_costs.py)."""
     compose, kernels = compose_factors(plain, cpu.blocks)
     best, kernels_best = compose_factors(plain, cpu.blocks, fastest=True)
@@ -269,5 +285,6 @@ def composed_costs(plain, cpu: CpuCosts) -> CpuCosts:
         return out
     hw = plain.replace(cpu=out)
     quiet = plain.replace(cpu=out.undisturbed())
-    return dataclasses.replace(out, tp_overhead=tp_overhead_of(hw, cpu.tp_blocks),
-                               tp_overhead_best=tp_overhead_of(quiet, cpu.tp_blocks, True))
+    return dataclasses.replace(
+        out, collective_overhead=collective_overhead_of(hw, cpu.tp_blocks),
+        collective_overhead_best=collective_overhead_of(quiet, cpu.tp_blocks, True))

@@ -48,7 +48,8 @@ tell the multiplies from the other kernels (their mixes of the two differ enough
 two get factors of their own, ``compose`` and ``compose_kernels`` ([Note: two
 composition factors] in cpu_blocks.py); otherwise one factor, the geometric mean of the
 blocks' ratios. The same blocks split 2 ways over tensor-parallel ranks give
-``tp_overhead`` ([Note: tensor-parallel pairs] in cpu_blocks.py). Measured here: 0.98-1.29
+``collective_overhead``, charged on every collective ([Note: tensor-parallel pairs] and
+[Note: collectives between operators] in cpu_blocks.py). Measured here: 0.98-1.29
 on single blocks across runs minutes apart, the median call 5-30% above the fastest; one
 pass of two seconds made the whole calibration (the width-640 block at 0.187 s in one
 calibration, 0.232-0.249 s in four passes minutes later: compose 1.01 against 1.15, every
@@ -133,13 +134,14 @@ class CpuCosts:
     """Measured: ``(dim, heads, kv_heads, seconds, fastest seconds)`` of tensor-parallel
     (sequence-parallel) Llama blocks' forward and backward on 2 Gloo ranks, each on its
     own core, the slowest rank's median and fastest call ([Note: tensor-parallel pairs])."""
-    tp_overhead: float = 0.0
-    """Seconds each tensor-parallel collective costs beyond its priced parts while the
-    ranks keep a core each, from ``tp_blocks``' median calls ([Note: tensor-parallel
-    pairs]); 0: not measured."""
-    tp_overhead_best: float | None = None
-    """``tp_overhead`` from the fastest calls, for :meth:`undisturbed` (None: not
-    measured, ``tp_overhead`` stands in)."""
+    collective_overhead: float = 0.0
+    """Seconds each collective met between a block's operators (tensor-parallel, the
+    engine's gathers and reductions, pipeline sends) costs beyond its fit while the ranks
+    keep a core each, from ``tp_blocks``' median calls ([Note: tensor-parallel pairs],
+    [Note: collectives between operators]); 0: not measured."""
+    collective_overhead_best: float | None = None
+    """``collective_overhead`` from the fastest calls, for :meth:`undisturbed` (None: not
+    measured, ``collective_overhead`` stands in)."""
 
     @property
     def kernel_compose(self) -> float:
@@ -182,11 +184,12 @@ class CpuCosts:
         (``busy_best``) and the tensor-parallel collectives' overhead at theirs: the step
         the ranks take when no neighbour slows the machine,
         to compare with the trainer's fastest step ([Note: undisturbed steps])."""
-        best = self.tp_overhead if self.tp_overhead_best is None else self.tp_overhead_best
+        best = self.collective_overhead_best
+        best = self.collective_overhead if best is None else best
         return dataclasses.replace(
             self, compose=self.compose_best or self.compose,
             compose_kernels=self.compose_kernels_best or self.compose_kernels,
-            busy=self.busy_best or self.busy, tp_overhead=best)
+            busy=self.busy_best or self.busy, collective_overhead=best)
 
     def contention(self, ranks: int, cores: int) -> float:
         """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores: 1
@@ -271,12 +274,12 @@ class CpuCosts:
                                             for c in crowds), key=lambda c: c.gap_s))
         busy, busy_best = ({int(k): float(v) for k, v in t.get(key, {}).items()}
                            for key in ("busy", "busy_best"))
-        overhead = _seconds(t, "tp_overhead", 0.0)
+        overhead = _seconds(t, "collective_overhead", 0.0)
         return cls(kernels, opt, colls, busy, _block_rows(t, "blocks"),
                    _factor(t, "compose", 1.0), _factor(t, "compose_best", 0.0), comm_cpu,
                    busy_best, crowded, _factor(t, "compose_kernels", 0.0),
                    _factor(t, "compose_kernels_best", 0.0), _block_rows(t, "tp_blocks"),
-                   overhead, _seconds(t, "tp_overhead_best", None))
+                   overhead, _seconds(t, "collective_overhead_best", None))
 
     def toml_lines(self, prefix: str = "local") -> list[str]:
         """This record as the ``[<prefix>.cpu]`` tables of a calibration file."""
@@ -300,9 +303,9 @@ class CpuCosts:
                 lines.append(f"{key} = {getattr(self, key):.4g}")
         if self.tp_blocks:
             lines.append("tp_blocks = [" + ", ".join(_row(b) for b in self.tp_blocks) + "]")
-            lines.append(f"tp_overhead = {self.tp_overhead:.6g}")
-        if self.tp_overhead_best is not None:
-            lines.append(f"tp_overhead_best = {self.tp_overhead_best:.6g}")
+            lines.append(f"collective_overhead = {self.collective_overhead:.6g}")
+        if self.collective_overhead_best is not None:
+            lines.append(f"collective_overhead_best = {self.collective_overhead_best:.6g}")
         lines.append(_fractions_line(self.comm_cpu))
         lines += _collectives_lines(f"{prefix}.cpu", self.collectives)
         for world, crowds in sorted(self.crowded.items()):

@@ -60,6 +60,8 @@ at the long gap, tp 2 x dp 2 on 4 ranks came out +18% to +36%.
 
 from __future__ import annotations
 
+import math
+
 from shardwise.planner import comm_model
 from shardwise.planner.cpu_pipeline import contended_pipeline
 from shardwise.planner.memory import unit_state
@@ -69,7 +71,7 @@ from shardwise.planner.recompute import layer_ac
 __all__ = ["cpu_pricable", "layer_kernels", "head_kernels", "optimizer_seconds",
            "engine_copy_seconds", "saturated", "time_shared", "cpu_step", "tp_layer_comm",
            "tp_head_comm", "tp_collectives_per_layer", "tp_head_collectives",
-           "tp_overhead_seconds"]
+           "engine_calls", "collective_overhead_seconds"]
 
 
 def cpu_pricable(hw, spec, moe: bool = False) -> bool:
@@ -159,17 +161,49 @@ def tp_head_collectives(sp: bool, first: bool, last: bool) -> int:
     return (first * (2 if sp else 1)) + last * ((3 if sp else 1) + 2)
 
 
-def tp_overhead_seconds(cm, L, layers, first: bool, last: bool) -> float:
-    """What a rank holding ``layers`` pays per step beyond its tensor-parallel collectives'
-    fits: ``CpuCosts.tp_overhead`` per collective ([Note: tensor-parallel pairs] in
-    cpu_blocks.py), while its ranks keep a core each; 0 beyond the cores, where the
-    crowded collectives price the pairs."""
-    hw = cm.hw
-    if L.tp <= 1 or not hw.cpu.tp_overhead or (hw.cores and L.gpus > hw.cores):
-        return 0.0
-    calls = sum(tp_collectives_per_layer(L.sp, layer_ac(L.ac, cm.wl.selective_ac, i) == "full")
-                for i in layers) + tp_head_collectives(L.sp, first, last)
-    return L.pp_microbatches * calls * hw.cpu.tp_overhead
+def _tp_calls(cm, L, layers, first: bool, last: bool) -> int:
+    """Tensor-parallel collectives per micro-batch on a rank holding ``layers``."""
+    if L.tp <= 1:
+        return 0
+    return sum(tp_collectives_per_layer(L.sp, layer_ac(L.ac, cm.wl.selective_ac, i) == "full")
+               for i in layers) + tp_head_collectives(L.sp, first, last)
+
+
+def engine_calls(cm, L, layers, first: bool, last: bool) -> int:
+    """The engine's data-parallel collectives per step on a rank holding ``layers``, by the
+    rules ``comm_model.step_bytes`` prices: stage 0 one all-reduce per bucket (a 1 MiB
+    first bucket, then 25 MiB); stages 1-2 one reduce-scatter and one gather per unit;
+    stage 3 every unit gathered for each micro-batch's forward and the non-root units again
+    for its backward (with ``reshard_after_forward``), one reduce-scatter per unit; over
+    replicas, each reduction also all-reduced."""
+    world = L.dp_shard * L.cp
+    if world * L.dp_replicate <= 1:
+        return 0
+    states = [unit_state(tuple(u), world) for u in _rank_units(cm, L, layers, first, last)]
+    units = [st for st in states if st.n_params]
+    if L.zero == 0:
+        nbytes = sum(st.numel for st in units) * cm.wl.param_bytes
+        return 1 + math.ceil(max(0.0, nbytes - 2 ** 20) / (25 * 2 ** 20)) if units else 0
+    n, root = len(units), int(bool(states and states[0].n_params))
+    gathers = n if L.zero < 3 else L.pp_microbatches * (
+        n + (n - root if cm.wl.reshard_after_forward else 0))
+    return gathers + n * (2 if L.dp_replicate > 1 else 1)
+
+
+def collective_overhead_seconds(cm, L, layers, first: bool, last: bool
+                                ) -> dict[str, float]:
+    """What a rank holding ``layers`` pays per step beyond its collectives' fits, by
+    component: ``CpuCosts.collective_overhead`` for each tensor-parallel collective, each
+    of the engine's gathers and reductions and each pipeline send or receive ([Note:
+    collectives between operators] in cpu_blocks.py), while the ranks keep a core each;
+    nothing beyond the cores, where the crowded collectives price what a call meets."""
+    hw, each = cm.hw, cm.hw.cpu.collective_overhead
+    if not each or (hw.cores and L.gpus > hw.cores):
+        return {}
+    sends = 2 * max(1, L.pp_virtual) * L.pp_microbatches if L.pp > 1 else 0
+    return {"tp_comm": each * L.pp_microbatches * _tp_calls(cm, L, layers, first, last),
+            "dp_comm": each * engine_calls(cm, L, layers, first, last),
+            "pp_comm": each * sends}
 
 
 def tp_head_comm(hw, tokens: float, dim: int, act_bytes: int, tp: int, sp: bool,
@@ -307,7 +341,8 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
             breakdown[k] *= slow
     own = slow * copies(layers, first, last)
     breakdown["dp_comm"] += own + _step_collectives(cm, L)
-    breakdown["tp_comm"] += tp_overhead_seconds(cm, L, layers, first, last)
+    for k, v in collective_overhead_seconds(cm, L, layers, first, last).items():
+        breakdown[k] += v
     if not hw.cores or L.gpus <= hw.cores or cm.timeline_only:
         return
     busy = 0.0
