@@ -11,6 +11,7 @@ import pytest
 
 from shardwise.planner import comm_model, get_hardware, get_model_spec
 from shardwise.planner.cost_model import CostModel
+from shardwise.planner.dp_cost import dp_times
 from shardwise.planner.layout import Layout
 from shardwise.planner.recompute import check_selective, layer_ac, replayed_matmuls
 from shardwise.planner.stage_cost import StageCoster
@@ -106,13 +107,13 @@ def test_gradient_sync_after_the_last_backward_is_exposed():
     cm, L = _pp_fsdp()
     after, L2 = _pp_fsdp(dp_sync_after_backward=True)
     plan = cm._rank_plan(L, 0)
-    gather, _, red, _ = cm._dp_times(L, *plan)
+    gather, _, red, _ = dp_times(cm, L, *plan)
     overlapped = cm.estimate(L).breakdown["dp_comm"]
     exposed = after.estimate(L2).breakdown["dp_comm"]
     assert exposed >= red > overlapped
     assert cm.dp_collective_seconds(L) > gather + red  # a gather per micro-batch there
     fp32, L3 = _pp_fsdp(dp_sync_after_backward=True, reduce_fp32=True)
-    _, _, red32, _ = fp32._dp_times(L3, *plan)
+    _, _, red32, _ = dp_times(fp32, L3, *plan)
     assert red32 == pytest.approx(2 * red, rel=0.01)  # fp32 instead of bf16 gradients
     assert fp32.estimate(L3).breakdown["dp_comm"] > exposed
 

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from shardwise.planner import comm_model
 from shardwise.planner.cpu_stage import (cpu_step, optimizer_seconds, saturated,
                                          tp_collectives_per_layer)
+from shardwise.planner.dp_cost import dp_exposed, dp_times, shard_numel
 from shardwise.planner.engine_buffers import rank_transient
 from shardwise.planner.layout import Layout
-from shardwise.planner.memory import MemoryBreakdown, state_bytes, unit_state
+from shardwise.planner.memory import MemoryBreakdown, state_bytes
 from shardwise.planner.pipeline import schedule_profile
 from shardwise.planner.stage_cost import RankTimes, StageCoster, stage_layers
 from shardwise.planner.workload import Workload
-from shardwise.quant import packed_nbytes
 
 __all__ = ["CostModel", "Estimate", "BOTTLENECKS", "FRAGMENTATION"]
 
@@ -217,87 +217,15 @@ class CostModel:
         return st
 
     # ------------------------------------------------------------------ data parallel
-    def _dp_times(self, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
-        """(gather per step, first-unit gather, reduction per step, last-unit reduction)."""
-        key = ("dp", L.tp, L.ep, L.dp_shard, L.cp, L.dp_replicate, L.zero, L.comm_weights,
-               L.comm_grads, tuple(layers), first, last)
-        return self._cached(key, lambda: self._make_dp_times(L, layers, first, last))
-
-    def _make_dp_times(self, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
-        wl, hw, g = self.wl, self.hw, self.hw.gpus_per_node
-        root, dense, experts = self._units(L, layers, first, last)
-        groups = [(comm_model.place(L.dp_shard * L.cp, L.tp, g), [(root, 1), *dense.items()])]
-        if experts:
-            groups.append((comm_model.place(max(1, L.dp_shard * L.cp // L.ep), L.tp * L.ep, g),
-                           list(experts.items())))
-        rep = comm_model.place(L.dp_replicate, L.dp_shard * L.cp * L.tp, g)
-        gather = first_g = red = last_r = 0.0
-        rb = 4 if wl.reduce_fp32 else wl.act_bytes if L.zero > 0 else wl.param_bytes
-        for grp, units in groups:
-            for shapes, count in units:
-                if not shapes:
-                    continue
-                n = self._shard_numel(shapes, grp.size if L.zero > 0 else 1)
-                if L.zero == 0:
-                    full = comm_model.place(grp.size * L.dp_replicate, L.tp, g)
-                    t_red = comm_model.all_reduce_time(n * rb, full, hw)
-                    t_gat = 0.0
-                else:
-                    gb = packed_nbytes(n, L.comm_weights, 256) if L.comm_weights != "fp" \
-                        else n * wl.act_bytes
-                    qb = packed_nbytes(n, L.comm_grads, 256) if L.comm_grads != "fp" \
-                        else n * rb
-                    t_gat = comm_model.all_gather_time(gb, grp, hw)
-                    t_red = comm_model.reduce_scatter_time(qb, grp, hw) + \
-                        comm_model.all_reduce_time(n * rb, rep, hw)
-                gather += count * t_gat
-                red += count * t_red
-                first_g, last_r = max(first_g, t_gat), max(last_r, t_red)
-        return gather, first_g, red, last_r
-
-    def _shard_numel(self, shapes, world: int) -> int:
-        return unit_state(tuple(shapes), world).shard_numel
-
     def dp_collective_seconds(self, L: Layout) -> float:
         """Seconds of one step's data-parallel collectives on the first pipeline rank,
         overlapped or not (what a profile of its gathers and reductions adds up to)."""
         if (cm := self._for_ranks(L)) is not self:
             return cm.dp_collective_seconds(L)
-        gather, _, red, _ = self._dp_times(L, *self._rank_plan(L, 0))
+        gather, _, red, _ = dp_times(self, L, *self._rank_plan(L, 0))
         if L.zero == 3:
             gather *= L.pp_microbatches * (2 if self.wl.reshard_after_forward else 1)
         return gather + red
-
-    def _dp_exposed(self, L: Layout, rt: RankTimes, layers, first, last,
-                    overlap: bool = True) -> float:
-        gather, first_g, red, last_r = self._dp_times(L, layers, first, last)
-        m = L.pp_microbatches
-        if self.wl.dp_sync_after_backward:
-            return self._dp_after_backward(L, rt, gather, first_g, red)
-        if L.zero == 3:
-            per_mb = (2 if self.wl.reshard_after_forward else 1) * gather
-            total_gather = m * per_mb
-            hidden = m * max(0.0, per_mb - rt.busy) + first_g
-        else:
-            total_gather = gather
-            hidden = max(0.0, gather - rt.fwd) + first_g if gather else 0.0
-        if not (self.wl.overlap_dp and overlap):
-            return total_gather + red
-        return hidden + max(0.0, red - rt.bwd) + last_r
-
-    def _dp_after_backward(self, L: Layout, rt: RankTimes, gather: float, first_g: float,
-                           red: float) -> float:
-        """Exposed data-parallel seconds when the stack synchronises gradients once, after
-        the step's last backward ([Note: step time]): the reductions run then, behind no
-        compute; stage 3 gathers once per step (twice when it reshards after forward),
-        behind the first micro-batch's compute, since nothing reshards between
-        micro-batches."""
-        if L.zero == 3:
-            per_step = (2 if self.wl.reshard_after_forward else 1) * gather
-            hidden = max(0.0, per_step - rt.busy) + first_g
-        else:
-            hidden = max(0.0, gather - rt.fwd) + first_g if gather else 0.0
-        return hidden + red
 
     # ------------------------------------------------------------------ the step
     def _all_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
@@ -358,7 +286,7 @@ class CostModel:
         pp_comm = 2 * (L.pp - 1) * t_p2p + (0.0 if wl.overlap_pp and overlap
                                              else 2 * L.pp_virtual * m * t_p2p)
         _, first, last = self._rank_plan(L, r_star)
-        dp = self._dp_exposed(L, rt, layers, first, last, overlap)
+        dp = dp_exposed(self, L, rt, layers, first, last, overlap)
         opt, offload = self._optimizer(L, layers, first, last)
         breakdown = {"compute": m * (rt.fwd + rt.bwd), "tp_comm": m * rt.tp_comm,
                      "cp_comm": m * rt.cp_comm, "ep_all_to_all": m * rt.ep_comm,
@@ -397,10 +325,10 @@ class CostModel:
         if self.hw.cpu is not None and L.offload != "cpu" and not experts:
             units = [root] + [u for u, c in dense.items() for _ in range(c)]
             return optimizer_seconds(self.hw, units, world), 0.0
-        n = self._shard_numel(root, world) if root else 0
-        n += sum(c * self._shard_numel(u, world) for u, c in dense.items())
+        n = shard_numel(root, world) if root else 0
+        n += sum(c * shard_numel(u, world) for u, c in dense.items())
         ew = 1 if L.zero == 0 else max(1, L.dp_shard * L.cp // L.ep)
-        n += sum(c * self._shard_numel(u, ew) for u, c in experts.items())
+        n += sum(c * shard_numel(u, ew) for u, c in experts.items())
         nbytes = n * _OPT_BYTES[self.wl.optimizer] * self.wl.param_bytes / 4
         if L.offload == "cpu":
             host = nbytes / self.hw.host_bandwidth

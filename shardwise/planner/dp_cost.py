@@ -1,0 +1,107 @@
+"""The data-parallel collectives of one pipeline rank: what the engine's gathers and
+reductions take, and what of them is exposed ([Note: step time] in cost_model.py).
+
+    gather, first_gather, reduce, last_reduce = dp_times(cm, L, layers, first, last)
+    exposed = dp_exposed(cm, L, rank_times, layers, first, last)
+
+Each unit (the rank's blocks, its root, its experts over their own group) is priced with
+comm_model from the bytes the engine sends: stage 0 all-reduces whole gradients; stages
+1-3 reduce-scatter them (then all-reduce over replicas) and gather the parameters, in the
+quantised payloads of ``comm_weights`` / ``comm_grads`` when set
+(``shardwise.quant.packed_nbytes``). They hide behind compute as the engine schedules
+them: stage-3 gathers behind the computing unit, stage-1/2 gathers behind the next
+forward, reductions behind the last micro-batch's backward; the first gather and the last
+reduction are always exposed.
+"""
+
+from __future__ import annotations
+
+from shardwise.planner import comm_model
+from shardwise.planner.layout import Layout
+from shardwise.planner.memory import unit_state
+from shardwise.planner.stage_cost import RankTimes
+from shardwise.quant import packed_nbytes
+
+__all__ = ["dp_times", "dp_exposed", "shard_numel"]
+
+
+def shard_numel(shapes, world: int) -> int:
+    """Elements of one rank's shard of a unit of parameter ``shapes`` over ``world``."""
+    return unit_state(tuple(shapes), world).shard_numel
+
+
+def dp_times(cm, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
+    """(gather per step, first-unit gather, reduction per step, last-unit reduction) of a
+    rank holding ``layers``, priced by ``cm`` (a CostModel; cached on it)."""
+    key = ("dp", L.tp, L.ep, L.dp_shard, L.cp, L.dp_replicate, L.zero, L.comm_weights,
+           L.comm_grads, tuple(layers), first, last)
+    return cm._cached(key, lambda: _price(cm, L, layers, first, last))
+
+
+def _price(cm, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
+    wl, hw, g = cm.wl, cm.hw, cm.hw.gpus_per_node
+    root, dense, experts = cm._units(L, layers, first, last)
+    groups = [(comm_model.place(L.dp_shard * L.cp, L.tp, g), [(root, 1), *dense.items()])]
+    if experts:
+        groups.append((comm_model.place(max(1, L.dp_shard * L.cp // L.ep), L.tp * L.ep, g),
+                       list(experts.items())))
+    rep = comm_model.place(L.dp_replicate, L.dp_shard * L.cp * L.tp, g)
+    gather = first_g = red = last_r = 0.0
+    rb = 4 if wl.reduce_fp32 else wl.act_bytes if L.zero > 0 else wl.param_bytes
+    for grp, units in groups:
+        for shapes, count in units:
+            if not shapes:
+                continue
+            n = shard_numel(shapes, grp.size if L.zero > 0 else 1)
+            if L.zero == 0:
+                full = comm_model.place(grp.size * L.dp_replicate, L.tp, g)
+                t_red = comm_model.all_reduce_time(n * rb, full, hw)
+                t_gat = 0.0
+            else:
+                gb = packed_nbytes(n, L.comm_weights, 256) if L.comm_weights != "fp" \
+                    else n * wl.act_bytes
+                qb = packed_nbytes(n, L.comm_grads, 256) if L.comm_grads != "fp" \
+                    else n * rb
+                t_gat = comm_model.all_gather_time(gb, grp, hw)
+                t_red = comm_model.reduce_scatter_time(qb, grp, hw) + \
+                    comm_model.all_reduce_time(n * rb, rep, hw)
+            gather += count * t_gat
+            red += count * t_red
+            first_g, last_r = max(first_g, t_gat), max(last_r, t_red)
+    return gather, first_g, red, last_r
+
+
+def dp_exposed(cm, L: Layout, rt: RankTimes, layers, first: bool, last: bool,
+               overlap: bool = True) -> float:
+    """Seconds of the rank's data-parallel collectives left on its step: all of them
+    without ``overlap`` (saturated CPU cores) or without the workload's ``overlap_dp``,
+    else what compute does not hide."""
+    gather, first_g, red, last_r = dp_times(cm, L, layers, first, last)
+    m = L.pp_microbatches
+    if cm.wl.dp_sync_after_backward:
+        return _after_backward(cm, L, rt, gather, first_g, red)
+    if L.zero == 3:
+        per_mb = (2 if cm.wl.reshard_after_forward else 1) * gather
+        total_gather = m * per_mb
+        hidden = m * max(0.0, per_mb - rt.busy) + first_g
+    else:
+        total_gather = gather
+        hidden = max(0.0, gather - rt.fwd) + first_g if gather else 0.0
+    if not (cm.wl.overlap_dp and overlap):
+        return total_gather + red
+    return hidden + max(0.0, red - rt.bwd) + last_r
+
+
+def _after_backward(cm, L: Layout, rt: RankTimes, gather: float, first_g: float,
+                    red: float) -> float:
+    """Exposed data-parallel seconds when the stack synchronises gradients once, after
+    the step's last backward ([Note: step time] in cost_model.py): the reductions run
+    then, behind no compute; stage 3 gathers once per step (twice when it reshards after
+    forward), behind the first micro-batch's compute, since nothing reshards between
+    micro-batches."""
+    if L.zero == 3:
+        per_step = (2 if cm.wl.reshard_after_forward else 1) * gather
+        hidden = max(0.0, per_step - rt.busy) + first_g
+    else:
+        hidden = max(0.0, gather - rt.fwd) + first_g if gather else 0.0
+    return hidden + red
