@@ -216,6 +216,9 @@ def _factors(hw) -> dict[str, Any]:
     steps]): the median calls' and the fastest calls'."""
     c = hw.cpu
     return {"compose": c.compose, "compose_best": c.compose_best,
+            "compose_kernels": c.compose_kernels, "compose_kernels_best": c.compose_kernels_best,
+            "collective_overhead": c.collective_overhead,
+            "collective_overhead_best": c.collective_overhead_best,
             "busy": c.busy, "busy_best": c.busy_best}
 
 
@@ -297,6 +300,24 @@ def main(argv: list[str] | None = None) -> None:
     print(write_results(rows, meta, hw, inputs, Path(args.out)))
 
 
+def _recomposed(hw):
+    """``hw`` with its calibration's factors ([Note: composed blocks]) computed again by
+    this planner from the blocks the calibration stored, as ``--calibrate`` would now
+    compute them (a calibration written by an earlier planner may lack a factor or
+    store it under an older name)."""
+    import dataclasses
+
+    from shardwise.planner.cpu_blocks import composed_costs
+
+    c = hw.cpu
+    if c is None or not (c.blocks or c.tp_blocks):
+        return hw
+    bare = dataclasses.replace(c, compose=1.0, compose_best=0.0, compose_kernels=0.0,
+                               compose_kernels_best=0.0, collective_overhead=0.0,
+                               collective_overhead_best=None)
+    return hw.replace(cpu=composed_costs(hw.replace(cpu=bare), bare))
+
+
 def report_only(out: Path = OUT, repredict: bool = False) -> None:
     """Rewrite the markdown (and the refit) from ``out``/planner_bench.json; with
     ``repredict``, every row's prediction is made again by this planner from the run's
@@ -311,6 +332,7 @@ def report_only(out: Path = OUT, repredict: bool = False) -> None:
     meta = data["meta"]
     hw = get_hardware("local", extra_tables=[tomllib.loads(meta["calibration"])])
     if repredict:
+        hw = _recomposed(hw)
         by_name = {_name(*g): g for g in GRID}
         for r in data["rows"]:
             cfg = _config(*by_name[r["case"]], meta["seq"], meta["batch"])

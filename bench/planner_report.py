@@ -49,6 +49,11 @@ def _factor(x) -> str:
     return f"{x:.3g}" if x else "not measured"
 
 
+def _ms(x) -> str:
+    """A calibration time in seconds, for the header in ms."""
+    return f"{x * 1e3:.3g} ms" if x is not None else "not measured"
+
+
 def _kinds(r: dict[str, Any]) -> str:
     b, k = r["breakdown"][0], r["pred"]["kinds"]
     meas = {name: sum(b.get(x, 0) for x in parts) for name, parts in _KINDS}
@@ -138,7 +143,12 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{_factor(meta.get('compose_best'))} and `busy_best` "
         f"{_factor(meta.get('busy_best'))}, against `compose` "
         f"{_factor(meta.get('compose'))} and `busy` {_factor(meta.get('busy'))} for the "
-        f"median). Load = `os.getloadavg()` (1 min) when each round's "
+        f"median; the kernels' factor `compose_kernels` "
+        f"{_factor(meta.get('compose_kernels'))} (best "
+        f"{_factor(meta.get('compose_kernels_best'))}) and `collective_overhead` "
+        f"{_ms(meta.get('collective_overhead'))} (best "
+        f"{_ms(meta.get('collective_overhead_best'))}) per collective between a block's "
+        f"operators). Load = `os.getloadavg()` (1 min) when each round's "
         f"case started; steal = the share of the machine's CPU time the hypervisor gave "
         f"other guests while it ran (`/proc/stat`)."
         + (" Predictions made again from the run's calibration by a later planner "

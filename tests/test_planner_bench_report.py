@@ -31,6 +31,8 @@ def test_verdict_tells_met_missed_and_unsettled_apart():
 def test_report_counts_every_round_and_the_undisturbed_steps():
     meta = {"rounds": 2, "seq": 128, "batch": 4, "cores": 2, "calibration_s": 30.0,
             "compose": 1.1, "compose_best": 0.95, "busy": {"2": 1.2}, "busy_best": {"2": 1.05},
+            "compose_kernels": 1.6, "compose_kernels_best": 1.5,
+            "collective_overhead": 0.00112, "collective_overhead_best": 0.0002,
             "steps_per_model": {"debug": 16}}
     rows = [_row("a", 1.0, [1.0, 1.05], 0.9, [0.92, 0.95]),    # both met
             _row("b", 1.0, [1.0, 1.30], 0.9, [0.70, 0.72]),    # median unsettled, best miss
@@ -42,6 +44,8 @@ def test_report_counts_every_round_and_the_undisturbed_steps():
     assert lines["c"].endswith("| TIME MISS, best not settled, mem |")
     assert ("`compose_best` 0.95 and `busy_best` 1.05 (2 busy), against `compose` 1.1 and "
             "`busy` 1.2 (2 busy)") in text
+    assert ("`compose_kernels` 1.6 (best 1.5) and `collective_overhead` 1.12 ms (best "
+            "0.2 ms) per collective") in text
     assert "16 (debug) timed steps" in text
     assert "- every round: step time (median) 1 of 3 cases (1 not settled" in text
     assert "every round 1 of 3 (1 not settled; per round 2, 1)" in text
@@ -50,3 +54,7 @@ def test_report_counts_every_round_and_the_undisturbed_steps():
                                                                      "compose_best": 0.0})
     assert "| time, mem |" in old and "undisturbed prediction ([Note" not in old
     assert "`compose_best` not measured" in old
+    # a run from before the tensor-parallel pairs: their overhead was not measured
+    older = report([_row("a", 1.0, [1.0, 1.05], None, [0.92, 0.95])],
+                   {k: v for k, v in meta.items() if not k.startswith("collective")})
+    assert "`collective_overhead` not measured (best not measured)" in older

@@ -311,6 +311,36 @@ def test_collective_overhead_is_what_the_pairs_take_beyond_their_price(tmp_path)
         CpuCosts.from_table({"tp_blocks": [[384, 6]]})
 
 
+def test_repredict_recomputes_the_factors_from_the_stored_blocks(tmp_path):
+    """planner_bench --report-only --repredict prices a run with this planner's factors,
+    computed again from the blocks its calibration stored: a calibration written by an
+    earlier planner (here: its overhead under an older name, so not read) gets the
+    factors ``--calibrate`` writes now."""
+    import dataclasses
+
+    from bench.planner_bench import _recomposed
+    from shardwise.planner.cpu_blocks import BLOCKS, TP_BLOCKS, priced_block_parts
+    from shardwise.planner.cpu_blocks import priced_tp_block_seconds
+
+    _, plain = _plain(tmp_path)
+    parts = [priced_block_parts(plain, *b) for b in BLOCKS]
+    blocks = tuple((*b, 1.05 * m + 1.3 * k, 0.95 * m + 1.1 * k)
+                   for b, (m, k) in zip(BLOCKS, parts, strict=True))
+    _, with_blocks = _plain(tmp_path, "b.toml", blocks=blocks)
+    pairs = tuple((*b, priced_tp_block_seconds(with_blocks, *b) + 10 * 2e-3,
+                   priced_tp_block_seconds(with_blocks, *b) + 10 * 1e-3) for b in TP_BLOCKS)
+    _, now = _plain(tmp_path, "now.toml", blocks=blocks, tp_blocks=pairs)
+    old = now.replace(cpu=dataclasses.replace(now.cpu, compose=1.0, compose_kernels=0.0,
+                                              collective_overhead=0.0,
+                                              collective_overhead_best=None))
+    got = _recomposed(old).cpu
+    for key in ("compose", "compose_best", "compose_kernels", "compose_kernels_best",
+                "collective_overhead", "collective_overhead_best"):
+        assert getattr(got, key) == pytest.approx(getattr(now.cpu, key), rel=1e-3), key
+    assert got.collective_overhead == pytest.approx(2e-3, rel=1e-2)
+    assert _recomposed(plain) is plain  # no blocks stored: nothing to compute again
+
+
 def test_measure_tp_blocks_runs_sequence_parallel_pairs_on_two_ranks():
     """The tensor-parallel blocks run for real: apply_tp's sequence-parallel block on 2
     Gloo ranks, forward and backward, (dim, heads, kv_heads, median, fastest) rows."""
