@@ -30,7 +30,8 @@ from shardwise.planner.hardware import Hardware, Link
 from shardwise.planner.memory import TAG_BYTES, unit_state
 
 __all__ = ["Group", "place", "all_gather_time", "reduce_scatter_time", "all_reduce_time",
-           "all_to_all_time", "dispatch_time", "p2p_time", "step_bytes"]
+           "all_to_all_time", "dispatch_time", "p2p_time", "step_bytes", "stage0_buckets",
+           "registration_sizes"]
 
 
 @dataclass(frozen=True)
@@ -177,9 +178,16 @@ def step_bytes(spec, world: int, *, zero: int, param_bytes: int = 4, compute_byt
 
 
 def _buckets(spec, param_bytes: int, cap_mb: float = 25.0) -> list[int]:
-    """Stage-0 bucket sizes in bytes: parameters in reverse order, a 1 MiB first bucket."""
+    """Stage-0 bucket sizes in bytes of the whole model."""
+    return stage0_buckets(registration_sizes(spec, param_bytes), cap_mb)
+
+
+def stage0_buckets(sizes: list[int], cap_mb: float = 25.0) -> list[int]:
+    """Stage-0 bucket sizes in bytes of parameters of ``sizes`` bytes (registration order),
+    as the engine packs them (``shard.replicate``): in reverse order, a 1 MiB first
+    bucket, then ``cap_mb``."""
     buckets, cur = [], 0
-    for nbytes in _registration_sizes(spec, param_bytes)[::-1]:
+    for nbytes in sizes[::-1]:
         cap = (min(1.0, cap_mb) if not buckets else cap_mb) * 2 ** 20
         if cur and cur + nbytes > cap:
             buckets.append(cur)
@@ -188,9 +196,13 @@ def _buckets(spec, param_bytes: int, cap_mb: float = 25.0) -> list[int]:
     return buckets + ([cur] if cur else [])
 
 
-def _registration_sizes(spec, param_bytes: int) -> list[int]:
-    """Parameter bytes in ``Transformer.parameters()`` order: embedding, blocks, norm, head."""
-    root = spec.root_shapes()
-    first, rest = root[:1], root[1:]
-    blocks = [s for i in range(spec.n_layers) for s in spec.block_shapes(i)]
-    return [math.prod(s) * param_bytes for s in first + blocks + rest]
+def registration_sizes(spec, param_bytes: int, tp: int = 1, layers=None, first: bool = True,
+                       last: bool = True) -> list[int]:
+    """Parameter bytes in ``Transformer.parameters()`` order (embedding, blocks, norm, head)
+    of a rank holding ``layers`` (None: every block) of the pipeline's ``first`` and / or
+    ``last`` stage, its tensors split ``tp`` ways."""
+    root = spec.root_shapes(tp, first, last)
+    front = root[:len(spec.root_shapes(tp, first, False))]
+    layers = range(spec.n_layers) if layers is None else layers
+    blocks = [s for i in layers for s in spec.block_shapes(i, tp)]
+    return [math.prod(s) * param_bytes for s in front + blocks + root[len(front):]]

@@ -60,8 +60,6 @@ at the long gap, tp 2 x dp 2 on 4 ranks came out +18% to +36%.
 
 from __future__ import annotations
 
-import math
-
 from shardwise.planner import comm_model
 from shardwise.planner.cpu_pipeline import contended_pipeline
 from shardwise.planner.memory import unit_state
@@ -171,8 +169,8 @@ def _tp_calls(cm, L, layers, first: bool, last: bool) -> int:
 
 def engine_calls(cm, L, layers, first: bool, last: bool) -> int:
     """The engine's data-parallel collectives per step on a rank holding ``layers``, by the
-    rules ``comm_model.step_bytes`` prices: stage 0 one all-reduce per bucket (a 1 MiB
-    first bucket, then 25 MiB); stages 1-2 one reduce-scatter and one gather per unit;
+    rules ``comm_model.step_bytes`` prices: stage 0 one all-reduce per bucket
+    (``comm_model.stage0_buckets``); stages 1-2 one reduce-scatter and one gather per unit;
     stage 3 every unit gathered for each micro-batch's forward and the non-root units again
     for its backward (with ``reshard_after_forward``), one reduce-scatter per unit; over
     replicas, each reduction also all-reduced."""
@@ -182,8 +180,9 @@ def engine_calls(cm, L, layers, first: bool, last: bool) -> int:
     states = [unit_state(tuple(u), world) for u in _rank_units(cm, L, layers, first, last)]
     units = [st for st in states if st.n_params]
     if L.zero == 0:
-        nbytes = sum(st.numel for st in units) * cm.wl.param_bytes
-        return 1 + math.ceil(max(0.0, nbytes - 2 ** 20) / (25 * 2 ** 20)) if units else 0
+        sizes = comm_model.registration_sizes(cm.spec, cm.wl.param_bytes, L.tp, layers,
+                                              first, last)
+        return len(comm_model.stage0_buckets(sizes))
     n, root = len(units), int(bool(states and states[0].n_params))
     gathers = n if L.zero < 3 else L.pp_microbatches * (
         n + (n - root if cm.wl.reshard_after_forward else 0))
