@@ -75,33 +75,26 @@ def dp_exposed(cm, L: Layout, rt: RankTimes, layers, first: bool, last: bool,
                overlap: bool = True) -> float:
     """Seconds of the rank's data-parallel collectives left on its step: all of them
     without ``overlap`` (saturated CPU cores) or without the workload's ``overlap_dp``,
-    else what compute does not hide."""
+    else what compute does not hide.
+
+    When the stack synchronises gradients once, after the step's last backward ([Note:
+    step time] in cost_model.py), the reductions run then, behind no compute, and stage 3
+    gathers once per step (twice when it reshards after forward), behind the first
+    micro-batch's compute, since nothing reshards between micro-batches."""
     gather, first_g, red, last_r = dp_times(cm, L, layers, first, last)
-    m = L.pp_microbatches
     if cm.wl.dp_sync_after_backward:
-        return _after_backward(cm, L, rt, gather, first_g, red)
-    if L.zero == 3:
-        per_mb = (2 if cm.wl.reshard_after_forward else 1) * gather
-        total_gather = m * per_mb
-        hidden = m * max(0.0, per_mb - rt.busy) + first_g
-    else:
-        total_gather = gather
-        hidden = max(0.0, gather - rt.fwd) + first_g if gather else 0.0
+        return _gathers(cm, L, rt, gather, first_g, 1)[1] + red
+    total_gather, hidden = _gathers(cm, L, rt, gather, first_g, L.pp_microbatches)
     if not (cm.wl.overlap_dp and overlap):
         return total_gather + red
     return hidden + max(0.0, red - rt.bwd) + last_r
 
 
-def _after_backward(cm, L: Layout, rt: RankTimes, gather: float, first_g: float,
-                    red: float) -> float:
-    """Exposed data-parallel seconds when the stack synchronises gradients once, after
-    the step's last backward ([Note: step time] in cost_model.py): the reductions run
-    then, behind no compute; stage 3 gathers once per step (twice when it reshards after
-    forward), behind the first micro-batch's compute, since nothing reshards between
-    micro-batches."""
+def _gathers(cm, L: Layout, rt: RankTimes, gather: float, first_g: float, rounds: int
+             ) -> tuple[float, float]:
+    """(all the gathers' seconds, what of them compute leaves exposed) when stage 3
+    gathers ``rounds`` times a step (stages 1-2 once, behind the next forward)."""
     if L.zero == 3:
-        per_step = (2 if cm.wl.reshard_after_forward else 1) * gather
-        hidden = max(0.0, per_step - rt.busy) + first_g
-    else:
-        hidden = max(0.0, gather - rt.fwd) + first_g if gather else 0.0
-    return hidden + red
+        per_round = (2 if cm.wl.reshard_after_forward else 1) * gather
+        return rounds * per_round, rounds * max(0.0, per_round - rt.busy) + first_g
+    return gather, max(0.0, gather - rt.fwd) + first_g if gather else 0.0
