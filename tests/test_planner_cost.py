@@ -3,6 +3,8 @@ pipeline closed forms against the simulator, collective pricing, catalogues, lay
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from pathlib import Path
 
@@ -124,7 +126,7 @@ def test_hardware_catalogue(tmp_path: Path):
 
 def test_model_catalogue(tmp_path: Path):
     only = planner_only_models()
-    for name in ("gpt3-175b", "mt-nlg-530b", "gpt-1t"):
+    for name in ("gpt3-175b", "mt-nlg-530b", "gpt-1t", "bloom-176b"):
         assert name in only
     for name in ("mixtral-8x7b", "deepseek-v3"):  # planner-only until the registry has them
         assert (name in only) == (name not in list_model_configs())
@@ -132,6 +134,12 @@ def test_model_catalogue(tmp_path: Path):
     ds = get_model_spec("deepseek-v3")
     assert round(ds.num_params() / 1e9) == 671 and round(ds.active_params() / 1e9) == 38
     assert round(get_model_spec("gpt-1t").num_params() / 1e9) == 1008
+    bloom = get_model_spec("bloom-176b")  # ALiBi: no position parameters, no rotary work
+    assert round(bloom.num_params() / 1e9) == 176 and bloom.root_shapes(1, True, False) == \
+        [(250880, 14336)]
+    with pytest.raises(ValueError, match="position='alibi2', expected one of rope, learned, "
+                                         "alibi"):
+        dataclasses.replace(bloom, position="alibi2")
     assert round(get_model_spec("mixtral-8x7b").active_params() / 1e9, 1) == 12.9
     cfg = tmp_path / "m.toml"
     cfg.write_text('base = "llama3-8b"\nn_layers = 16\n')

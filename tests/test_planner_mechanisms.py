@@ -125,3 +125,32 @@ def test_fused_norm_prices_only_the_norms_as_fused():
     fused = layer_work(LLAMA8, False, 8192, 8192, 1, 1, "flash", 2, fused=True)
     assert fused.elementwise_rep == norm.elementwise_rep < eager.elementwise_rep
     assert norm.elementwise_tp == eager.elementwise_tp > fused.elementwise_tp  # RoPE, SwiGLU
+
+
+def test_gradient_accumulation_outside_the_multiplies_lengthens_every_slot():
+    """``grad_accum_bytes`` moves that many bytes per parameter of the rank in each
+    micro-batch's backward, at the memory bandwidth ([Note: gradient accumulation])."""
+    spec = get_model_spec("mt-nlg-530b")
+    a100 = get_hardware("a100-80gb")
+    L = Layout(dp_shard=8, tp=8, pp=35, zero=1, microbatch=1, pp_microbatches=240,
+               pp_schedule="1f1b", ac="full", sp=False)
+    base = Workload(seq_len=2048, global_batch=1920, compute_dtype="bf16", fused_kernels=True,
+                    attention="unfused", overlap_dp=False, overlap_pp=False)
+    acc = dataclasses.replace(base, grad_accum_bytes=6)
+    cm0, cm6 = CostModel(spec, a100, base), CostModel(spec, a100, acc)
+    layers, first, last = cm0._rank_plan(L, 0)
+    r0 = StageCoster(spec, a100, base).rank(L, layers, first, last)
+    r6 = StageCoster(spec, a100, acc).rank(L, layers, first, last)
+    params = 3 * 12 * spec.dim ** 2 / 8  # three GPT blocks' weights over tp 8 ...
+    params += spec.vocab_size * spec.dim / 8 + 2048 * spec.dim  # ... and the embeddings
+    extra = a100.memory_time(6 * params)
+    assert r6.bwd - r0.bwd == pytest.approx(extra, rel=0.01)
+    assert r6.wgrad - r0.wgrad == pytest.approx(extra, rel=0.01)
+    assert (r6.fwd, r6.tp_comm, r6.model_flops) == (r0.fwd, r0.tp_comm, r0.model_flops)
+    # On the pipeline's critical path: every slot of the 240 + 34 grows.
+    grown = cm6.estimate(L).step_time - cm0.estimate(L).step_time
+    assert 240 * extra < grown < (240 + 34) * extra * 1.1
+    assert parse_workload("grad_accum_bytes=18") == {"grad_accum_bytes": 18.0}
+    for bad in (-1, True, "6"):
+        with pytest.raises(ValueError, match="grad_accum_bytes="):
+            Workload(seq_len=8, global_batch=1, grad_accum_bytes=bad)

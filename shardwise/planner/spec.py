@@ -25,7 +25,7 @@ __all__ = ["ModelSpec"]
 
 _MLPS = ("swiglu", "gelu")
 _NORMS = ("rmsnorm", "layernorm")
-_POSITIONS = ("rope", "learned")
+_POSITIONS = ("rope", "learned", "alibi")
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,14 @@ class Workload:
             policies] in recompute.py): "ops" (default, shardwise: the bandwidth-bound
             ops), "alternate_mm" (torchtitan's op policy: also every second matrix
             multiply) or "layers:N" (torchtitan's layer policy: every N-th block fully).
+        grad_accum_bytes: bytes per parameter that each micro-batch's backward moves to
+            accumulate the weight gradients outside the weight-gradient multiplies, priced
+            at the device's memory bandwidth on every pipeline rank ([Note: gradient
+            accumulation] in stage_cost.py). 0 (default): the multiplies accumulate in place
+            (Megatron-LM's gradient_accumulation_fusion) or each step has one micro-batch;
+            6: autograd adds each new 16-bit gradient into ``.grad`` (read 2 + 2, write 2);
+            18: DeepSpeed's 2022 BF16_Optimizer casts each bf16 gradient to fp32 and adds it
+            into an fp32 buffer (cast: read 2, write 4; add: read 4 + 4, write 4).
     """
 
     seq_len: int
@@ -99,6 +107,7 @@ class Workload:
     reshard_after_forward: bool = True
     p2p_scatter_gather: bool = False
     selective_ac: str = "ops"
+    grad_accum_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
@@ -115,6 +124,10 @@ class Workload:
         if not 0 <= self.overlap_tp_fraction <= 1:
             raise ValueError(f"overlap_tp_fraction={self.overlap_tp_fraction!r}, expected a "
                              f"fraction in [0, 1]")
+        if isinstance(self.grad_accum_bytes, bool) or not (
+                isinstance(self.grad_accum_bytes, (int, float)) and self.grad_accum_bytes >= 0):
+            raise ValueError(f"grad_accum_bytes={self.grad_accum_bytes!r}, expected a number "
+                             f"of bytes >= 0")
         if not 0 <= self.comm_sm_fraction < 1:
             raise ValueError(f"comm_sm_fraction={self.comm_sm_fraction!r}, expected a fraction "
                              f"in [0, 1)")
