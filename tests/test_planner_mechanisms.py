@@ -154,3 +154,27 @@ def test_gradient_accumulation_outside_the_multiplies_lengthens_every_slot():
     for bad in (-1, True, "6"):
         with pytest.raises(ValueError, match="grad_accum_bytes="):
             Workload(seq_len=8, global_batch=1, grad_accum_bytes=bad)
+
+
+def test_tied_embedding_gradient_is_all_reduced_between_first_and_last_stage():
+    """[Note: tied embeddings across stages]: a pair all-reduce of the embedding's gradient
+    (vocabulary / tp rows, in the reduction dtype) over the pipeline's link, on pp_comm;
+    nothing when untied, on one stage, or when a V placement gives rank 0 both ends."""
+    bloom = get_model_spec("bloom-176b")
+    a100 = get_hardware("a100-80gb")
+    wl = Workload(seq_len=2048, global_batch=2048, reduce_fp32=True, fused_kernels=True,
+                  attention="unfused", overlap_dp=False, overlap_pp=False)
+    L = Layout(dp_shard=8, tp=4, pp=12, zero=1, microbatch=2, pp_microbatches=128,
+               pp_schedule="1f1b", ac="full", sp=False)
+    tied = CostModel(bloom, a100, wl)
+    untied = CostModel(dataclasses.replace(bloom, tie_embeddings=False), a100, wl)
+    pair = comm_model.place(2, 8 * 4 * 11, a100.gpus_per_node)
+    assert (pair.size, pair.nodes) == (2, 2)  # the first and last stages sit on two nodes
+    want = comm_model.all_reduce_time(250880 / 4 * bloom.dim * 4, pair, a100)
+    assert tied._tied_embedding_time(L) == pytest.approx(want)
+    assert untied._tied_embedding_time(L) == 0.0
+    pp_tied, pp_untied = (cm.estimate(L).breakdown["pp_comm"] for cm in (tied, untied))
+    assert pp_tied - pp_untied == pytest.approx(want)
+    assert tied._tied_embedding_time(dataclasses.replace(L, pp=1, dp_shard=96)) == 0.0
+    zbv = dataclasses.replace(L, pp_schedule="zbv", pp_virtual=2)
+    assert tied._tied_embedding_time(zbv) == 0.0
