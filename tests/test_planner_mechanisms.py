@@ -6,6 +6,7 @@ and fused norms. Each is checked against its definition on one layer or one layo
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -178,3 +179,25 @@ def test_tied_embedding_gradient_is_all_reduced_between_first_and_last_stage():
     assert tied._tied_embedding_time(dataclasses.replace(L, pp=1, dp_shard=96)) == 0.0
     zbv = dataclasses.replace(L, pp_schedule="zbv", pp_virtual=2)
     assert tied._tied_embedding_time(zbv) == 0.0
+
+
+def test_zero1_all_reduce_reduces_whole_gradients():
+    """DeepSpeed's BF16_Optimizer all-reduces whole fp32 gradients at ZeRO-1
+    (``zero1_all_reduce``): the reduction costs an all-reduce of the unit, not a
+    reduce-scatter; gathers and other stages are unchanged."""
+    bloom = get_model_spec("bloom-176b")
+    a100 = get_hardware("a100-80gb")
+    base = Workload(seq_len=2048, global_batch=2048, reduce_fp32=True, overlap_dp=False)
+    L = Layout(dp_shard=8, tp=4, pp=12, zero=1, microbatch=2, pp_microbatches=128,
+               pp_schedule="1f1b", ac="full", sp=False)
+    rs, ar = CostModel(bloom, a100, base), \
+        CostModel(bloom, a100, dataclasses.replace(base, zero1_all_reduce=True))
+    plan = rs._rank_plan(L, 5)  # six blocks, no embedding
+    g_rs, _, red_rs, _ = dp_times(rs, L, *plan)
+    g_ar, _, red_ar, _ = dp_times(ar, L, *plan)
+    grp = comm_model.place(8, 4, a100.gpus_per_node)
+    block = sum(math.prod(s) for s in bloom.block_shapes(0, 4))
+    assert red_ar == pytest.approx(6 * comm_model.all_reduce_time(block * 4, grp, a100))
+    assert red_ar > 1.5 * red_rs and g_ar == g_rs
+    L2 = dataclasses.replace(L, zero=2)
+    assert dp_times(ar, L2, *plan) == dp_times(rs, L2, *plan)

@@ -8,10 +8,11 @@ Each unit (the rank's blocks, its root, its experts over their own group) is pri
 comm_model from the bytes the engine sends: stage 0 all-reduces whole gradients; stages
 1-3 reduce-scatter them (then all-reduce over replicas) and gather the parameters, in the
 quantised payloads of ``comm_weights`` / ``comm_grads`` when set
-(``shardwise.quant.packed_nbytes``). They hide behind compute as the engine schedules
-them: stage-3 gathers behind the computing unit, stage-1/2 gathers behind the next
-forward, reductions behind the last micro-batch's backward; the first gather and the last
-reduction are always exposed.
+(``shardwise.quant.packed_nbytes``); a stack whose ZeRO-1 all-reduces whole gradients
+(``zero1_all_reduce``, DeepSpeed's BF16_Optimizer) pays the all-reduce. They hide behind
+compute as the engine schedules them: stage-3 gathers behind the computing unit, stage-1/2
+gathers behind the next forward, reductions behind the last micro-batch's backward; the
+first gather and the last reduction are always exposed.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def _price(cm, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
                 t_gat = comm_model.all_gather_time(gb, grp, hw)
                 t_red = comm_model.reduce_scatter_time(qb, grp, hw) + \
                     comm_model.all_reduce_time(n * rb, rep, hw)
+                if L.zero == 1 and wl.zero1_all_reduce:  # whole gradients, every rank
+                    whole = comm_model.place(grp.size * L.dp_replicate, L.tp, g)
+                    t_red = comm_model.all_reduce_time(shard_numel(shapes, 1) * rb, whole, hw)
             gather += count * t_gat
             red += count * t_red
             first_g, last_r = max(first_g, t_gat), max(last_r, t_red)

@@ -84,6 +84,11 @@ class Workload:
             6: autograd adds each new 16-bit gradient into ``.grad`` (read 2 + 2, write 2);
             18: DeepSpeed's 2022 BF16_Optimizer casts each bf16 gradient to fp32 and adds it
             into an fp32 buffer (cast: read 2, write 4; add: read 4 + 4, write 4).
+        zero1_all_reduce: at ZeRO stage 1, gradients are reduced with a whole all-reduce
+            (each rank then updates its own shard and the parameters are all-gathered),
+            as DeepSpeed's pipeline engine does with its BF16_Optimizer
+            (``_bf16_reduce_grads``: ``buffered_allreduce_fallback`` of the fp32
+            gradients); default False: a reduce-scatter, as shardwise's engine does.
     """
 
     seq_len: int
@@ -108,6 +113,7 @@ class Workload:
     p2p_scatter_gather: bool = False
     selective_ac: str = "ops"
     grad_accum_bytes: float = 0.0
+    zero1_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
