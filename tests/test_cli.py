@@ -77,6 +77,11 @@ def test_top_level_help_names_train(capsys):
     (["--nproc", "zero"], "parallel.nproc: expected int, got 'zero'"),
     (["--data.seq_len", "512"], "data.seq_len=512 exceeds max_seq_len=256 of model 'debug'"),
     (["--model.name", "debgu"], "unknown model config 'debgu' (did you mean 'debug'?)"),
+    (["--model.name", "gpt3-175b"], "'gpt3-175b' is a published shape the planner prices "
+                                    "(gelu feed-forward, layernorm, learned positions) that "
+                                    "shardwise.models cannot build; price it with `shardwise "
+                                    "plan --model gpt3-175b`"),
+    (["--model.name", "bloom-176b"], "alibi positions"),
     (["--model.n_heads", "3"], "n_heads=3"),
     (["positional"], "unexpected argument 'positional'"),
 ])
@@ -218,3 +223,18 @@ def test_a_closed_stdout_ends_the_command_quietly(tmp_path, args, code):
     os.close(write)
     assert proc.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored"
     assert proc.returncode == code
+
+
+def test_every_planner_only_shape_is_refused_by_name():
+    """The catalogue's shapes the trainer cannot build are refused with their own name and
+    the command that prices them; the registry's names are not."""
+    from shardwise.models import list_model_configs
+    from shardwise.planner import planner_only_models
+    from shardwise.train.preflight import _planner_only
+
+    only = planner_only_models()
+    assert {"gpt3-175b", "mt-nlg-530b", "gpt-1t", "bloom-176b"} <= set(only)
+    for name in only:
+        why = _planner_only(name)
+        assert why and repr(name) in why and f"shardwise plan --model {name}" in why
+    assert all(_planner_only(name) is None for name in list_model_configs())

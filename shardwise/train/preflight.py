@@ -68,12 +68,31 @@ def build_model_config(cfg: Config, vocab_size: int | None = None):  # -> LlamaC
     try:
         model_cfg = get_model_config(cfg.model.name, **overrides)
     except ValueError as exc:
-        raise ValueError(f"model: {exc}") from None
+        raise ValueError(f"model: {_planner_only(cfg.model.name) or exc}") from None
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds max_seq_len="
                          f"{model_cfg.max_seq_len} of model {cfg.model.name!r}; expected "
                          f"data.seq_len <= {model_cfg.max_seq_len}, or a larger model.max_seq_len")
     return model_cfg
+
+
+def _planner_only(name: str) -> str | None:
+    """Why ``name`` cannot be trained, when it is a shape only the planner's catalogue has
+    (a published model ``shardwise.models`` cannot build), else None."""
+    from shardwise.models import list_model_configs
+    from shardwise.planner.catalogue import get_model_spec, planner_only_models
+
+    if name not in planner_only_models():
+        return None
+    spec = get_model_spec(name)
+    parts = [f"{spec.mlp} feed-forward", spec.norm, f"{spec.position} positions"]
+    if spec.is_mla:
+        parts.append("multi-head latent attention")
+    if spec.n_experts:
+        parts.append(f"{spec.n_experts} experts")
+    return (f"{name!r} is a published shape the planner prices ({', '.join(parts)}) that "
+            f"shardwise.models cannot build; price it with `shardwise plan --model {name}`, "
+            f"or train one of the registry's models: {', '.join(list_model_configs())}")
 
 
 def build_data(cfg: Config, world_size: int) -> TokenData:
