@@ -64,11 +64,12 @@ def _price(cm, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
                 qb = packed_nbytes(n, L.comm_grads, 256) if L.comm_grads != "fp" \
                     else n * rb
                 t_gat = comm_model.all_gather_time(gb, grp, hw)
-                t_red = comm_model.reduce_scatter_time(qb, grp, hw) + \
-                    comm_model.all_reduce_time(n * rb, rep, hw)
                 if L.zero == 1 and wl.zero1_all_reduce:  # whole gradients, every rank
                     whole = comm_model.place(grp.size * L.dp_replicate, L.tp, g)
                     t_red = comm_model.all_reduce_time(shard_numel(shapes, 1) * rb, whole, hw)
+                else:
+                    t_red = comm_model.reduce_scatter_time(qb, grp, hw) + \
+                        comm_model.all_reduce_time(n * rb, rep, hw)
             gather += count * t_gat
             red += count * t_red
             first_g, last_r = max(first_g, t_gat), max(last_r, t_red)
