@@ -61,6 +61,23 @@ def test_compose_scales_compute_not_communication(layout):
         assert b[k] == pytest.approx(a[k], rel=1e-9)
 
 
+def test_cpu_ranks_price_the_accumulation_as_the_calibrated_add():
+    """On CPU ranks autograd's accumulation is the calibrated elementwise add (``residual``),
+    one call per parameter tensor the rank holds, once per micro-batch after the first."""
+    from shardwise.planner.stage_cost import StageCoster
+
+    hw, spec = _local(cores=8), get_model_spec("debug")
+    wl = Workload(seq_len=128, global_batch=16, compute_dtype="fp32")
+    L = Layout(microbatch=4, pp_microbatches=4)
+    layers = list(range(spec.n_layers))
+    on = StageCoster(spec, hw, wl).rank(L, layers, True, True)
+    off = StageCoster(spec, hw, replace(wl, autograd_accum=False)).rank(L, layers, True, True)
+    shapes = [s for i in layers for s in spec.block_shapes(i)] + spec.root_shapes()
+    adds = sum(1e-4 + 1e-9 * torch.Size(s).numel() for s in shapes)  # _costs' residual fit
+    assert on.bwd - off.bwd == pytest.approx(adds * 3 / 4, rel=1e-9)
+    assert on.fwd == off.fwd
+
+
 def test_gpus_never_take_the_cpu_path():
     for name in ("a100-80gb", "h100", "h200", "b200", "mi300x"):
         hw = get_hardware(name)

@@ -157,6 +157,57 @@ def test_gradient_accumulation_outside_the_multiplies_lengthens_every_slot():
             Workload(seq_len=8, global_batch=1, grad_accum_bytes=bad)
 
 
+def test_autograd_accumulation_is_shardwise_default_and_skips_the_first_micro_batch():
+    """By default (``autograd_accum``, shardwise's engine) each micro-batch after the first
+    adds its gradients into ``.grad`` in the compute dtype: 3 words a parameter, averaged
+    over the step's micro-batches; a step of one micro-batch accumulates nothing, whatever
+    the stack ([Note: gradient accumulation])."""
+    spec, h100 = get_model_spec("llama3-8b"), get_hardware("h100")
+    wl = Workload(seq_len=4096, global_batch=64)
+    off = dataclasses.replace(wl, autograd_accum=False)
+    own = dataclasses.replace(off, grad_accum_bytes=10)
+    assert wl.autograd_accum and wl.grad_accum_bytes == 0
+    layers = list(range(spec.n_layers))
+
+    def extra(w, m: int, **kw) -> float:
+        L = Layout(dp_shard=8, microbatch=1, pp_microbatches=m, **kw)
+        got = StageCoster(spec, h100, w).rank(L, layers, True, True)
+        bare = StageCoster(spec, h100, off).rank(L, layers, True, True)
+        assert got.wgrad - bare.wgrad == pytest.approx(got.bwd - bare.bwd)
+        return got.bwd - bare.bwd
+
+    params = spec.num_params()  # one pipeline rank, no tensor parallelism: every parameter
+    for m in (2, 8):
+        assert extra(wl, m) == pytest.approx(h100.memory_time(6 * params * (m - 1) / m),
+                                             rel=1e-6)
+        assert extra(own, m) == pytest.approx(h100.memory_time(10 * params), rel=1e-6)
+    fp32 = dataclasses.replace(wl, compute_dtype="fp32")
+    fp32_off = dataclasses.replace(fp32, autograd_accum=False)
+    L = Layout(dp_shard=8, microbatch=1, pp_microbatches=4)
+    got = StageCoster(spec, h100, fp32).rank(L, layers, True, True).bwd
+    bare = StageCoster(spec, h100, fp32_off).rank(L, layers, True, True).bwd
+    assert got - bare == pytest.approx(h100.memory_time(12 * params * 3 / 4), rel=1e-6)
+    assert extra(wl, 1) == extra(own, 1) == 0.0
+    # The search's cached ranks know the count: more micro-batches, more accumulation.
+    cm = CostModel(spec, h100, wl)
+    few, many = (cm.estimate(Layout(dp_shard=8, microbatch=1, pp_microbatches=m))
+                 for m in (1, 8))
+    assert many.breakdown["compute"] > 8 * few.breakdown["compute"]
+    assert parse_workload("autograd_accum=false") == {"autograd_accum": False}
+
+
+def test_the_trainer_prices_its_own_accumulation():
+    """``--parallel.plan auto`` prices the trainer's run with shardwise's own accumulation
+    (autograd's add, in the run's compute dtype)."""
+    from shardwise.models.registry import get_model_config
+    from shardwise.train import plan_layout
+    from shardwise.train.config import load_config, resolve_world
+
+    cfg = resolve_world(load_config(None, {"model.name": "debug", "train.grad_accum": "4"}), 2)
+    _, _, wl = plan_layout.planner_inputs(cfg, get_model_config("debug"), get_hardware("h100"))
+    assert wl.autograd_accum and wl.grad_accum_bytes == 0
+
+
 def test_tied_embedding_gradient_is_all_reduced_between_first_and_last_stage():
     """[Note: tied embeddings across stages]: a pair all-reduce of the embedding's gradient
     (vocabulary / tp rows, in the reduction dtype) over the pipeline's link, on pp_comm;

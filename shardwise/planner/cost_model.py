@@ -156,7 +156,8 @@ class CostModel:
 
     # ------------------------------------------------------------------ ranks
     def _sample_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
-        key = (L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch, L.ac)
+        key = (L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch, L.ac,
+               self.stages.accum_bytes(L))
         if key not in self._ranks:
             plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
             # Rank 0 holds the most layers (uneven splits give the first stages one more)
@@ -239,7 +240,7 @@ class CostModel:
     # ------------------------------------------------------------------ the step
     def _all_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
         key = ("all", L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch,
-               L.ac)
+               L.ac, self.stages.accum_bytes(L))
         if key not in self._ranks:
             plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
             self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0])

@@ -35,13 +35,19 @@ multiply add into the fp32 buffer itself; every other stack the planner knows ru
 separate pass over all of the rank's parameters per micro-batch: autograd's in-place add
 into ``.grad`` (Megatron-LM's fp16 default of 2021, DeepSpeed's 2021 ZeRO-1 pipeline
 engine), Megatron-LM's ``main_grad.add_`` hooks, DeepSpeed's 2022 BF16_Optimizer
-(``update_hp_grads``: a cast to fp32 and an add). The workload's ``grad_accum_bytes`` says
-how many bytes per parameter that pass moves; it is priced at the memory bandwidth on the
-weight-gradient part of every micro-batch's backward, so it lengthens each slot of the
-pipeline (a pass per micro-batch, the first included: Megatron's hooks and DeepSpeed's
-casts run on every one, autograd's first is a cheap handoff, a 1/m difference not
-modelled). Per slot it costs ``bytes x bandwidth / (8 x tokens per micro-batch x flop
-rate)`` of the layers' time with full recomputation, whatever the model's size: about 4%
+(``update_hp_grads``: a cast to fp32 and an add), FSDP2's fp32 accumulation of unsharded
+bf16 gradients. Autograd's add (the workload's ``autograd_accum``, the default: shardwise's
+engine runs every micro-batch but the last without gradient sync, so autograd adds each
+new gradient into the full parameters' ``.grad`` in the compute dtype) reads two words and
+writes one per parameter, and only from the second micro-batch on: the first hands its
+gradient over. Those stacks' own passes (``grad_accum_bytes``) run on every micro-batch,
+the first included. So a step of ``m > 1`` micro-batches moves ``3 x word x (m - 1) +
+grad_accum_bytes x m`` bytes per parameter; a step of one micro-batch accumulates nothing
+(its gradient goes straight to the reduction). It is priced at the memory bandwidth (on
+CPU ranks as the calibrated elementwise add), averaged over the micro-batches, on the
+weight-gradient part of each one's backward, so it lengthens each slot of the pipeline.
+Per slot it costs ``bytes x flop rate / (8 x tokens per micro-batch x
+bandwidth)`` of the layers' time with full recomputation, whatever the model's size: about 4%
 for 6 bytes and one 2048-token sequence on an A100.
 """
 
@@ -281,19 +287,38 @@ class StageCoster:
                 fwd, bwd = fwd + k * (t.fwd + head), bwd + k * (t.bwd + t.recompute + 2 * head)
                 flops += k * (t.model_flops + hf)
                 saved += k * t.saved
-        if self.wl.grad_accum_bytes:  # [Note: gradient accumulation]
-            acc = self.hw.memory_time(self.wl.grad_accum_bytes
-                                      * self._rank_params(L, layers, first, last))
+        if per_param := self.accum_bytes(L):  # [Note: gradient accumulation]
+            acc = self._accum_seconds(L, layers, first, last, per_param, ker)
             bwd, wgrad = bwd + acc, wgrad + acc
         return RankTimes(fwd, bwd, wgrad, tpc, cpc, epc, flops, rflops, saved, working,
                          logits, len(layers))
 
-    def _rank_params(self, L, layers: list[int], first: bool, last: bool) -> int:
-        """Parameters a pipeline rank holds whole (its tensor- and expert-parallel
-        shards)."""
+    def accum_bytes(self, L) -> float:
+        """Bytes per parameter one micro-batch's backward moves, on average over the step's
+        micro-batches, to accumulate the weight gradients ([Note: gradient accumulation]):
+        autograd's add after the first micro-batch, and the stack's own pass on every one."""
+        m = L.pp_microbatches
+        if m == 1:  # nothing to accumulate
+            return 0.0
+        per_param = self.wl.grad_accum_bytes
+        if self.wl.autograd_accum:
+            per_param += 3 * self.wl.act_bytes * (m - 1) / m
+        return per_param
+
+    def _accum_seconds(self, L, layers: list[int], first: bool, last: bool,
+                       per_param: float, ker: float) -> float:
+        """Seconds of one micro-batch's gradient accumulation, ``per_param`` bytes per
+        parameter the rank holds whole (its tensor- and expert-parallel shards): at the
+        memory bandwidth, or on CPU ranks as the calibrated elementwise add (the
+        ``residual`` kernel, one call per parameter tensor, a pass being 3 words a
+        parameter) with the layers' kernel factor ``ker``."""
         shapes = [s for i in layers for s in self.spec.block_shapes(i, L.tp, L.ep)]
         shapes += self.spec.root_shapes(L.tp, first, last)
-        return sum(math.prod(s) for s in shapes)
+        if cpu_pricable(self.hw, self.spec):
+            adds = sum(self.hw.cpu.kernel("residual", math.prod(s)) for s in shapes)
+            passes = per_param / (3 * self.wl.act_bytes)
+            return ker * passes * adds / self.hw.memory_efficiency
+        return self.hw.memory_time(per_param * sum(math.prod(s) for s in shapes))
 
     def _head_kernels(self, L, tokens: float, first: bool, last: bool) -> tuple[float, float]:
         """(forward, backward) seconds of the embedding and the loss (the head's multiply

@@ -76,14 +76,22 @@ class Workload:
             policies] in recompute.py): "ops" (default, shardwise: the bandwidth-bound
             ops), "alternate_mm" (torchtitan's op policy: also every second matrix
             multiply) or "layers:N" (torchtitan's layer policy: every N-th block fully).
-        grad_accum_bytes: bytes per parameter that each micro-batch's backward moves to
-            accumulate the weight gradients outside the weight-gradient multiplies, priced
-            at the device's memory bandwidth on every pipeline rank ([Note: gradient
-            accumulation] in stage_cost.py). 0 (default): the multiplies accumulate in place
-            (Megatron-LM's gradient_accumulation_fusion) or each step has one micro-batch;
-            6: autograd adds each new 16-bit gradient into ``.grad`` (read 2 + 2, write 2);
-            18: DeepSpeed's 2022 BF16_Optimizer casts each bf16 gradient to fp32 and adds it
-            into an fp32 buffer (cast: read 2, write 4; add: read 4 + 4, write 4).
+        autograd_accum: the weight gradients of a step's micro-batches accumulate through
+            autograd's add into the compute-dtype ``.grad`` (True, the default: shardwise's
+            engine, whose micro-batches before the last run without gradient sync, and
+            Megatron-LM's fp16 default of 2021-22): every micro-batch after the first moves
+            3 compute-dtype words per parameter (read 2, write 1), the first hands its
+            gradient over for free ([Note: gradient accumulation] in stage_cost.py). False:
+            the stack accumulates otherwise (``grad_accum_bytes``), or not at all.
+        grad_accum_bytes: bytes per parameter that each micro-batch's backward moves, the
+            first included (when a step has more than one), to accumulate the weight
+            gradients in a pass of the stack's own (after ``autograd_accum``'s, when both
+            are set), priced at the device's memory bandwidth on every pipeline rank.
+            0 (default): none (Megatron-LM's gradient_accumulation_fusion, where the
+            multiplies accumulate in place); 10:
+            FSDP2's fp32 accumulation of bf16 gradients; 18: DeepSpeed's 2022 BF16_Optimizer
+            casts each bf16 gradient to fp32 and adds it into an fp32 buffer (cast: read 2,
+            write 4; add: read 4 + 4, write 4).
         zero1_all_reduce: at ZeRO stage 1, gradients are reduced with a whole all-reduce
             (each rank then updates its own shard and the parameters are all-gathered),
             as DeepSpeed's pipeline engine does with its BF16_Optimizer
@@ -112,6 +120,7 @@ class Workload:
     reshard_after_forward: bool = True
     p2p_scatter_gather: bool = False
     selective_ac: str = "ops"
+    autograd_accum: bool = True
     grad_accum_bytes: float = 0.0
     zero1_all_reduce: bool = False
 
