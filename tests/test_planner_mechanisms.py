@@ -208,6 +208,36 @@ def test_the_trainer_prices_its_own_accumulation():
     assert wl.autograd_accum and wl.grad_accum_bytes == 0
 
 
+def test_engine_copies_around_gathers_and_reductions_on_gpus():
+    """Stage 3 copies every gathered parameter out of the gather buffer (twice a micro-batch
+    for the blocks, once for the root) and packs the gradients into the fp32 reduction
+    buffer once a step, at the memory bandwidth; stacks without copies and stage 0 pay
+    nothing ([Note: the engine's copies on GPUs])."""
+    from shardwise.planner.dp_cost import dp_copy_seconds
+
+    spec, a100 = get_model_spec("llama3-8b"), get_hardware("a100-80gb")
+    wl = Workload(seq_len=8192, global_batch=64, reduce_fp32=True)
+    cm = CostModel(spec, a100, wl)
+    layers = list(range(spec.n_layers))
+    L = Layout(dp_shard=64, zero=3, microbatch=1, pp_microbatches=1)
+    root = sum(math.prod(s) for s in spec.root_shapes())
+    blocks = spec.num_params() - root
+    want = a100.memory_time(2 * 2 * (root + 2 * blocks) + (2 + 4) * (root + blocks))
+    assert dp_copy_seconds(cm, L, layers, True, True) == pytest.approx(want, rel=1e-3)
+    two = dp_copy_seconds(cm, L.replace(pp_microbatches=2), layers, True, True)
+    assert two - want == pytest.approx(a100.memory_time(4 * (root + 2 * blocks)), rel=1e-3)
+    once = dp_copy_seconds(cm, L.replace(zero=2), layers, True, True)
+    assert once == pytest.approx(a100.memory_time(4 * (root + blocks) + 6 * (root + blocks)),
+                                 rel=1e-3)
+    assert dp_copy_seconds(cm, L.replace(zero=0), layers, True, True) == 0.0
+    assert dp_copy_seconds(cm, L.replace(dp_shard=1), layers, True, True) == 0.0
+    flat = CostModel(spec, a100, dataclasses.replace(wl, dp_copies=False))
+    assert dp_copy_seconds(flat, L, layers, True, True) == 0.0
+    # ... and they land on the step's data-parallel time.
+    assert cm.estimate(L).breakdown["dp_comm"] - flat.estimate(L).breakdown["dp_comm"] == \
+        pytest.approx(want, rel=1e-3)
+
+
 def test_tied_embedding_gradient_is_all_reduced_between_first_and_last_stage():
     """[Note: tied embeddings across stages]: a pair all-reduce of the embedding's gradient
     (vocabulary / tp rows, in the reduction dtype) over the pipeline's link, on pp_comm;

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from shardwise.planner import comm_model
 from shardwise.planner.cpu_stage import (cpu_step, optimizer_seconds, saturated,
                                          tp_collectives_per_layer)
-from shardwise.planner.dp_cost import dp_exposed, dp_times, shard_numel
+from shardwise.planner.dp_cost import dp_copy_seconds, dp_exposed, dp_times, shard_numel
 from shardwise.planner.engine_buffers import rank_transient
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import MemoryBreakdown, state_bytes
@@ -298,6 +298,8 @@ class CostModel:
         pp_comm += self._tied_embedding_time(L)
         _, first, last = self._rank_plan(L, r_star)
         dp = dp_exposed(self, L, rt, layers, first, last, overlap)
+        if hw.cpu is None:  # CPU ranks price the copies as kernels (cpu_stage)
+            dp += dp_copy_seconds(self, L, layers, first, last)
         opt, offload = self._optimizer(L, layers, first, last)
         breakdown = {"compute": m * (rt.fwd + rt.bwd), "tp_comm": m * rt.tp_comm,
                      "cp_comm": m * rt.cp_comm, "ep_all_to_all": m * rt.ep_comm,

@@ -92,6 +92,11 @@ class Workload:
             FSDP2's fp32 accumulation of bf16 gradients; 18: DeepSpeed's 2022 BF16_Optimizer
             casts each bf16 gradient to fp32 and adds it into an fp32 buffer (cast: read 2,
             write 4; add: read 4 + 4, write 4).
+        dp_copies: the engine copies each gathered parameter out of the gather's flat
+            buffer and packs the gradients into the reduction's (True, the default:
+            shardwise, FSDP2), priced at the memory bandwidth ([Note: the engine's copies
+            on GPUs] in dp_cost.py); False: parameters and gradients live in the
+            collectives' buffers (Megatron-LM, DeepSpeed, FSDP1's flat parameters).
         zero1_all_reduce: at ZeRO stage 1, gradients are reduced with a whole all-reduce
             (each rank then updates its own shard and the parameters are all-gathered),
             as DeepSpeed's pipeline engine does with its BF16_Optimizer
@@ -123,6 +128,7 @@ class Workload:
     autograd_accum: bool = True
     grad_accum_bytes: float = 0.0
     zero1_all_reduce: bool = False
+    dp_copies: bool = True
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
