@@ -367,7 +367,8 @@ def _ends_without_destroy(rank: int, port: int) -> None:
 
     def report() -> None:  # registered first, so it runs after the handlers env.init adds
         alive = [t.name for t in threading.enumerate() if t.name == "shardwise-watchdog"]
-        print(f"watchdog threads at exit: {alive}", flush=True)
+        group = torch.distributed.is_initialized()
+        print(f"process group at exit: {group}; watchdog threads at exit: {alive}", flush=True)
     atexit.register(report)
     _slurm_env(rank, port)
     from shardwise.distributed import env
@@ -378,10 +379,12 @@ def _ends_without_destroy(rank: int, port: int) -> None:
 
 
 def test_the_watchdog_thread_is_stopped_before_the_interpreter_finalises():
-    """[Note: watchdog at exit]: a script that ends without ``destroy`` must not leave the
-    watchdog's thread inside a store call while Python finalises (that aborted a survivor
-    once), so ``atexit`` stops and joins it."""
+    """[Note: watchdog at exit], [Note: process group at exit]: a script that ends without
+    ``destroy`` must not leave the watchdog's thread inside a store call, nor a Gloo group's
+    worker threads, while Python finalises (each aborted a process once in CI), so
+    ``atexit`` stops and joins the one and destroys the other."""
     procs, out = _launch_two("_ends_without_destroy")
     for p, (stdout, stderr) in zip(procs, out):
         assert p.returncode == 0, stderr[-2000:]
-        assert stdout.strip().endswith("watchdog threads at exit: []"), stdout
+        assert stdout.strip().endswith(
+            "process group at exit: False; watchdog threads at exit: []"), stdout

@@ -12,6 +12,7 @@ Launch examples::
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -199,6 +200,8 @@ def init(backend: str | None = None, timeout_s: float = 600.0,
             world_size=world,
             timeout=timeout,
         )
+        if backend == "gloo":
+            _destroy_at_exit()  # registered before the watchdog's stop: runs after it
     wd.start(config)
     return DistEnv(rank, world, local_rank, local_world, backend, device, launcher)
 
@@ -210,3 +213,29 @@ def destroy() -> None:
     watchdog.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_AT_EXIT: list[bool] = []
+
+
+def _destroy_at_exit() -> None:
+    """Tear a Gloo process group the script left alive down before the interpreter
+    finalises (registered once).
+
+    [Note: process group at exit] A script that ends without :func:`destroy` leaves the
+    process group to be destructed while Python finalises; Gloo's worker threads may then
+    still hold finished works whose tensors reach back into Python, and the process aborts
+    ("terminate called without an active exception", exit status -6: seen in CI on a
+    2-rank script that ended after its last all-reduce; pytorch/pytorch#190489 reproduces
+    it, and #179291 proposed this very handler upstream). ``atexit`` runs while the
+    interpreter is whole, after the watchdog's own handler ([Note: watchdog at exit]), so
+    the group is destroyed there. Gloo's teardown is local to the process; NCCL's is left
+    to the script, as tearing a communicator down at exit can wait on peers that are gone."""
+    if _AT_EXIT:
+        return
+    _AT_EXIT.append(True)
+
+    def at_exit() -> None:
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            destroy()
+    atexit.register(at_exit)
