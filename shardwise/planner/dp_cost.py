@@ -47,6 +47,12 @@ def shard_numel(shapes, world: int) -> int:
     return unit_state(tuple(shapes), world).shard_numel
 
 
+def _reduce_bytes(wl, zero: int) -> int:
+    """Bytes of a gradient element as the engine reduces it: fp32 where the stack reduces
+    in fp32, else the compute dtype, or the parameters' dtype at stage 0."""
+    return 4 if wl.reduce_fp32 else wl.act_bytes if zero > 0 else wl.param_bytes
+
+
 def dp_times(cm, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
     """(gather per step, first-unit gather, reduction per step, last-unit reduction) of a
     rank holding ``layers``, priced by ``cm`` (a CostModel; cached on it)."""
@@ -64,7 +70,7 @@ def _price(cm, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
                        list(experts.items())))
     rep = comm_model.place(L.dp_replicate, L.dp_shard * L.cp * L.tp, g)
     gather = first_g = red = last_r = 0.0
-    rb = 4 if wl.reduce_fp32 else wl.act_bytes if L.zero > 0 else wl.param_bytes
+    rb = _reduce_bytes(wl, L.zero)
     for grp, units in groups:
         for shapes, count in units:
             if not shapes:
@@ -138,6 +144,6 @@ def dp_copy_seconds(cm, L: Layout, layers, first: bool, last: bool) -> float:
         gathers = rounds * (root_n + rest * (2 if wl.reshard_after_forward else 1))
     else:
         gathers = root_n + rest
-    reduce_bytes = 4 if wl.reduce_fp32 else wl.act_bytes
+    reduce_bytes = _reduce_bytes(wl, L.zero)
     nbytes = 2 * wl.act_bytes * gathers + (wl.act_bytes + reduce_bytes) * (root_n + rest)
     return cm.hw.memory_time(nbytes)
