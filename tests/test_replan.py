@@ -325,3 +325,40 @@ def test_switch_out_of_a_pipeline(tmp_path):
     assert list(events[1]["fitted"]) == ["matmul_max"]
     assert events[1]["fitted"]["matmul_max"] == pytest.approx(0.25, rel=0.02)
     assert json.loads((log / "summary.json").read_text())["layout"]["pp"] == 1
+
+
+# ----------------------------------------------------------------------------- the real path
+def test_plan_auto_runs_for_real_after_calibrating(tmp_path):
+    """What a user types (issue 30): calibrate this machine, then train with
+    ``--parallel.plan auto``. Nothing is injected: two real ranks train, measure their own
+    steps, refit the constants (on CPU ranks the cores' contention ``cpu_busy`` among them)
+    and decide; the decision is in ``plan_history.jsonl``. Which layout wins is the
+    machine's business; that a decision is made from real measurements is what is tested
+    (the switching logic itself is tested above, on injected measurements)."""
+    import math
+    import os
+    import subprocess
+    import sys
+
+    cal, log = tmp_path / "cal.toml", tmp_path / "run"
+    env = {**os.environ, "SHARDWISE_CALIBRATION": str(cal)}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "shardwise.train.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    done = cli("plan", "--hardware", "local", "--calibrate", "--calibrate-budget", "2")
+    assert done.returncode == 0, done.stderr
+    tiny = [f"--{k}={v}" for k, v in TINY.items() if k != "checkpoint.interval"]
+    done = cli("train", *tiny, "--parallel.plan", "auto", "--parallel.replan_steps", "2",
+               "--train.steps", "6", "--checkpoint.interval", "0", "--log.dir", str(log))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    events = _history(log)
+    assert events[0]["event"] == "plan" and events[0]["hardware"] == "local"
+    decision = events[1]
+    assert decision["event"] in ("keep", "switch") and decision["step"] == 3
+    assert decision["measured_step_s"] > 0 and decision["comm_per_step"]
+    assert set(decision["fitted"]) >= {"matmul_max", "cpu_busy"}
+    assert all(math.isfinite(v) and v > 0 for v in decision["fitted"].values())
+    assert decision["reason"] and "plan: step 3: " in done.stdout
+    assert (log / "summary.json").is_file()

@@ -47,7 +47,7 @@ from shardwise.planner.hardware import get_hardware
 from shardwise.planner.timing import best_time, kernel_clock, run_local_ranks
 
 __all__ = ["StepMeasurement", "calibrate", "measure_local", "write_calibration",
-           "fit_matmul_curve", "fit_alpha_beta", "usable_cores"]
+           "fit_matmul_curve", "fit_alpha_beta", "usable_cores", "constant"]
 
 _FITTABLE = {"matmul_max": (0.05, 1.5), "memory_efficiency": (0.05, 1.5),
              "intra_efficiency": (0.02, 1.5), "inter_efficiency": (0.02, 1.5),
@@ -58,7 +58,13 @@ slowdown with every core computing (``CpuCosts.busy`` at ``cores``): the one con
 ([Note: undisturbed steps] in cpu_costs.py)."""
 
 
-def _constant(hw, name: str) -> float:
+def constant(hw, name: str) -> float:
+    """The current value of a constant :func:`calibrate` can fit (``cpu_busy``, which is no
+    attribute of the device, from its CPU model's every-core slowdown).
+
+    Raises:
+        ValueError: ``cpu_busy`` of a device without a CPU model and its cores.
+    """
     if name == "cpu_busy":
         if hw.cpu is None or not hw.cores:
             raise ValueError(f"calibrate: cpu_busy needs a CPU device with its cores; "
@@ -75,7 +81,7 @@ def _with_constants(hw, params: dict[str, float]):
     out = hw.replace(**rest) if rest else hw
     if "cpu_busy" in params:
         c, busy = hw.cpu, params["cpu_busy"]
-        ratio = busy / _constant(hw, "cpu_busy")
+        ratio = busy / constant(hw, "cpu_busy")
         best = c.undisturbed().contention(hw.cores, hw.cores)
         out = out.replace(cpu=dataclasses.replace(
             c, busy={hw.cores: busy},
@@ -144,7 +150,7 @@ def calibrate(measurements: list[StepMeasurement], hw, params: tuple[str, ...] =
         if m.dp_collective_time:
             observed.append(m.dp_collective_time)
             which.append((i, 1))
-    start = {p: _constant(hw, p) for p in params}
+    start = {p: constant(hw, p) for p in params}
     bounds = {p: _FITTABLE[p] for p in params}
 
     def predicted(p):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.distributed import comm, comm_objects
-from shardwise.planner.calibrate import StepMeasurement, calibrate
+from shardwise.planner.calibrate import StepMeasurement, calibrate, constant
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.layout import Layout
 from shardwise.shard.identity import next_state_id
@@ -272,7 +272,7 @@ class Replanner:
             "measured_model_state_mib": (obs.model_state_bytes or 0) / _MIB,
             "predicted_model_state_mib": (after.memory.params + after.memory.grads
                                           + after.memory.optimizer) / _MIB,
-            "fitted": {p: getattr(hw, p) for p in params}, "fit_error": err,
+            "fitted": {p: constant(hw, p) for p in params}, "fit_error": err,
             "best_other": plan_layout.trainer_keys(d.best) if d.best else None,
             "best_other_step_s": d.best_time, "best_other_measured": d.best_measured,
             "threshold": cfg.parallel.replan_threshold, "reason": d.reason,
