@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,63 @@ def test_the_command_line_refuses_with_exit_code_2_and_no_ranks(capsys, tmp_path
                  "--parallel.pp_schedule", "dualpipe", "--log.dir", str(tmp_path)])
     assert code == 2
     assert "did you mean 'dualpipev'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule, pp, batch, expected", [
+    ("zbv", 2, 4, 4),        # pp x virtual = 4: 4% idle (1 micro-batch: 40%)
+    ("1f1b", 2, 4, 4),       # 2 would idle 33%, 4 idle 20%
+    ("1f1b", 2, 16, 4),      # the fewest that does: micro-batches stay large
+    ("zb1", 2, 8, 2),        # zero bubble: 2 already idle 14%
+    ("interleaved_1f1b", 2, 4, 4),
+    ("dualpipev", 2, 4, 4),  # its own minimum, 2 pp
+    ("1f1b", 4, 4, 4),       # no count under 25% divides 4: one sequence each (43%)
+    ("gpipe", 2, 3, 3),      # 3 divides nothing else: one sequence each
+])
+def test_default_microbatches_overlap_the_stages(schedule, pp, batch, expected):
+    """Issue 30.2: ``pp_microbatches = 0`` is chosen for throughput, not the schedule's
+    fewest (1 micro-batch at pp 2 idles half of every step)."""
+    from shardwise.parallel.pipeline.schedules import (TARGET_BUBBLE, default_microbatches,
+                                                       expected_bubble)
+    from shardwise.train.pipeline import resolve_microbatches
+
+    assert default_microbatches(schedule, pp, batch) == expected
+    cfg = load_config(None, {**TINY, "parallel.pp": str(pp), "parallel.pp_schedule": schedule,
+                             "train.batch_size": str(batch)})
+    assert resolve_microbatches(cfg) == expected
+    v = 2 if schedule in ("zbv", "interleaved_1f1b", "dualpipev") else 1
+    fewer = [m for m in range(max(1, 2 * pp * (schedule == "dualpipev")), expected)
+             if batch % m == 0]  # each leaves a stage without work, or idles too much
+    assert all(m < pp * v or expected_bubble(schedule, pp, m) > TARGET_BUBBLE for m in fewer)
+    assert expected_bubble("1f1b", 2, 1) == 0.5 and expected_bubble("zbv", 2, 4) < 0.05
+
+
+def test_a_mostly_idle_pipeline_is_warned_about_before_launch(tmp_path):
+    """A choice that leaves most of the pipeline idle warns with the expected bubble and
+    what would shrink it; the default at pp 2 does not warn."""
+    def checked(world=2, **over):
+        cfg = load_config(None, {**TINY, "log.dir": str(tmp_path / "x"), "parallel.pp": "2",
+                                 **over})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            preflight(cfg, world_size=world)
+        return [str(w.message) for w in caught if "pipeline" in str(w.message)]
+
+    assert checked() == []
+    [message] = checked(**{"parallel.pp_microbatches": "1"})
+    assert message == ("pipeline: 1 micro-batch of schedule '1f1b' at pp 2 (parallel."
+                       "pp_microbatches) leaves an expected 50% of the ranks' time idle (the "
+                       "bubble, simulated with unit costs); parallel.pp_microbatches=4 "
+                       "(micro-batches of 1 sequence) would idle 20%")
+    [message] = checked(4, **{"parallel.pp": "4"})
+    assert "4 micro-batches of schedule '1f1b' at pp 4 (the default) leave an expected 43%" \
+        in message and "with train.batch_size=16" in message
+
+
+def test_help_says_what_the_default_micro_batches_are(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "0: chosen for throughput" in text and "simulated bubble is at most 25%" in text
 
 
 def _train(cfg, data):

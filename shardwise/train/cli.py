@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 from shardwise.checkpoint.cli import add_parser as add_checkpoint_parser
@@ -247,6 +248,17 @@ def _run(argv: list[str]) -> int:
         return 130
 
 
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """shardwise's own warnings as one line, like its errors (Python's format, with the
+    source line, for everyone else's)."""
+    if f"{os.sep}shardwise{os.sep}" in str(filename):
+        return f"shardwise: warning: {message}\n"
+    return _PYTHON_FORMAT(message, category, filename, lineno, line)
+
+
+_PYTHON_FORMAT = warnings.formatwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardwise`` console script.
 
@@ -258,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reader of stdout went away).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.formatwarning = _format_warning  # the command's process only, not on import
     try:
         try:
             code = _run(argv)

@@ -52,8 +52,10 @@ class ParallelConfig:
     """Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb1" (ZB-H1), "zbv",
     "dualpipev" or "looped_bfs"."""
     pp_microbatches: int = 0
-    """Micro-batches each rank's train.batch_size sequences are split into (must divide it;
-    0: the schedule's fewest, pp, or 2 pp for dualpipev)."""
+    """Micro-batches each rank's train.batch_size sequences are split into (must divide it).
+    0: chosen for throughput: the fewest dividing batch_size, at least pp x virtual and the
+    schedule's minimum (2 pp for dualpipev), whose simulated bubble is at most 25%; else one
+    sequence per micro-batch (e.g. 4 of 1 sequence for 1f1b or zbv at pp 2 and batch 4)."""
     pp_virtual: int = 0
     """Stages per pipeline rank (0: the schedule's own, 1 for gpipe/1f1b/zb1 and 2 for
     interleaved_1f1b/zbv/dualpipev; zbv and dualpipev run exactly 2)."""

@@ -31,13 +31,14 @@ from shardwise.parallel.expert import apply_ep
 from shardwise.parallel.pipeline import (PipelineExecutor, PipelinePart, build_schedule,
                                          pipeline_grad_norm, schedule_spec, shard_stages,
                                          split_stages, stage_layer_counts)
-from shardwise.parallel.pipeline.schedules import resolve_virtual
+from shardwise.parallel.pipeline.schedules import (TARGET_BUBBLE, default_microbatches,
+                                                   expected_bubble, resolve_virtual)
 from shardwise.parallel.tensor import apply_tp
 from shardwise.shard.grad import get_total_norm
 from shardwise.train.config_checks import sequence_parallel
 from shardwise.train.moe import apply_moe
 
-__all__ = ["check_pipeline_config", "pipeline_world", "resolve_microbatches",
+__all__ = ["check_pipeline_config", "pipeline_world", "resolve_microbatches", "bubble_warning",
            "check_pipeline_model", "build_pipeline_model", "pipeline_of", "grad_norm",
            "describe_pipeline"]
 
@@ -81,12 +82,49 @@ def check_pipeline_config(cfg: Any) -> None:
 
 
 def resolve_microbatches(cfg: Any) -> int:
-    """``parallel.pp_microbatches``, 0 replaced by the schedule's fewest (pp; 2 pp for
-    dualpipev)."""
+    """``parallel.pp_microbatches``, 0 replaced by the default chosen for throughput
+    (:func:`~shardwise.parallel.pipeline.schedules.default_microbatches`: the fewest, at
+    least pp x virtual and dividing ``train.batch_size``, that leave at most a quarter of the
+    ranks' time idle)."""
     par = cfg.parallel
     if par.pp_microbatches:
         return par.pp_microbatches
-    return schedule_spec(par.pp_schedule).min_microbatches(par.pp)
+    return default_microbatches(par.pp_schedule, par.pp, cfg.train.batch_size, par.pp_virtual)
+
+
+_IDLE_WARNING = 1 / 3
+"""A pipeline expected to idle more than this share of its ranks' time is warned about."""
+
+
+def bubble_warning(cfg: Any) -> str | None:
+    """A warning when the run's micro-batches leave the pipeline mostly idle (more than a
+    third of the ranks' time, simulated with unit costs), naming the expected bubble and
+    what would bring it under a quarter; None otherwise (and for pp 1)."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return None
+    m = resolve_microbatches(cfg)
+    bubble = expected_bubble(par.pp_schedule, par.pp, m, par.pp_virtual)
+    if bubble <= _IDLE_WARNING:
+        return None
+    batch = cfg.train.batch_size
+    here = default_microbatches(par.pp_schedule, par.pp, batch, par.pp_virtual)
+    if here != m and expected_bubble(par.pp_schedule, par.pp, here, par.pp_virtual) < bubble:
+        how = (f"; parallel.pp_microbatches={here} (micro-batches of {batch // here} "
+               f"sequence{'s' if batch // here > 1 else ''}) would idle "
+               f"{expected_bubble(par.pp_schedule, par.pp, here, par.pp_virtual):.0%}")
+    else:
+        bigger = next((k * batch for k in (2, 4, 8, 16, 32) if expected_bubble(
+            par.pp_schedule, par.pp, default_microbatches(par.pp_schedule, par.pp, k * batch,
+                                                          par.pp_virtual),
+            par.pp_virtual) <= TARGET_BUBBLE), None)
+        how = (f"; more micro-batches shrink it: with train.batch_size={bigger} the default "
+               f"micro-batches idle at most {TARGET_BUBBLE:.0%}" if bigger else "")
+    who = "parallel.pp_microbatches" if par.pp_microbatches else "the default"
+    return (f"pipeline: {m} micro-batch{'es' if m > 1 else ''} of schedule "
+            f"{par.pp_schedule!r} at pp {par.pp} ({who}) leave{'s' if m == 1 else ''} an "
+            f"expected {bubble:.0%} of "
+            f"the ranks' time idle (the bubble, simulated with unit costs){how}")
 
 
 def pipeline_world(cfg: Any, world_size: int) -> int:
@@ -200,7 +238,10 @@ def describe_pipeline(cfg: Any, model: nn.Module) -> str | None:
         return None
     s = pipe.schedule
     par = dataclasses.asdict(cfg.parallel)
-    return (f"pipeline: pp {s.pp}, schedule {s.name}, {s.microbatches} micro-batches of "
-            f"{cfg.train.batch_size // s.microbatches} sequences, {s.virtual} stage(s) per "
+    size = cfg.train.batch_size // s.microbatches
+    return (f"pipeline: pp {s.pp}, schedule {s.name}, {s.microbatches} micro-batch"
+            f"{'es' if s.microbatches > 1 else ''} of {size} sequence{'s' if size > 1 else ''}"
+            f", {s.virtual} stage(s) per "
             f"rank; layers per stage {list(model.layer_counts)}; ZeRO stage {par['stage']} "
-            f"inside each stage")
+            f"inside each stage; expected bubble "
+            f"{expected_bubble(s.name, s.pp, s.microbatches, s.virtual):.0%}")

@@ -9,6 +9,7 @@ not a traceback from every rank.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
 from shardwise.train.plan_layout import plan_start
-from shardwise.train.pipeline import check_pipeline_config, check_pipeline_model
+from shardwise.train.pipeline import bubble_warning, check_pipeline_config, check_pipeline_model
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
            "announce"]
@@ -188,6 +189,9 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     validate_tp(cfg, model_cfg, world_size)
     validate_ep(cfg, model_cfg)
     check_resume(cfg, model_cfg)
+    idle = bubble_warning(cfg)  # after the planner: its micro-batches are the run's
+    if idle:
+        warnings.warn(idle, stacklevel=2)
     return cfg, data
 
 

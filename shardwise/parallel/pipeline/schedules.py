@@ -25,7 +25,11 @@ from dataclasses import dataclass
 from shardwise.parallel.pipeline import gen_classic, gen_dualpipe, gen_zero_bubble
 from shardwise.parallel.pipeline.schedule import Schedule, looped_placement, v_placement
 
-__all__ = ["build_schedule", "SCHEDULE_NAMES", "ScheduleSpec", "schedule_spec"]
+__all__ = ["build_schedule", "SCHEDULE_NAMES", "ScheduleSpec", "schedule_spec",
+           "expected_bubble", "default_microbatches", "TARGET_BUBBLE"]
+
+TARGET_BUBBLE = 0.25
+"""The idle share :func:`default_microbatches` aims under (a quarter of the ranks' time)."""
 
 
 @dataclass(frozen=True)
@@ -149,3 +153,47 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 0) -> S
     else:
         schedule = Schedule.from_compute(name, pp, microbatches, v, placement, ranks)
     return schedule.validate()
+
+
+def expected_bubble(name: str, pp: int, microbatches: int, virtual: int = 0) -> float:
+    """The share of the ranks' time a schedule leaves idle, simulated with unit costs
+    (forward 1, backward 2, its input and weight halves 1 each, messages free): what the
+    schedule's shape costs, before any device's numbers.
+
+    Raises:
+        ValueError: as :func:`build_schedule`.
+    """
+    from shardwise.parallel.pipeline.simulate import Costs, simulate
+
+    sim = simulate(build_schedule(name, pp, microbatches, virtual), Costs(f=1, b=2, i=1, w=1))
+    return float(sim.bubble)
+
+
+def default_microbatches(name: str, pp: int, batch: int, virtual: int = 0) -> int:
+    """How many micro-batches a step of ``batch`` sequences is split into when the user
+    does not say: the fewest that divide ``batch``, are at least ``pp x virtual`` (one per
+    stage, so every stage has work in the steady state) and at least the schedule's own
+    minimum, and leave at most :data:`TARGET_BUBBLE` of the ranks idle
+    (:func:`expected_bubble`); when no count does, as many as the batch allows (micro-batches
+    of one sequence). Fewer micro-batches keep each one's matrices larger; more shrink the
+    bubble: this is the fewest that overlap the stages well.
+
+    [Note: default micro-batches] The schedule's minimum (1, or 2 pp for dualpipev) runs,
+    but at pp 2 it leaves half of every step idle (1F1B with one micro-batch: each stage
+    waits for the other's whole forward and backward); 4 micro-batches bring ZB-V at pp 2 to
+    4% and 1F1B to 20%.
+
+    Raises:
+        ValueError: as :func:`build_schedule`, or ``batch`` not a positive integer.
+    """
+    _check_int("batch", batch, 1)
+    spec = schedule_spec(name)
+    v = resolve_virtual(spec, virtual)
+    least = max(spec.min_microbatches(pp), pp * v)
+    fits = [m for m in range(1, batch + 1) if batch % m == 0 and m >= spec.min_microbatches(pp)]
+    if not fits:
+        return spec.min_microbatches(pp)  # too small a batch: build_schedule's check names it
+    for m in fits:
+        if m >= least and expected_bubble(name, pp, m, v) <= TARGET_BUBBLE:
+            return m
+    return fits[-1]
