@@ -24,8 +24,8 @@ from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
 from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
                              NonFiniteReport, Offload, OffloadedOptimizer, clip_grad_norm_,
                              clip_grads_with_norm_, empty_cache, find_nonfinite_grads,
-                             full_state_dict, get_total_norm, graph_parameters, memory_report,
-                             no_sync, offload_optimizer, reshard, set_gradient_sync,
+                             full_state_dict, get_total_norm, graph_parameters, join,
+                             memory_report, no_sync, offload_optimizer, reshard, set_gradient_sync,
                              set_reshard_after_backward, set_reshard_after_forward, shard,
                              unshard)
 
@@ -45,6 +45,7 @@ __all__ = [
     "checkpoint_activations",
     "compile_blocks",
     "no_sync",
+    "join",
     "set_gradient_sync",
     "set_reshard_after_forward",
     "set_reshard_after_backward",

@@ -98,9 +98,9 @@ def _rank_dependent_order(debug: bool) -> str:
 
 def test_ranks_gathering_units_in_different_orders_get_an_error_naming_both():
     first = run_ranks(_rank_dependent_order, world_size=2, args=(False,), timeout_s=60)
-    assert "rank 1 of the group sent unit 'second'" in first[0], first
+    assert "rank 1 sent unit 'second'" in first[0], first
     assert "where this rank gathered unit 'first'" in first[0], first
-    assert "rank 0 of the group sent unit 'first'" in first[1], first
+    assert "rank 0 sent unit 'first'" in first[1], first
 
 
 def test_the_debug_watchdog_names_a_reordered_gather_before_it_runs():

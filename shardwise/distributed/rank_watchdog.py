@@ -90,6 +90,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="shardwise-watchdog",
                                         daemon=True)
         self.tripped_at: float | None = None
+        self._ended = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -100,11 +101,19 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Stop the thread; a rank that ends without tripping leaves a last heartbeat that
+        says so, with its real last collective ([Note: a rank that ended])."""
         self._stopped.set()
         if comm._RECORDER.tracker is self.tracker:
             comm.set_tracker(None)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=2 * self.config.poll + 1)
+        if self._report is None and not self._ended:
+            self._ended = True
+            try:
+                self._heartbeat(self._main_store, ended=True)
+            except Exception:  # noqa: BLE001 - the store may be gone already (its host ended)
+                pass
 
     @property
     def tripped(self) -> bool:
@@ -146,9 +155,11 @@ class Watchdog:
             self._down_since = now
         return now - self._down_since
 
-    def _heartbeat(self, store) -> None:
+    def _heartbeat(self, store, ended: bool = False) -> None:
         beat = {"rank": self.rank, "host": self.host, "pid": self.pid, "time": time.time(),
                 "context": dict(self.context), **self.tracker.snapshot(recent=16)}
+        if ended:
+            beat["ended"] = True
         store.set(f"hb/{self.rank}", json.dumps(beat))
         self._down_since = None
 
@@ -287,7 +298,13 @@ class Watchdog:
             time.sleep(min(0.05, self.config.poll))
         for r in missing:
             hb = beats.get(r)
-            if r in gone:
+            if r in gone and hb.get("ended"):  # [Note: a rank that ended]
+                silent[r] = (f"its process {hb['pid']} on host {hb['host']} ended without an "
+                             "error (its script returned, or it destroyed the process group) "
+                             "while this rank still waited for it: the ranks ran different "
+                             "numbers of collectives (uneven steps or micro-batches; for "
+                             "inputs of different lengths use shardwise.join)")
+            elif r in gone:
                 silent[r] = (f"its process {hb['pid']} on host {hb['host']} has exited: "
                              "killed, out of memory, or crashed in native code")
             else:

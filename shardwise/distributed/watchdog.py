@@ -31,6 +31,14 @@ waited for), composes the report (diagnosis.py) and offers it with ``compare_set
 report stored is the one every rank raises, so there is exactly one message. A rank that
 raised an exception of its own publishes it and leaves at once (its exception is the cause).
 
+[Note: a rank that ended] A rank that simply finishes (its loop ran out of data one step
+before its peers, a hand-written loop with one micro-batch fewer) is gone by the time a
+peer's collective fails with "connection closed", just like a rank that crashed; and its last
+periodic heartbeat may be a poll interval old, from before its last collectives. So a
+watchdog that stops without having tripped (``destroy``, or the interpreter's exit) writes
+one last heartbeat marked ``ended`` with its whole recent history: the report then says the
+rank ended without an error and shows its real last collective.
+
 [Note: unblocking] Gloo cannot abort a collective in progress (``ProcessGroupGloo.abort``
 returns without waking the waiting thread; measured on torch 2.13), so the watchdog never
 relies on it. The report reaches the main thread as :class:`CollectiveError`: raised directly

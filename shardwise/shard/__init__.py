@@ -6,6 +6,7 @@ from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.controls import (graph_parameters, paused_backward_hooks, reshard,
                                       set_gradient_sync, set_reshard_after_backward,
                                       set_reshard_after_forward, unshard)
+from shardwise.shard.join import Join, join
 from shardwise.shard.grad import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from shardwise.shard.memory import MemoryReport
 from shardwise.shard.nonfinite import NonFiniteError, NonFiniteReport, find_nonfinite_grads
@@ -21,4 +22,4 @@ __all__ = ["shard", "no_sync", "clip_grad_norm_", "get_total_norm", "clip_grads_
            "OffloadedOptimizer", "ShardedParamSpec", "sharded_param_specs", "empty_cache",
            "find_nonfinite_grads", "NonFiniteReport", "NonFiniteError", "set_gradient_sync",
            "set_reshard_after_forward", "set_reshard_after_backward", "unshard", "reshard",
-           "graph_parameters", "paused_backward_hooks"]
+           "graph_parameters", "paused_backward_hooks", "join", "Join"]

@@ -26,7 +26,7 @@ from shardwise.distributed.env import flight_recorder_active
 from shardwise.distributed.mesh import (ShardGroups, node_group, replicated_groups,
                                         resolve_groups)
 from shardwise.shard.discover import UnitPlan, plan_units
-from shardwise.shard.identity import UnitTag, next_state_id
+from shardwise.shard.identity import StepCount, UnitTag, next_state_id
 from shardwise.shard.materialize import has_meta, materialize
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
 from shardwise.shard.precision import MixedPrecision, cast_floating
@@ -132,10 +132,11 @@ def _build_units(module, plans, groups, stage, tracker, init_weights, sync_state
     nodes = {id(g): node_group(g, quant.hierarchy) if quant and quant.hierarchy else None
              for g in per_unit}
     names: dict = {}
+    count = StepCount()  # [Note: step identity]: one per call, carried by its units' gathers
     real = next((e.param.device for p in plans for e in p.entries), torch.device("cpu"))
     streams = CommStreams(device if device is not None and device.type != "meta" else real)
     units = [Unit(p.name, p.module, p.entries, g, stage, tracker, device, mp, nodes[id(g)],
-                  quant, UnitTag(state_id, i, p.name or "<root>", names), streams)
+                  quant, UnitTag(state_id, i, p.name or "<root>", names, count), streams)
              for i, (p, g) in enumerate(zip(plans, per_unit))]
     where = {id(e.param): (u, i) for u in units for i, e in enumerate(u.entries)}
     if is_meta and not do_materialize:

@@ -179,6 +179,8 @@ class ShardState:
         self._seen = set()
         if not grad:
             return
+        # [Note: step identity]: which step and micro-batch this forward's gathers belong to
+        self.root.tag.count.forward(sum(u.shard_version() for u in self.units))
         if self._pre_order:
             self.fwd_order = self._pre_order
         self._pre_order, self._post_order = [], []

@@ -35,6 +35,7 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed import comm
@@ -143,6 +144,7 @@ class Unit(GradientReducer):
         self.grad_buf: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []
         self.pending = 0
+        self._group_ranks: dict[int, list[int] | None] | None = None
         self._build_buffers()
 
     # ---------------------------------------------------------------- construction
@@ -255,7 +257,7 @@ class Unit(GradientReducer):
             self.gather_work = all_gather_quantized(
                 self.gather_tmp, self.shard_buf, self.groups.gather, self.quant.weights,
                 self.quant.block_size, label=f"{self.label}.all_gather", async_op=True,
-                trailer=self.tag.on(self.device))
+                trailer=self.tag.wire(self.device))
             return
         self.gather_in = self.send_buf
         if self.compute_dtype != self.dtype:  # cast before the gather: half the bytes move
@@ -263,6 +265,10 @@ class Unit(GradientReducer):
             self.gather_in[:self.layout.shard_numel].copy_(self.shard_buf)
             self.tag.write(self.gather_in[self.layout.shard_numel:])
             self.tracker.add("comm", _nbytes(self.gather_in))
+        else:  # [Note: step identity]: the count of this gather's step. The shards view
+            # the same buffer: the write must not look like a change of their values.
+            with torch.autograd._unsafe_preserve_version_counter(self.send_buf):
+                self.tag.write_count(self.send_buf[self.layout.shard_numel:])
         self._gather(self.gather_in, self.groups.gather, "all_gather", False)
 
     def _gather(self, source: torch.Tensor, group, kind: str, from_secondary: bool) -> None:
@@ -284,11 +290,25 @@ class Unit(GradientReducer):
         if self.quant.weights and not self._from_secondary:
             trailers = getattr(self.gather_work, "trailers", None)
             if trailers is not None:
-                self.tag.check(trailers, "all_gather")
+                self.tag.check(trailers, "all_gather", self._ranks(self.groups.gather))
         else:
             kind = "secondary_all_gather" if self._from_secondary else "all_gather"
             s = self.layout.shard_numel
-            self.tag.check(self.gather_tmp.view(-1, self.wire_row)[:, s:], kind)
+            group = self.node.group if self._from_secondary else self.groups.gather
+            self.tag.check(self.gather_tmp.view(-1, self.wire_row)[:, s:], kind,
+                           self._ranks(group))
+
+    def _ranks(self, group) -> list[int] | None:
+        """The global ranks of ``group``'s members, in group order (None: unknown)."""
+        if self._group_ranks is None:
+            self._group_ranks = {}
+        key = id(group)
+        if key not in self._group_ranks:
+            try:
+                self._group_ranks[key] = dist.get_process_group_ranks(group)
+            except Exception:  # noqa: BLE001 - a group c10d does not know: name rows only
+                self._group_ranks[key] = None
+        return self._group_ranks[key]
 
     def _release_gather(self) -> None:
         self.tracker.sub("comm", _nbytes(self.gather_tmp))
