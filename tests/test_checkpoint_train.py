@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,7 @@ def test_commands_inspect_export_import_and_the_trainer_import_option(
                  "--tensors"]) == 0
     text = capsys.readouterr().out
     for part in ("2 checkpoint(s) under", "step:      6", "2 rank(s), ZeRO stage 3",
-                 "optimizer: AdamW, 2 param group(s)", "extra:     loader, scaler, schedule",
+                 "optimizer: AdamW, 2 param group(s)", "extra:     loader, run, scaler, schedule",
                  "checksums verified", "model.tok_embeddings.weight", "(256, 32)",
                  "optim.layers.1.feed_forward.w2.weight.exp_avg_sq"):
         assert part in text, part
@@ -146,3 +147,79 @@ def test_commands_inspect_export_import_and_the_trainer_import_option(
     capsys.readouterr()
     assert main(["checkpoint", "inspect", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ resume checks (issue 30)
+def test_resuming_at_or_past_the_last_step_is_refused_before_launch(uninterrupted, tmp_path,
+                                                                      capsys):
+    log_a, _, _ = uninterrupted
+    step6 = str(log_a / "checkpoints" / "step_00000006")
+    for steps in ("6", "3"):
+        cfg = load_config(None, {**TINY, "log.dir": str(tmp_path / steps), "train.steps": steps,
+                                 "checkpoint.resume": step6})
+        with pytest.raises(ValueError) as info:
+            preflight(cfg, world_size=2)
+        assert str(info.value).startswith(
+            f"train.steps={steps}: checkpoint {step6} is at step 6 already, so nothing is "
+            f"left to train; expected train.steps > 6")
+    args = [f"--{k}={v}" for k, v in TINY.items()]
+    code = main(["train", *args, "--train.steps", "3", "--checkpoint.resume", step6,
+                 "--log.dir", str(tmp_path / "cli")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "nothing is left to train" in err
+
+
+def test_resuming_with_another_global_batch_says_so(uninterrupted, tmp_path):
+    log_a, _, _ = uninterrupted
+    step3 = str(log_a / "checkpoints" / "step_00000003")
+
+    def warned(world, **over):
+        cfg = load_config(None, {**TINY, "log.dir": str(tmp_path / str(len(over))),
+                                 "checkpoint.resume": step3, **over})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            preflight(cfg, world_size=world)
+        return [str(w.message) for w in caught if "global batch" in str(w.message)]
+
+    assert warned(2) == []  # the same batch: nothing to say
+    assert warned(2, **{"train.batch_size": "2", "train.grad_accum": "2"}) == []  # same split
+    [message] = warned(2, **{"train.batch_size": "8"})
+    assert ("took a global batch of 8 sequences x 32 tokens (2 data ranks x train.batch_size 4 "
+            "x train.grad_accum 1) per step, this run takes 16 sequences x 32 tokens (2 data "
+            "ranks x train.batch_size 8 x train.grad_accum 1): each step from 3 on sees 2x the "
+            "tokens. The learning-rate schedule goes on by step") in message
+    [message] = warned(3)  # one more data rank: 12 sequences a step
+    assert "this run takes 12 sequences" in message and "1.5x" in message
+
+
+def _corrupt(path: Path) -> str:
+    data = sorted(path.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte: the size is right, the hash is not
+    data.write_bytes(bytes(raw))
+    return data.name
+
+
+def test_resume_auto_skips_a_damaged_newest_checkpoint(uninterrupted, tmp_path):
+    """Before launch (the launching process verifies and pins the intact one) and on the
+    ranks (each verifies its share; all fall back together), with a warning naming the
+    damaged checkpoint and file; every checkpoint damaged is refused."""
+    log_a, _, _ = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(log_a / "checkpoints", run / "checkpoints")
+    bad = _corrupt(run / "checkpoints" / "step_00000006")
+    values = {**TINY, "log.dir": str(run), "train.steps": "8", "checkpoint.resume": "auto"}
+    with pytest.warns(UserWarning, match=f"skipping step_00000006, it is damaged .*file {bad} "
+                                         f"is corrupted.*resuming from step_00000003"):
+        cfg, data = preflight(load_config(None, values), world_size=2)
+    assert cfg.checkpoint.resume == str(run / "checkpoints" / "step_00000003")
+    # the ranks' own fallback: what a torchrun job does (its ranks skip the launcher's check)
+    cfg, data = preflight(load_config(None, values), world_size=2, verify_checkpoint=False)
+    assert cfg.checkpoint.resume == "auto"
+    run_ranks(_train, 2, args=(cfg, data), timeout_s=180)
+    assert [r["step"] for r in _records(run)][-5:] == [4, 5, 6, 7, 8]
+    assert json.loads((run / "summary.json").read_text())["checkpoint"][
+        "resumed_from_step"] == 3
+    _corrupt(run / "checkpoints" / "step_00000003")  # (step 6 is damaged already)
+    with pytest.raises(ValueError, match="every checkpoint under .* is damaged"):
+        preflight(load_config(None, {**values, "train.steps": "9"}), world_size=2)

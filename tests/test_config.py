@@ -25,6 +25,18 @@ def test_debug_toml_is_the_default():
     assert load_config(ROOT / "configs" / "debug.toml") == Config()
 
 
+def test_debug_toml_spells_out_every_key_with_its_help():
+    """configs/debug.toml is "the defaults written out": every key of every section, each
+    with the docstring --help prints (issue 30.7: the pp and ep keys were missing). Regenerate
+    with ``to_toml(Config())`` under the file's opening comment."""
+    from shardwise.train.config import to_toml
+
+    text = (ROOT / "configs" / "debug.toml").read_text()
+    assert text.endswith(to_toml(Config())), "configs/debug.toml is out of date"
+    for section, key, *_ in config_io.iter_fields(Config()):
+        assert f"\n{key} = " in text or f"\n# {key} = (unset)" in text, f"{section}.{key}"
+
+
 def test_every_field_has_a_docstring():
     missing = [f"{s}.{k}" for s, k, _h, _v, doc in config_io.iter_fields(Config()) if not doc]
     assert not missing

@@ -13,7 +13,7 @@ from shardwise.train.cli import main
 JOB = ["plan", "--model", "llama3-8b", "--hardware", "h100", "--gpus", "16", "--seq-len",
        "8192", "--global-batch", "64"]
 KEYS = {"layout", "step_time_s", "tokens_per_s_per_gpu", "mfu", "hfu", "memory_per_gpu_gib",
-        "fits", "bottleneck"}
+        "fits", "bottleneck", "buildable", "not_buildable_reason"}
 
 
 def test_table(capsys):
@@ -89,3 +89,64 @@ def test_calibrate_local_then_plan(tmp_path, capsys):
     assert records[0]["fits"] and records[0]["step_time_s"] > 0
     assert main(["plan", "--hardware", "h100", "--calibrate"]) == 2
     assert "use --hardware local" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- buildable layouts (#30)
+_BIG = ["plan", "--model", "llama3-70b", "--hardware", "h100", "--gpus", "64", "--seq-len",
+        "8192", "--global-batch", "64", "--top", "4"]
+
+
+def test_layouts_the_trainer_cannot_build_are_marked_and_can_be_left_out(capsys):
+    """The planner prices context parallelism before the trainer builds it: every record
+    says whether ``shardwise train`` can run it, and ``--buildable`` searches only those."""
+    assert main([*_BIG, "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert any(r["layout"]["cp"] > 1 for r in records)
+    for r in records:
+        assert r["buildable"] is (r["layout"]["cp"] == 1)
+        if r["layout"]["cp"] > 1:
+            assert r["not_buildable_reason"] == "context parallelism (cp > 1) is not built yet"
+    assert main([*_BIG, "--buildable", "--json"]) == 0
+    only = json.loads(capsys.readouterr().out)
+    assert only and all(r["buildable"] and r["layout"]["cp"] == 1 for r in only)
+    assert main(_BIG) == 0
+    table = capsys.readouterr().out
+    assert " build " in table.splitlines()[2] and "  no  " in table
+    assert "context parallelism (cp > 1) is not built yet; shardwise train of this version " \
+        "refuses it (--buildable: only layouts it builds)" in table
+    assert main([*_BIG, "--buildable", "--layout", "cp=2"]) == 2
+    assert "--buildable with --layout 'cp=2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout, model, buildable", [
+    (dict(dp_shard=2, zero=3, microbatch=4), "debug", True),
+    (dict(pp=2, pp_schedule="1f1b", zero=1, microbatch=2, pp_microbatches=2,
+          offload="cpu"), "debug", False),
+    (dict(dp_shard=2, tp=2, ep=2, zero=3, microbatch=4, sp=False), "debug-moe", False),
+    (dict(dp_shard=2, tp=2, ep=2, zero=3, microbatch=4, sp=True), "debug-moe", True),
+    (dict(dp_shard=4, ep=2, zero=3, microbatch=4, ac="full"), "debug-moe", False),
+])
+def test_the_buildable_rules_are_the_trainers_refusals(layout, model, buildable, tmp_path):
+    """[Note: buildable layouts]: the planner's rule and the trainer's own checks agree."""
+    from shardwise.planner.buildable import not_buildable
+    from shardwise.planner.catalogue import from_llama_config
+    from shardwise.planner.layout import Layout
+    from shardwise.train import plan_layout
+    from shardwise.train.config import load_config, resolve_world
+    from shardwise.train.preflight import build_model_config
+
+    L = Layout(**layout)
+    cfg = load_config(None, {"model.name": model, "log.dir": str(tmp_path),
+                             "offload.device": L.offload})  # with_layout keeps the config's
+    model_cfg = build_model_config(cfg, 256)
+    new = plan_layout.with_layout(resolve_world(cfg, L.gpus), L)
+    assert plan_layout._buildable(new, model_cfg, L.gpus) is buildable
+    spec = from_llama_config(model_cfg, model)
+    assert (not_buildable(L, spec) is None) is buildable
+
+
+def test_context_parallelism_is_refused_by_the_trainer_as_the_planner_says():
+    from shardwise.distributed.parallel_dims import ParallelDims
+
+    with pytest.raises(ValueError, match="context parallelism does not exist yet"):
+        ParallelDims(world_size=4, cp=2).resolved()

@@ -46,6 +46,8 @@ def _refused(capsys, *args: str) -> str:
     (["--nproc", "3", "--parallel.tp", "3", "--model.dim", "48", "--model.n_heads", "6",
       "--model.n_kv_heads", "3", "--data.seq_len", "30"],
      "parallel.tp=3: vocab_size=256 is not divisible by tp=3"),
+    (["--nproc", "2", "--parallel.tp", "3"],  # the ranks before the shapes (issue 30.7)
+     "parallel.dp_replicate * parallel.tp = 1 * 3 = 3 does not divide the world size 2"),
     (["--nproc", "2", "--parallel.tp", "2", "--data.seq_len", "31"],
      "data.seq_len=31 must be divisible by parallel.tp=2 with sequence parallelism"),
     (["--parallel.sequence_parallel", "true"],

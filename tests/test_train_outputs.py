@@ -107,6 +107,34 @@ def test_the_quick_start_runs_twice_into_two_folders(tmp_path):
     for folder in ("debug", "debug-2"):
         summary = json.loads((tmp_path / "runs" / folder / "summary.json").read_text())
         assert summary["log_dir"] == f"runs/{folder}"
+        assert summary["steady_tokens_per_s"] > 0
+    assert ("compute fp32, reduce fp32, masters fp32; activation checkpointing none; compile "
+            "off; communication full precision; optimizer offload none") in outs[0]
+
+
+def test_the_start_line_names_checkpointing_compile_communication_and_offload():
+    """Issue 30.7: the layout line said nothing of these."""
+    from shardwise.train.trainer import describe_features
+
+    cfg = load_config(None, {"train.activation_checkpoint": "selective", "train.compile": "true",
+                             "comm.weights": "int8", "comm.grads": "int4",
+                             "offload.device": "cpu"})
+    assert describe_features(cfg) == (
+        "activation checkpointing selective; compile on (inductor); communication weights "
+        "int8, gradients int4 (blocks of 256); optimizer offload cpu")
+
+
+def test_the_summary_gives_the_steady_state_beside_the_whole():
+    """Issue 30.7: tokens/s over the whole run includes the first step's compile."""
+    from shardwise.train.metrics import format_summary
+
+    summary = {"final_train_loss": 2.0, "final_val_loss": None, "steps": 3, "tokens": 300,
+               "tokens_per_s": 50.0, "steady_tokens_per_s": 100.0, "world_size": 2,
+               "peak_rss_mib": [1.0, 1.0], "elapsed_s": 6.0, "train_time_s": 6.0,
+               "log_dir": "x", "outputs": []}
+    assert ("3 steps, 300 tokens, 50 tokens/s on 2 ranks (steady state 100 tokens/s: the "
+            "median step after the first, which compiles and warms up)") in \
+        format_summary(summary)
 
 
 # ----------------------------------------------------------------------------- printing

@@ -11,7 +11,7 @@ export / import. User guide: docs/checkpoints.md.
 from shardwise.checkpoint.atomic import latest_checkpoint, list_checkpoints
 from shardwise.checkpoint.dcp import CheckpointInfo, SaveResult, load, save, verify
 from shardwise.checkpoint.errors import CheckpointError
-from shardwise.checkpoint.manager import Checkpointer, resolve_resume
+from shardwise.checkpoint.manager import Checkpointer, newest_intact, resolve_resume
 
 __all__ = ["save", "load", "verify", "latest_checkpoint", "list_checkpoints", "CheckpointInfo",
-           "SaveResult", "CheckpointError", "Checkpointer", "resolve_resume"]
+           "SaveResult", "CheckpointError", "Checkpointer", "resolve_resume", "newest_intact"]

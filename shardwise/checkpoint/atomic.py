@@ -252,6 +252,26 @@ def verify_metadata_file(path: Path, manifest: dict[str, Any]) -> None:
                               path=path, file=METADATA_FILE)
 
 
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Check every file of the checkpoint at ``path`` in this process (no collective): the
+    manifest, each data file's size and sha256, DCP's index.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointError: naming the file (and tensor) of the first failure.
+    """
+    manifest = read_manifest(path)
+    errors = verify_files(path, manifest)
+    if errors:
+        file, message = errors[0]
+        more = f" (and {len(errors) - 1} more file(s))" if len(errors) > 1 else ""
+        raise CheckpointError(message + more, path=path, file=file)
+    verify_metadata_file(path, manifest)
+    return manifest
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Committed checkpoints ``step_N`` under ``root`` (those with a manifest), by step."""
     if not root.is_dir():

@@ -19,6 +19,16 @@ bound into a synchronous one (no copy at all). The thread coordinates over its o
 process group, created once by the Checkpointer, so its collectives never interleave with
 training's on the default group. Errors in the thread are raised by the next ``save``,
 ``wait`` or ``close``.
+
+[Note: resuming past a damaged checkpoint] ``resume="auto"`` means "the newest checkpoint I
+can trust". A newest checkpoint damaged after its commit (a file truncated or altered on
+disk, a disk that lost a block) used to stop the run after every rank had started; now the
+candidates are verified newest first (every file's sha256 against the manifest, the work
+split over the ranks, every rank reaching the same verdict) and a damaged one is skipped
+with a warning naming it, its step and the failing file. ``shardwise train`` does the same
+before any rank starts when it launches the ranks itself (:func:`newest_intact`), and pins
+the checkpoint it chose. Only when every checkpoint is damaged does ``auto`` refuse: starting
+over silently would throw the run's progress away.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import datetime
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +52,13 @@ from shardwise.checkpoint.dcp import (
     copy_tensors,
     load,
     snapshot,
+    verify,
     write,
 )
+from shardwise.checkpoint.errors import CheckpointError
 from shardwise.distributed import comm, comm_objects
 
-__all__ = ["Checkpointer", "resolve_resume"]
+__all__ = ["Checkpointer", "resolve_resume", "newest_intact"]
 
 
 def resolve_resume(resume: str, root: str | os.PathLike) -> Path | None:
@@ -69,6 +82,32 @@ def resolve_resume(resume: str, root: str | os.PathLike) -> Path | None:
     path = Path(resume).expanduser()
     atomic.read_manifest(path)
     return path
+
+
+def newest_intact(root: str | os.PathLike, verify: Callable[[Path], Any] | None = None
+                  ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest committed checkpoint under ``root`` that passes ``verify``, and the newer
+    ones that did not ([Note: resuming past a damaged checkpoint]).
+
+    Args:
+        root: the checkpoint folder of the run.
+        verify: called with each candidate, newest first; raises :class:`CheckpointError`
+            for a damaged one (default: :func:`atomic.verify_checkpoint`, every file's
+            checksum in this process).
+
+    Returns:
+        ``(the checkpoint or None when there is none, [(damaged checkpoint, why)])``.
+    """
+    verify = verify or atomic.verify_checkpoint
+    skipped = []
+    for _, path in reversed(atomic.list_checkpoints(Path(root))):
+        try:
+            verify(path)
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        return path, skipped
+    return None, skipped
 
 
 class Checkpointer:
@@ -191,6 +230,12 @@ class Checkpointer:
         Raises:
             CheckpointError: see :func:`shardwise.checkpoint.load`.
         """
+        if str(resume) == "auto":  # [Note: resuming past a damaged checkpoint]
+            path = self._newest_intact()
+            if path is None:
+                return None
+            return load(path, model, optimizer, extra=extra, process_group=self._pg,
+                        **{"verify_files": False, **kwargs})  # verified just now
         path = resolve_resume(str(resume), self.root)
         if self._pg is not None:
             agreed = comm_objects.broadcast_object(
@@ -200,6 +245,30 @@ class Checkpointer:
         if path is None:
             return None
         return load(path, model, optimizer, extra=extra, process_group=self._pg, **kwargs)
+
+    def _newest_intact(self) -> Path | None:
+        """``resume="auto"``: rank 0's list of checkpoints, each verified by all ranks
+        together (newest first) until one passes; a damaged one is skipped with a warning
+        naming it and why."""
+        found = [str(p) for _, p in atomic.list_checkpoints(self.root)]
+        if self._pg is not None:
+            found = comm_objects.broadcast_object(found, dist.get_global_rank(self._pg, 0),
+                                                  self._pg, label="checkpoint.resume_list")
+        rank = dist.get_rank(self._pg) if self._pg is not None else 0
+        for candidate in reversed(found):
+            try:
+                verify(candidate, self._pg)  # every rank gets the same outcome
+            except CheckpointError as exc:
+                if rank == 0:
+                    warnings.warn(f"checkpoint.resume auto: skipping {candidate}: {exc}; "
+                                  f"trying the one before it", stacklevel=3)
+                continue
+            return Path(candidate)
+        if found:
+            raise CheckpointError(f"checkpoint.resume auto: every checkpoint under "
+                                  f"{self.root} is damaged ({len(found)} checked); expected an "
+                                  f"intact one, or resume 'none' to start over", path=self.root)
+        return None
 
     def close(self) -> SaveResult | None:
         """Wait for the last save; the Checkpointer stays usable."""

@@ -14,6 +14,7 @@ Exit codes: 0 success, 2 bad input (one line naming the value).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -45,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--layout", metavar="K=V,...", help="layout keys to fix (see docs)")
     p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     p.add_argument("--json", action="store_true", help="print only a JSON array of records")
+    p.add_argument("--buildable", action="store_true",
+                   help="only layouts this version's `shardwise train` can build (every "
+                        "record says whether it can, and why not)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the best layout's memory and "
                    "pipeline timeline")
     p.add_argument("--calibrate", action="store_true",
@@ -92,16 +96,25 @@ def _do_calibrate(args) -> None:
 
 
 def _table(result, spec, hw, wl, gpus: int, top: int) -> str:
+    from shardwise.planner.buildable import not_buildable
     head = (f"shardwise plan: {spec.name} on {gpus} x {hw.name} ({hw.description}), "
             f"seq {wl.seq_len}, global batch {wl.global_batch} sequences\n"
             f"{result.evaluated:,} layouts priced, {result.pruned:,} pruned, "
             f"{result.seconds:.1f} s\n")
     rows = [f"{'#':>2} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'HFU':>6} {'GiB':>6} "
-            f"{'fits':>4}  {'bottleneck':<13} layout"]
+            f"{'fits':>4} {'build':>5}  {'bottleneck':<13} layout"]
+    reasons: dict[str, list[int]] = {}
     for i, e in enumerate(result.ranked[:top], 1):
+        why = not_buildable(e.layout, spec)
+        if why:
+            reasons.setdefault(why, []).append(i)
         rows.append(f"{i:>2} {e.step_time:>8.3g} {e.tokens_per_s_per_gpu:>10.4g} "
                     f"{e.mfu:>6.1%} {e.hfu:>6.1%} {e.memory.total / 2**30:>6.1f} "
-                    f"{'yes' if e.fits else 'NO':>4}  {e.bottleneck:<13} {_short(e.layout)}")
+                    f"{'yes' if e.fits else 'NO':>4} {'no' if why else 'yes':>5}  "
+                    f"{e.bottleneck:<13} {_short(e.layout)}")
+    for why, rows_of in reasons.items():  # [Note: buildable layouts]
+        rows.append(f"build no (#{', #'.join(map(str, rows_of))}): {why}; shardwise train of "
+                    f"this version refuses it (--buildable: only layouts it builds)")
     return head + "\n".join(rows)
 
 
@@ -113,7 +126,15 @@ def _short(L) -> str:
                     if k in keep or v != getattr(default, k))
 
 
+def _record(e, spec) -> dict:
+    """An estimate's JSON record, with whether ``shardwise train`` can build its layout."""
+    from shardwise.planner.buildable import not_buildable
+    why = not_buildable(e.layout, spec)
+    return {**e.record(), "buildable": why is None, "not_buildable_reason": why}
+
+
 def _plan(args) -> int:
+    from shardwise.planner.buildable import BUILDABLE_FIXED, not_buildable
     from shardwise.planner.cost_model import CostModel
     from shardwise.planner.hardware import get_hardware
     from shardwise.planner.layout import parse_layout
@@ -129,11 +150,20 @@ def _plan(args) -> int:
     fixed = parse_layout(args.layout) if args.layout else {}
     if args.top < 1:
         raise ValueError(f"--top={args.top}, expected an integer >= 1")
+    if args.buildable:  # [Note: buildable layouts]
+        clash = {k: v for k, v in BUILDABLE_FIXED.items() if fixed.get(k, v) != v}
+        if clash:
+            raise ValueError(f"--buildable with --layout {args.layout!r}: this version builds "
+                             f"only {BUILDABLE_FIXED} for {sorted(clash)}")
+        fixed = {**fixed, **BUILDABLE_FIXED}
     result = search(spec, hw, wl, args.gpus, fixed)
+    if args.buildable:
+        result = dataclasses.replace(result, ranked=[
+            e for e in result.ranked if not_buildable(e.layout, spec) is None])
     if not result.ranked:
         raise ValueError(explain_empty(spec, hw, wl, args.gpus, fixed))
     if args.json:
-        json.dump([e.record() for e in result.ranked[:args.top]], sys.stdout, indent=1)
+        json.dump([_record(e, spec) for e in result.ranked[:args.top]], sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         print(_table(result, spec, hw, wl, args.gpus, args.top))

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel",
-           "check_model_combinations", "AC_POLICIES", "COMPILE_BACKENDS", "PLAN_KEYS"]
+           "check_sequence_split", "check_model_combinations", "AC_POLICIES",
+           "COMPILE_BACKENDS", "PLAN_KEYS"]
 
 # Kept equal to shardwise.parallel.AC_POLICIES by tests/test_activation_checkpoint.py (this
 # module stays free of torch imports: the command line loads configs before torch).
@@ -143,11 +144,6 @@ def _combinations(config) -> None:
     if par.sequence_parallel and par.tp == 1:
         raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the "
                          "activations between tensor-parallel regions), got tp 1")
-    if sequence_parallel(par) and config.data.seq_len % par.tp:
-        raise ValueError(f"data.seq_len={config.data.seq_len} must be divisible by parallel.tp="
-                         f"{par.tp} with sequence parallelism (each tensor rank holds "
-                         f"seq_len / tp positions); set parallel.sequence_parallel=false or "
-                         f"change data.seq_len")
     if par.ep > 1 and par.tp > 1 and not sequence_parallel(par):
         raise ValueError(f"parallel.ep={par.ep} with parallel.tp={par.tp} needs sequence "
                          f"parallelism (each tensor rank dispatches its own sequence shard); "
@@ -219,6 +215,22 @@ def check_model_combinations(config, model_cfg) -> None:
                          "compiled graph, and a recompute would count them twice); expected "
                          "a dense model or the defaults (compile false, activation_checkpoint "
                          "'none')")
+
+
+def check_sequence_split(config) -> None:
+    """Shapes against the degrees, once the degrees fit the world (:func:`resolve_world`
+    first: a degree the ranks cannot hold is the first thing to say).
+
+    Raises:
+        ValueError: ``data.seq_len`` not divisible by ``parallel.tp`` under sequence
+            parallelism.
+    """
+    par = config.parallel
+    if sequence_parallel(par) and config.data.seq_len % par.tp:
+        raise ValueError(f"data.seq_len={config.data.seq_len} must be divisible by parallel.tp="
+                         f"{par.tp} with sequence parallelism (each tensor rank holds "
+                         f"seq_len / tp positions); set parallel.sequence_parallel=false or "
+                         f"change data.seq_len")
 
 
 def resolve_world(config, world_size: int):

@@ -19,9 +19,10 @@ class ParallelConfig:
     stage: int = 3
     """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 + gradients, 3 + params."""
     dp_replicate: int = 1
-    """Data-parallel replicas (HSDP outer axis); dp_replicate * dp_shard * tp = world size."""
+    """Data-parallel replicas (HSDP outer axis); pp x dp_replicate x dp_shard x tp = world
+    size."""
     dp_shard: int = -1
-    """Ranks each replica is sharded over (-1: world size // (dp_replicate * tp))."""
+    """Ranks each replica is sharded over (-1: world size // (pp x dp_replicate x tp))."""
     tp: int = 1
     """Tensor-parallel degree: ranks each layer's matrices are split over (Megatron style,
     consecutive ranks of one node); heads, vocabulary and feed-forward width must divide."""

@@ -134,7 +134,7 @@ def _train_here(cfg: Config) -> dict[str, Any] | None:
         check_ranks(cfg, env)  # another version or config on some rank: named, before all else
         requested, error, data = cfg, None, None
         try:
-            cfg, data = preflight(cfg, env.world_size)
+            cfg, data = preflight(cfg, env.world_size, verify_checkpoint=False)
         except ValueError as exc:
             error = str(exc)
         log_dir = _agree_on_preflight(error, env, cfg.log.dir)

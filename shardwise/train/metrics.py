@@ -244,7 +244,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"final val loss {num(summary['final_val_loss'])}"
         + (f" ({summary['val_split']})" if summary.get("val_split") else ""),
         f"  {summary['steps']} steps, {summary['tokens']:,} tokens, "
-        f"{num(summary['tokens_per_s'], ',.0f')} tokens/s on {summary['world_size']} ranks",
+        f"{num(summary['tokens_per_s'], ',.0f')} tokens/s on {summary['world_size']} ranks"
+        + (f" (steady state {num(summary['steady_tokens_per_s'], ',.0f')} tokens/s: the "
+           f"median step after the first, which compiles and warms up)"
+           if summary.get("steady_tokens_per_s") and summary["steps"] > 1 else ""),
         f"  peak memory per rank (RSS): {format_memory(summary['peak_rss_mib'])}",
         *([f"  model state per rank (ZeRO stage {summary['zero_stage']}: params + grads + "
            f"optimizer): {format_memory(summary['model_state_mib'])}"]

@@ -18,7 +18,7 @@ import torch
 from shardwise.train import config_io
 from shardwise.train.compat import check_fault_spec, check_resume
 from shardwise.train.config import Config, check_output_dir, resolve_world, to_toml
-from shardwise.train.config_checks import check_model_combinations
+from shardwise.train.config_checks import check_model_combinations, check_sequence_split
 from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
@@ -141,12 +141,17 @@ def build_data(cfg: Config, world_size: int) -> TokenData:
     return TokenData(train_ids, val_ids, tokenizer.vocab_size, len(text.encode("utf-8")))
 
 
-def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
+def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True
+              ) -> tuple[Config, TokenData]:
     """Every check that depends on user input, run before any rank trains.
 
     Args:
         cfg: a validated config (:func:`shardwise.train.config.load_config`).
         world_size: ranks in the job.
+        verify_checkpoint: with ``checkpoint.resume = "auto"``, check every file of the
+            newest checkpoints here and resume from the newest intact one (pinned in the
+            returned config); False (one rank of a torchrun job, where every rank runs this):
+            the ranks verify together when they load.
 
     Returns:
         The config with world-dependent values resolved (``parallel.dp_shard``, and
@@ -165,7 +170,8 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
             the number of experts, compile or activation checkpointing with an MoE model, a
             pipeline the model or the config cannot take.
     """
-    cfg = resolve_world(cfg, world_size)
+    cfg = resolve_world(cfg, world_size)  # the layout first, then the shapes against it
+    check_sequence_split(cfg)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
                          "expected 'gloo' or 'auto'")
@@ -188,7 +194,10 @@ def preflight(cfg: Config, world_size: int) -> tuple[Config, TokenData]:
     from shardwise.train.parallelize import validate_ep, validate_tp  # degrees vs the shape
     validate_tp(cfg, model_cfg, world_size)
     validate_ep(cfg, model_cfg)
-    check_resume(cfg, model_cfg)
+    resume = check_resume(cfg, model_cfg, verify=verify_checkpoint)
+    if resume is not None and cfg.checkpoint.resume == "auto" and verify_checkpoint:
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+            cfg.checkpoint, resume=str(resume)))  # the ranks load what was verified here
     idle = bubble_warning(cfg)  # after the planner: its micro-batches are the run's
     if idle:
         warnings.warn(idle, stacklevel=2)

@@ -13,6 +13,7 @@ gradient clipping.
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from shardwise.train.metrics import (
 from shardwise.train.moe import describe_moe
 from shardwise.train.pipeline import describe_pipeline
 from shardwise.train.preflight import build_model_config
+from shardwise.train.compat import RUN_KEY, run_record
 from shardwise.train.schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
 from shardwise.train.step import evaluate, gather_stats, train_step
 from shardwise.train.stepguard import StepGuard
@@ -129,6 +131,19 @@ def _checkpoint_due(step: int, cfg: Config) -> bool:
 # ----------------------------------------------------------------------------- the loop
 
 
+def describe_features(cfg: Config) -> str:
+    """The rest of the start line: activation checkpointing, compile, what the collectives
+    send, where optimizer state lives."""
+    t, c, o = cfg.train, cfg.comm, cfg.offload
+    wire = "full precision" if (c.weights, c.grads) == ("fp", "fp") else (
+        f"weights {c.weights}, gradients {c.grads} (blocks of {c.block_size})")
+    if c.hierarchy:
+        wire += f", hierarchy {c.hierarchy}"
+    return (f"activation checkpointing {t.activation_checkpoint}; compile "
+            f"{'on (' + t.compile_backend + ')' if t.compile else 'off'}; communication "
+            f"{wire}; optimizer offload {o.device}")
+
+
 def validation_note(cfg: Config) -> tuple[str, str]:
     """What the validation split is: a short label for each validation line, and the line
     printed at start (the split is the corpus's tail, not a random sample)."""
@@ -165,7 +180,7 @@ def _start_logger(cfg: Config, env: dist_env.DistEnv, model_cfg: Any, data: Any,
     logger.echo(val_line)
     logger.echo(f"layout {describe_layout(cfg, env.world_size)}; compute "
                 f"{cfg.precision.param_dtype}, reduce {cfg.precision.reduce_dtype}, masters "
-                f"fp32")
+                f"fp32; {describe_features(cfg)}")
     for note in notes:
         if note:
             logger.echo(note)
@@ -209,6 +224,7 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv, replan: Any = None
     horizon = apply_schedule_horizon(schedule, cfg.optim.schedule_horizon, cfg.train.steps, done)
     notes = [describe_moe(model_cfg, cfg), describe_pipeline(cfg, model), note, horizon]
     logger = _start_logger(cfg, env, model_cfg, data, done, notes)
+    saved = {**stateful, RUN_KEY: run_record(cfg)}  # the batch, for a later resume's check
     train_time = 0.0
     guard = StepGuard(cfg, env, model)
     try:
@@ -221,10 +237,10 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv, replan: Any = None
             if _eval_due(step, cfg):
                 logger.log_eval(evaluate(model, data.val_ids, cfg, env, step))
             if _checkpoint_due(step, cfg):
-                ckpt.save(step, model, optimizer, extra=stateful)
+                ckpt.save(step, model, optimizer, extra=saved)
             if replan is not None and replan.after_step(record, model, optimizer, logger):
                 if not _checkpoint_due(step, cfg):  # re-plan: resume from here, re-laid out
-                    ckpt.save(step, model, optimizer, extra=stateful)
+                    ckpt.save(step, model, optimizer, extra=saved)
                 break
     finally:
         logger.close()
@@ -263,6 +279,9 @@ def _finish(cfg: Config, env: dist_env.DistEnv, logger: MetricsLogger,
         outputs.append("tb/")
     outputs.append("summary.json")
     tokens = sum(r["tokens"] for r in steps)
+    # The first step builds what later steps reuse (compiled graphs, pooled buffers, the
+    # optimizer state): the steady state is the median of the steps after it.
+    later = [r["tokens_per_s"] for r in steps[1:]] or [r["tokens_per_s"] for r in steps]
     summary = {
         "final_train_loss": steps[-1]["loss"] if steps else None,
         "first_train_loss": steps[0]["loss"] if steps else None,
@@ -270,6 +289,7 @@ def _finish(cfg: Config, env: dist_env.DistEnv, logger: MetricsLogger,
         "val_split": logger.val_label,
         "steps": len(steps), "tokens": tokens,
         "tokens_per_s": tokens / train_time if train_time > 0 else None,
+        "steady_tokens_per_s": statistics.median(later) if later else None,
         "world_size": env.world_size, "zero_stage": cfg.parallel.stage,
         "layout": layout_record(cfg, env.world_size),
         "peak_rss_mib": [round(m, 1) for m in peak_mib],

@@ -1,0 +1,42 @@
+"""Which priced layouts this version of ``shardwise train`` can build.
+
+[Note: buildable layouts] The planner prices parallelisms before the trainer builds them
+(context parallelism is priced from published systems), so ``shardwise plan`` may rank first
+a layout that ``shardwise train`` refuses. Every record says whether it can be run here and,
+if not, why; ``shardwise plan --buildable`` searches only the layouts that can. The rules
+are the trainer's own refusals of a layout, restated on the planner's floor (the planner
+sits below the trainer and cannot call its checks); tests/test_planner_cli.py checks each
+rule against what ``shardwise.train`` refuses.
+"""
+
+from __future__ import annotations
+
+from shardwise.planner.layout import Layout
+
+__all__ = ["not_buildable", "BUILDABLE_FIXED"]
+
+BUILDABLE_FIXED = {"cp": 1}
+"""Layout keys ``--buildable`` fixes before the search (the rest is filtered after it)."""
+
+
+def not_buildable(L: Layout, spec) -> str | None:
+    """Why ``shardwise train`` of this version cannot run ``L`` for ``spec`` (None: it can).
+
+    Args:
+        L: a resolved layout.
+        spec: the model's :class:`~shardwise.planner.spec.ModelSpec`.
+
+    Returns:
+        A short reason, or None.
+    """
+    if not getattr(spec, "buildable", True):
+        return f"model {spec.name!r} is a shape only the planner prices"
+    if L.cp > 1:
+        return "context parallelism (cp > 1) is not built yet"
+    if L.pp > 1 and L.offload != "none":
+        return "pipeline stages do not run with optimizer offload yet"
+    if L.ep > 1 and L.tp > 1 and not L.sp:
+        return "expert parallelism under tensor parallelism needs sequence parallelism"
+    if spec.n_experts and L.ac != "none":
+        return "activation checkpointing of MoE layers is refused (data-dependent routing)"
+    return None
