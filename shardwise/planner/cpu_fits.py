@@ -8,11 +8,10 @@ least-squares fit they come from ([Note: CPU kernels] in cpu_costs.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-import torch
-
-__all__ = ["Fit", "Kernel", "Crowd", "fit_terms"]
+__all__ = ["Fit", "Kernel", "Crowd", "fit_terms", "least_squares"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,34 @@ class Crowd:
         return Crowd({k: v for k, v in colls.items() if v}, cpu, mix(self.gap_s, other.gap_s))
 
 
+def least_squares(a: list[list[float]], b: list[float]) -> list[float]:
+    """``x`` minimising ``|a x - b|`` for a few columns, by modified Gram-Schmidt in plain
+    Python floats.
+
+    [Note: reproducible fits] LAPACK's least squares (torch.linalg.lstsq on MKL) rounds
+    differently with the memory alignment of its inputs, so the same calibration refitted
+    twice gave factors one ulp apart and every prediction built on them moved in its last
+    bits from run to run. A handful of columns needs no LAPACK; this runs the same
+    operations in the same order every time.
+    """
+    n, k = len(a), len(a[0])
+    q = [[a[i][j] for i in range(n)] for j in range(k)]  # columns
+    r = [[0.0] * k for _ in range(k)]
+    for j in range(k):
+        for i in range(j):
+            r[i][j] = sum(q[i][t] * q[j][t] for t in range(n))
+            q[j] = [q[j][t] - r[i][j] * q[i][t] for t in range(n)]
+        r[j][j] = math.sqrt(sum(v * v for v in q[j]))
+        if r[j][j] > 0:
+            q[j] = [v / r[j][j] for v in q[j]]
+    y = [sum(q[j][t] * b[t] for t in range(n)) for j in range(k)]
+    x = [0.0] * k
+    for j in reversed(range(k)):  # R x = Q^T b; a column of zeros gets a zero
+        rest = y[j] - sum(r[j][i] * x[i] for i in range(j + 1, k))
+        x[j] = rest / r[j][j] if r[j][j] > 0 else 0.0
+    return x
+
+
 def fit_terms(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
     """Non-negative coefficients ``c`` with ``seconds ~ sum(c_j x_j)``, least squares on the
     relative error, from ``((x_1, ..., x_k), seconds)`` rows (a term whose coefficient
@@ -76,9 +103,7 @@ def fit_terms(rows: list[tuple[tuple[float, ...], float]]) -> list[float]:
     k = len(rows[0][0])
     keep = list(range(k))
     while keep:
-        a = torch.tensor([[x[j] / t for j in keep] for x, t in rows], dtype=torch.float64)
-        sol = torch.linalg.lstsq(a, torch.ones(len(rows), 1, dtype=torch.float64)).solution
-        coef = sol.flatten().tolist()
+        coef = least_squares([[x[j] / t for j in keep] for x, t in rows], [1.0] * len(rows))
         if min(coef) >= 0:
             out = [0.0] * k
             for j, c in zip(keep, coef, strict=True):
