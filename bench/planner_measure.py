@@ -68,8 +68,8 @@ class WholeGrads:
         self.peak = 0
 
     def read(self) -> None:
-        held = sum(f.grad.untyped_storage().nbytes() for u in self.units
-                   for f in u.full_params if f.grad is not None)
+        held = sum(sp.full.grad.untyped_storage().nbytes() for u in self.units
+                   for sp in u.params if sp.full.grad is not None)
         self.peak = max(self.peak, held)
 
     def __enter__(self) -> "WholeGrads":

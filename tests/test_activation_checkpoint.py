@@ -58,7 +58,7 @@ def _recompute_reads_gathered_parameters(policy: str) -> dict:
     seen = []
     for block in model.layers:
         unit, wq = _unit_of(model, block), block.attention.wq
-        full = next(f for e, f in zip(unit.entries, unit.full_params) if e.param is wq.weight)
+        full = next(sp.full for sp in unit.params if sp.param is wq.weight)
 
         def probe(mod, args, unit=unit, full=full):
             seen.append((in_backward(), unit.gathered, mod.weight is full))

@@ -153,7 +153,7 @@ def _composed_worker():
         shardwise.shard(layer, stage=3, mesh=group)
     shardwise.shard(model, stage=1)
     state = model._shardwise_state
-    own = {e.fqns[0] for u in state.units for e in u.entries}
+    own = {sp.fqns[0] for u in state.units for sp in u.params}
     batches = make_batches(4, 3, 1, 2 * dist.get_world_size(), 8, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     rank = dist.get_rank()

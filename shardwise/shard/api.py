@@ -135,23 +135,22 @@ def _build_units(module, plans, groups, stage, tracker, init_weights, sync_state
     count = StepCount()  # [Note: step identity]: one per call, carried by its units' gathers
     real = next((e.param.device for p in plans for e in p.entries), torch.device("cpu"))
     streams = CommStreams(device if device is not None and device.type != "meta" else real)
-    units = [Unit(p.name, p.module, p.entries, g, stage, tracker, device, mp, nodes[id(g)],
+    units = [Unit(p.name, p.module, p.entries, g, tracker, device, mp, nodes[id(g)],
                   quant, UnitTag(state_id, i, p.name or "<root>", names, count), streams)
              for i, (p, g) in enumerate(zip(plans, per_unit))]
-    where = {id(e.param): (u, i) for u in units for i, e in enumerate(u.entries)}
+    where = {id(sp.param): sp for u in units for sp in u.params}
     if is_meta and not do_materialize:
         pass  # planning mode: shards stay on the meta device, bytes are still accounted
     elif is_meta:
         def sink(param, full):
-            u, i = where[id(param)]
-            u.load_full(i, full)
+            where[id(param)].load_full(full)
         tracker.peak_init = materialize(module, units[0].device, init_weights, sink)
     else:
         for u in units:
             if sync_states:
-                _broadcast_from_first([e.param for e in u.entries], u.groups)
-            for i, e in enumerate(u.entries):
-                u.load_full(i, e.param.detach())
+                _broadcast_from_first([sp.param for sp in u.params], u.groups)
+            for sp in u.params:
+                sp.load_full(sp.param.detach())
         if sync_states:
             _broadcast_buffers(module, groups)
     for u in units:

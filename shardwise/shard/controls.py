@@ -146,7 +146,7 @@ def graph_parameter_groups(model: nn.Module) -> list[list]:
     for s in _states(model, "graph_parameters"):
         found = []
         for u in getattr(s, "units", []):
-            found.extend(u.full_params[:len(u.trainable)])
+            found.extend(sp.full for sp in u.trainable)
         found.extend(p for b in getattr(s, "buckets", []) for p in b.params)
         groups.append(found)
     return groups

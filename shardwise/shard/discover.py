@@ -18,7 +18,7 @@ from torch import nn
 
 from shardwise.shard.placed import own_data_axis
 from shardwise.shard.registry import STATE_ATTR
-from shardwise.shard.unit import ParamEntry
+from shardwise.shard.param import ParamEntry
 
 __all__ = ["UnitPlan", "plan_units", "wrap_predicate"]
 

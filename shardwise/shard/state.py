@@ -54,8 +54,6 @@ forward used the pre-step weights of that unit on every rank (issue 15).
 
 from __future__ import annotations
 
-import enum
-
 import torch
 from torch import nn
 
@@ -64,26 +62,9 @@ from shardwise.distributed.mesh import ShardGroups
 from shardwise.shard.hooks import (OrderedLauncher, in_backward, queue_end_of_backward,
                                    register_output_hooks)
 from shardwise.shard.memory import MemoryTracker
-from shardwise.shard.unit import Unit
+from shardwise.shard.unit import Phase, Unit
 
 __all__ = ["ShardState"]
-
-
-class Phase(enum.Enum):
-    """Where a unit is between forwards and the backward pass in progress.
-
-    [Note: micro-batch passes] Forwards and backward passes may interleave (a pipeline's
-    1F1B runs forward 2 before backward 1); every backward pass is one autograd call. A
-    backward pass starts (its first hook) by marking the units of the latest forward as
-    expected and resetting their gradient counters, so each pass runs its own pre- and
-    post-backward once per unit, whatever forwards happened in between.
-    """
-
-    IDLE = "idle"                    # not expected in the backward pass in progress
-    FORWARD = "forward"              # its forward is running
-    FORWARD_DONE = "forward_done"    # ran forward; its backward is expected
-    BACKWARD = "backward"            # its backward has begun in this pass
-    BACKWARD_DONE = "backward_done"  # this pass is done with it (gradients packed or kept)
 
 
 class ShardState:
@@ -108,15 +89,14 @@ class ShardState:
         self._backward_started = False
         self._handles = []
         for u in units:
-            u.phase = Phase.IDLE
             self._handles.append(u.module.register_forward_pre_hook(
                 self._make_pre_forward(u), prepend=True))
             self._handles.append(u.module.register_forward_hook(self._make_post_forward(u)))
             if u is root:  # runs even when the forward raises: the modules get shards back
                 self._handles.append(u.module.register_forward_hook(
                     self._finish_forward, always_call=True))
-            for full in u.full_params[:len(u.trainable)]:
-                self._handles.append(full.register_post_accumulate_grad_hook(
+            for sp in u.trainable:
+                self._handles.append(sp.full.register_post_accumulate_grad_hook(
                     self._make_on_grad(u)))
 
     # ---------------------------------------------------------------- forward

@@ -135,9 +135,9 @@ def _specs_of_state(state) -> list[tuple[list[str], ShardedParamSpec]]:
         return out
     for u in state.units:  # a unit's own groups: experts shard over edp
         r = u.groups.shard_rank
-        for e, p in zip(u.entries, u.layout.params):
-            out.append((e.fqns, _spec(state, e.param, p.row_offset(r), p.local_rows(r),
-                                      u.groups.shard)))
+        for sp in u.params:
+            out.append((sp.fqns, _spec(state, sp.param, sp.layout.row_offset(r),
+                                       sp.layout.local_rows(r), u.groups.shard)))
     return out
 
 
@@ -228,9 +228,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
         base = paths[id(state.module)]
         for u in getattr(state, "units", []):
             fulls = _gather_unit(u, f"{u.label}.full_state_dict")
-            for e, t in zip(u.entries, fulls):
-                t = gather_model_pieces(t, placement_of(e.param)).to("cpu", copy=True)
-                for f in e.fqns:
+            for sp, t in zip(u.params, fulls):
+                t = gather_model_pieces(t, placement_of(sp.param)).to("cpu", copy=True)
+                for f in sp.fqns:
                     gathered[f"{base}.{f}" if base else f] = t
     for name, p in model.named_parameters(remove_duplicate=False):
         if name not in gathered and placement_has_model_axes(p):

@@ -32,8 +32,6 @@ a gather never outlives the values it read.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -42,30 +40,34 @@ from shardwise.distributed import comm
 from shardwise.distributed.quant_comm import all_gather_quantized
 from shardwise.distributed.mesh import NodeGroup, ShardGroups
 from shardwise.distributed.pool import POOL
+from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.identity import TAG_BYTES, UnitTag
 from shardwise.shard.layout import UnitLayout, build_layout
 from shardwise.shard.memory import MemoryTracker
-from shardwise.shard.streams import CommStreams
-from shardwise.shard.ungathered import UngatheredParameter
+from shardwise.shard.param import ParamEntry, ShardedParam
 from shardwise.shard.precision import MixedPrecision
-from shardwise.shard.comm_quant import CommQuant
-from shardwise.shard.unit_grads import GradientReducer
+from shardwise.shard.streams import CommStreams
+from shardwise.shard.unit_grads import GradientReduction
 from shardwise.sizes import nbytes as _nbytes
 
-__all__ = ["ParamEntry", "Unit"]
+__all__ = ["ParamEntry", "Unit", "Phase"]
 
 
-@dataclass
-class ParamEntry:
-    """A unique parameter and every place it is registered (tied parameters have several)."""
+class Phase(enum.Enum):
+    """Where a unit is between forwards and the backward pass in progress.
 
-    param: nn.Parameter
-    fqns: list[str]
-    registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
+    [Note: micro-batch passes] Forwards and backward passes may interleave (a pipeline's
+    1F1B runs forward 2 before backward 1); every backward pass is one autograd call. A
+    backward pass starts (its first hook) by marking the units of the latest forward as
+    expected and resetting their gradient counters, so each pass runs its own pre- and
+    post-backward once per unit, whatever forwards happened in between.
+    """
 
-    @property
-    def trainable(self) -> bool:
-        return self.param.requires_grad
+    IDLE = "idle"                    # not expected in the backward pass in progress
+    FORWARD = "forward"              # its forward is running
+    FORWARD_DONE = "forward_done"    # ran forward; its backward is expected
+    BACKWARD = "backward"            # its backward has begun in this pass
+    BACKWARD_DONE = "backward_done"  # this pass is done with it (gradients packed or kept)
 
 
 class Gather(enum.Enum):
@@ -79,7 +81,7 @@ class Gather(enum.Enum):
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
-class Unit(GradientReducer):
+class Unit:
     """Parameters gathered and reduced together: one all-gather and one reduce-scatter each.
 
     Args:
@@ -87,7 +89,6 @@ class Unit(GradientReducer):
         module: the module whose forward brackets the unit's compute.
         entries: the parameters this unit owns.
         groups: process groups to shard, gather and replicate over.
-        stage: 1, 2 or 3 (see shardwise.shard).
         tracker: where buffer bytes are reported.
         device: where the buffers live (default: the parameters' device; a meta model is
             materialised on the CPU unless "meta" is asked for, to plan without allocating).
@@ -98,105 +99,86 @@ class Unit(GradientReducer):
         tag: the unit's identity, sent with every gather ([Note: gather identity]);
             default: a tag of shard call 0, unit 0.
         streams: where collectives run ([Note: CUDA streams]); default: the device's own.
+
+    Attributes:
+        params: one :class:`ShardedParam` per parameter, trainable ones first.
+        trainable: the trainable prefix of ``params``.
+        phase: where the unit is in the current forward / backward ([Note: micro-batch
+            passes]); the engine state moves it.
+        pending: trainable parameters whose gradient the backward pass in progress has not
+            produced yet.
+        stale: the shards changed (or will) since the last gather ([Note: unit gather
+            state]).
     """
 
     def __init__(self, name: str, module: nn.Module, entries: list[ParamEntry],
-                 groups: ShardGroups, stage: int, tracker: MemoryTracker,
+                 groups: ShardGroups, tracker: MemoryTracker,
                  device: torch.device | None = None,
                  mixed_precision: MixedPrecision | None = None,
                  node: NodeGroup | None = None, quant: CommQuant | None = None,
                  tag: UnitTag | None = None, streams: CommStreams | None = None) -> None:
-        self.name, self.module, self.groups, self.stage = name, module, groups, stage
-        self.tracker = tracker
-        self.entries = sorted(entries, key=lambda e: not e.trainable)  # stable: trainable first
-        self.trainable = [e for e in self.entries if e.trainable]
-        self.layout: UnitLayout = build_layout([e.param.shape for e in self.entries],
-                                               [e.trainable for e in self.entries],
+        self.name, self.module, self.groups, self.tracker = name, module, groups, tracker
+        entries = sorted(entries, key=lambda e: not e.trainable)  # stable: trainable first
+        self.layout: UnitLayout = build_layout([e.param.shape for e in entries],
+                                               [e.trainable for e in entries],
                                                groups.shard_size)
-        self.dtype = self.entries[0].param.dtype if self.entries else torch.float32
+        self.dtype = entries[0].param.dtype if entries else torch.float32
         mp = mixed_precision or MixedPrecision()
         self.compute_dtype = mp.param_dtype or self.dtype
         self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
-        self.device = device or (self.entries[0].param.device if self.entries
-                                 else torch.device("cpu"))
+        self.device = device or (entries[0].param.device if entries else torch.device("cpu"))
         if self.device.type == "meta" and device is None:
             self.device = torch.device("cpu")
         self.label = name or "<root>"
         self.tag = tag or UnitTag(0, 0, self.label, {})
         self.streams = streams or CommStreams(self.device)
+        self.quant = quant or CommQuant()
+        self.node = node
+        self.phase = Phase.IDLE
+        self.pending = 0
         self.state = Gather.SHARDED
         self.gathered_version = -1
-        self.stale = True  # stages 1/2: shards changed (or will) since the last gather
-        self.regathers = 0  # gathers discarded: the shards changed ([Note: unit gather state])
+        self.stale = True
         self.gather_work = None
         self.gather_tmp: torch.Tensor | None = None
         self.gather_in: torch.Tensor | None = None
         self._full_donor: torch.Tensor | None = None  # pooled buffer lending its bytes
-        self.node = node
-        self.quant = quant or CommQuant()
         self.secondary: torch.Tensor | None = None
         self._from_secondary = False
-        self._direct = False
-        self.reduce_work = None
-        self.reduce_in: torch.Tensor | None = None
-        self.reduce_out: torch.Tensor | None = None
-        self.reduce_scratch: torch.Tensor | None = None
-        self.grad_buf: torch.Tensor | None = None
-        self.grad_views: list[torch.Tensor] = []
-        self.pending = 0
         self._group_ranks: dict[int, list[int] | None] | None = None
-        self._build_buffers()
+        self._build_buffers(entries)
+        self.trainable = [sp for sp in self.params if sp.trainable]
+        self.reduction = GradientReduction(
+            self.label, self.layout, self.trainable, groups, self.dtype, self.compute_dtype,
+            self.reduce_dtype, self.device, self.quant, self.streams, tracker)
 
     # ---------------------------------------------------------------- construction
-    def _build_buffers(self) -> None:
+    def _build_buffers(self, entries: list[ParamEntry]) -> None:
         lay, n, r = self.layout, self.layout.world, self.groups.shard_rank
         # The send buffer of the all-gather: the flat shard, then the identity trailer.
-        tag_bytes = TAG_BYTES if self.entries else 0  # a unit with no parameters never gathers
+        tag_bytes = TAG_BYTES if entries else 0  # a unit with no parameters never gathers
         self.trailer_numel = tag_bytes // self.dtype.itemsize
         self.wire_row = lay.shard_numel + tag_bytes // self.compute_dtype.itemsize
         self.send_buf = torch.zeros(lay.shard_numel + self.trailer_numel, dtype=self.dtype,
                                     device=self.device)
         self.shard_buf = self.send_buf[:lay.shard_numel]
-        if self.device.type != "meta" and self.entries:
+        if self.device.type != "meta" and entries:
             self.tag.write(self.send_buf[lay.shard_numel:])
         self.tracker.add("params", _nbytes(self.send_buf))
         self.full_buf = torch.empty(lay.full_numel, dtype=self.compute_dtype, device=self.device)
-        self.shard_views, self.full_blocks, self.full_params = [], [], []
-        for e, p in zip(self.entries, lay.params):
-            local = self.shard_buf[p.offset:p.offset + p.local_rows(r) * p.row_numel]
-            self.shard_views.append(local.view(p.local_shape(r)))
-            block = self.full_buf[n * p.offset:n * (p.offset + p.padded_numel)]
-            self.full_blocks.append(block.view(n, p.padded_numel))
-            full = nn.Parameter(block[:p.numel].view(p.shape), requires_grad=e.trainable)
-            self.full_params.append(full)
-        # [Note: ungathered placeholders]
-        self.placeholders = [UngatheredParameter(full, self.label, e.fqns[0])
-                             for e, full in zip(self.entries, self.full_params)]
+        self.params = [ShardedParam(e, p, r, n, self.shard_buf, self.full_buf, self.label)
+                       for e, p in zip(entries, lay.params)]
         if self.device.type != "meta":
             self.full_buf.untyped_storage().resize_(0)  # allocated on first gather
 
-    def load_full(self, index: int, full: torch.Tensor) -> None:
-        """Copy this rank's rows of ``full`` (the whole parameter) into the shard buffer."""
-        p, r = self.layout.params[index], self.groups.shard_rank
-        rows = full.reshape(p.rows, p.row_numel)[p.row_offset(r):p.row_offset(r) + p.local_rows(r)]
-        with torch.no_grad():
-            self.shard_views[index].view(-1).copy_(rows.reshape(-1))
-        self.stale = True
-
     def adopt_shards(self) -> None:
         """Point every original Parameter at its shard (called once, after loading)."""
-        for e, view in zip(self.entries, self.shard_views):
-            if e.param.is_meta and not view.is_meta:  # meta cannot take real data: new Parameter
-                new = nn.Parameter(view, requires_grad=e.param.requires_grad)
-                new.__dict__.update(e.param.__dict__)
-                e.param = new
-            else:
-                e.param.data = view
-                e.param.grad = None
+        for sp in self.params:
+            sp.adopt_shard()
 
     def shard_version(self) -> int:
         """Sum of the shard Parameters' version counters ([Note: unit gather state])."""
-        return sum(e.param._version for e in self.entries)
+        return sum(sp.param._version for sp in self.params)
 
     @property
     def gathered(self) -> bool:
@@ -227,10 +209,9 @@ class Unit(GradientReducer):
         With a secondary partition in hand (see [Note: hierarchical partition]) the gather
         runs inside the node only.
         """
-        if not self.entries or self.state is not Gather.SHARDED and self._current():
+        if not self.params or self.state is not Gather.SHARDED and self._current():
             return
         if self.state is Gather.GATHERING:  # in flight, but the shards changed since
-            self.regathers += 1
             self._drain()
         # The gather reads the shards as they are now: from here on only a change of their
         # version (or a new ``stale``) makes its data out of date.
@@ -340,18 +321,19 @@ class Unit(GradientReducer):
         self._wait()
         n, lay, tmp = self.layout.world, self.layout, self.gather_tmp
         sizes = [p.padded_numel for p in lay.params]
+        blocks = [sp.full_block for sp in self.params]
         # [Note: freeing gathered parameters]
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_buf):
             if self._from_secondary:  # node-major (k, m, row) -> rank-major (m, k, S)
                 k, m = self.node.size, self.node.count
                 src = tmp.view(k, m, self.wire_row)[:, :, :lay.shard_numel].transpose(0, 1)
                 torch.split_with_sizes_copy(src, sizes, dim=2,
-                                            out=[b.view(m, k, -1) for b in self.full_blocks])
+                                            out=[b.view(m, k, -1) for b in blocks])
                 self.drop_secondary()
             else:
                 row = lay.shard_numel if self.quant.weights else self.wire_row
                 torch.split_with_sizes_copy(tmp.view(n, row)[:, :lay.shard_numel], sizes,
-                                            dim=1, out=self.full_blocks)
+                                            dim=1, out=blocks)
                 if keep_secondary and self.node is not None:
                     self._keep_secondary(tmp)
         self._release_gather()
@@ -395,19 +377,27 @@ class Unit(GradientReducer):
 
     def swap_in(self) -> None:
         """Register the full parameters in their modules (for compute)."""
-        for e, full in zip(self.entries, self.full_params):
-            for mod, attr in e.registrations:
-                mod._parameters[attr] = full
+        for sp in self.params:
+            sp.swap_in()
 
     def swap_out(self, placeholders: bool = False) -> None:
         """Register the sharded parameters in their modules again (between steps), or, during
         the model's forward, placeholders that name any use ([Note: ungathered
         placeholders])."""
-        if placeholders:
-            for e, ph in zip(self.entries, self.placeholders):
-                for mod, attr in e.registrations:
-                    mod._parameters[attr] = ph
-            return
-        for e in self.entries:
-            for mod, attr in e.registrations:
-                mod._parameters[attr] = e.param
+        for sp in self.params:
+            sp.swap_out(placeholders)
+
+    # ---------------------------------------------------------------- gradients
+    def pack_grads(self) -> None:
+        """Pack the full gradients for the reduction (``GradientReduction.pack``)."""
+        self.reduction.pack()
+
+    def launch_reduce(self) -> None:
+        """Issue the reduction (``GradientReduction.launch``)."""
+        self.reduction.launch()
+
+    def finish_reduce(self) -> None:
+        """Complete the reduction; the shards' ``.grad`` are set, and an optimizer step is
+        now expected, so the gathered parameters are stale ([Note: unit gather state])."""
+        if self.reduction.finish():
+            self.stale = True
