@@ -25,9 +25,9 @@ from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision
                              NonFiniteReport, Offload, OffloadedOptimizer, clip_grad_norm_,
                              clip_grads_with_norm_, empty_cache, find_nonfinite_grads,
                              full_state_dict, get_total_norm, graph_parameters, join,
-                             memory_report, no_sync, offload_optimizer, reshard, set_gradient_sync,
-                             set_reshard_after_backward, set_reshard_after_forward, shard,
-                             unshard)
+                             memory_report, no_sync, offload_optimizer, replicate, reshard,
+                             set_gradient_sync, set_reshard_after_backward,
+                             set_reshard_after_forward, shard, unshard)
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "__version__",
     "distributed",
     "shard",
+    "replicate",
     "apply_tp",
     "apply_ep",
     "vocab_parallel_cross_entropy",

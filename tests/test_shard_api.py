@@ -246,3 +246,54 @@ def test_misuse_after_sharding_is_named():
     shardwise.shard(planned, stage=3, materialize=False)
     with pytest.raises(ValueError, match="sharded on the meta device with materialize=False"):
         planned(torch.zeros(1, 3))
+
+
+# ----------------------------------------------------------------- the engine's contracts
+def _replicate_worker():
+    """``replicate`` and ``shard(stage=0)`` are one call: bitwise the same training, with
+    buckets and (a compute dtype) as units; both states offer the EngineState contract."""
+    from shardwise.shard import EngineState, engine_states
+
+    out = {}
+    for name, mp in (("buckets", None), ("units", shardwise.MixedPrecision(torch.bfloat16))):
+        weights = []
+        for make in (lambda m: shardwise.replicate(m, wrap={TransformerBlock},
+                                                   mixed_precision=mp),
+                     lambda m: shardwise.shard(m, stage=0, wrap={TransformerBlock},
+                                               mixed_precision=mp)):
+            model = make(build_model(get_model_config("debug", n_layers=2, dim=32, n_heads=4,
+                                                      n_kv_heads=2), seed=0))
+            state = engine_states(model)[0]
+            for field in EngineState.__annotations__:
+                assert hasattr(state, field), (name, field)
+            for method in ("graph_parameters", "param_rows", "unshard_all", "reshard_all",
+                           "mark_stale", "remove"):
+                assert callable(getattr(state, method)), (name, method)
+            assert state.policy.stage == 0 and bool(state.units) == (name == "units")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(dist.get_rank())
+            for _ in range(2):
+                _loss(model, torch.randint(0, 256, (2, 17), generator=g)).backward()
+                opt.step()
+                opt.zero_grad()
+            weights.append({k: v.clone() for k, v in model.state_dict().items()})
+        out[name] = all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    return out
+
+
+def test_replicate_is_shard_stage_0_and_both_states_keep_the_contract():
+    results = run_ranks(_replicate_worker, 2, timeout_s=120)
+    assert results[0] == results[1] == {"buckets": True, "units": True}
+
+
+@pytest.mark.parametrize("stage, booleans", [
+    (0, (False, False, False)), (1, (True, False, False)), (2, (True, True, False)),
+    (3, (True, True, True))])
+def test_the_stage_is_a_policy_of_booleans(stage, booleans):
+    from shardwise.shard import ZeroPolicy
+
+    policy = ZeroPolicy.from_stage(stage)
+    assert (policy.shard_optimizer, policy.shard_grads, policy.shard_params) == booleans
+    assert policy.stage == stage and policy.reduce_at_end == (stage == 1)
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
+        ZeroPolicy.from_stage(4)

@@ -188,7 +188,7 @@ def layout_of(model: nn.Module) -> dict[str, Any]:
                 "tp": tp, "ep": ep, "pp": pp}
     s = states[-1]  # the outermost call (engine_states lists submodules' first)
     g = s.groups
-    return {"world_size": world, "stage": getattr(s, "stage", 0), "dp_shard": g.shard_size,
+    return {"world_size": world, "stage": s.policy.stage, "dp_shard": g.shard_size,
             "dp_replicate": g.replicate_size, "tp": tp, "ep": ep, "pp": pp}
 
 

@@ -128,7 +128,7 @@ def compile_blocks(model: nn.Module, blocks=None, *, backend: str | Callable = "
     _check_args(backend, mode)
     chosen = select_blocks(model, blocks, caller="compile_blocks")
     unit_labels = {id(u.module): u.label for s in engine_states(model)
-                   for u in getattr(s, "units", [])}  # stage 0 has no units
+                   for u in s.units}  # bucketed stage 0 has none
     for name, block in chosen:
         if getattr(block, COMPILED_ATTR, None) is not None:
             raise ValueError(f"compile_blocks: block {name or '<root>'!r} is compiled "

@@ -26,6 +26,7 @@ from shardwise.distributed.env import flight_recorder_active
 from shardwise.distributed.mesh import (ShardGroups, node_group, replicated_groups,
                                         resolve_groups)
 from shardwise.shard.discover import UnitPlan, plan_units
+from shardwise.shard.engine_state import ZeroPolicy
 from shardwise.shard.identity import StepCount, UnitTag, next_state_id
 from shardwise.shard.materialize import has_meta, materialize
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
@@ -41,7 +42,7 @@ from shardwise.shard.streams import CommStreams
 from shardwise.shard.state_dict import placement_has_model_axes, register_state_dict_hooks
 from shardwise.shard.unit import Unit
 
-__all__ = ["shard", "no_sync", "memory_report", "engine_states"]
+__all__ = ["shard", "replicate", "no_sync", "memory_report", "engine_states"]
 
 
 def _validate(module, stage, prefetch, bucket_mb, materialize) -> None:
@@ -121,7 +122,7 @@ def _plan_groups(plans: list[UnitPlan], groups: ShardGroups, replicated: bool
     return call, [call if g is groups else replicated_groups(g) for g in per_unit]
 
 
-def _build_units(module, plans, groups, stage, tracker, init_weights, sync_states,
+def _build_units(module, plans, groups, tracker, init_weights, sync_states,
                  do_materialize: bool, mp: MixedPrecision | None,
                  target: torch.device | None, quant: CommQuant | None,
                  per_unit: list[ShardGroups], state_id: int) -> list[Unit]:
@@ -183,8 +184,11 @@ def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
         for g in same.values():
             _broadcast_from_first([e.param for e, eg in zip(entries, per_entry) if eg is g], g)
         _broadcast_buffers(module, groups)
-    return ReplicateState(module, [e.param for e in entries], groups, bucket_mb, tracker,
-                          {id(e.param): g for e, g in zip(entries, per_entry)})
+    # [Note: partial gradients]: of the materialised parameters
+    partial = PartialGrads([e.param for e in entries])
+    return ReplicateState(module, entries, groups, bucket_mb, tracker,
+                          {id(e.param): g for e, g in zip(entries, per_entry)},
+                          [partial] if partial else [])
 
 
 def _validate_comm(quant, stage: int, reshard_after_forward: bool) -> None:
@@ -279,9 +283,61 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
             raise ValueError(f"offload must be a shardwise.Offload, got "
                              f"{type(offload).__name__}")
         offload.validate()  # the directory, before any collective
+    if stage == 0:  # the same call as replicate()
+        return replicate(module, mesh=mesh, wrap=wrap, bucket_mb=bucket_mb,
+                         mixed_precision=mixed_precision, init_weights=init_weights,
+                         sync_module_states=sync_module_states, device=device)
+    return _build(module, ZeroPolicy.from_stage(stage), wrap, mesh, reshard_after_forward,
+                  prefetch, init_weights, bucket_mb, sync_module_states, materialize,
+                  mixed_precision, comm, offload, device)
+
+
+def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.0,
+              mixed_precision: MixedPrecision | None = None,
+              init_weights: Callable[[nn.Module], None] | None = None,
+              sync_module_states: bool = True,
+              device: torch.device | str | None = None) -> nn.Module:
+    """Plain data parallelism, in place: every rank keeps whole parameters, gradients are
+    all-reduced during backward (``shard(module, stage=0, ...)`` is this call).
+
+    Args:
+        module: the model (or a submodule, before its parent is sharded).
+        mesh: as for :func:`shard` (the ranks that hold copies; ``dp_shard`` and
+            ``dp_replicate`` both replicate here).
+        wrap: with a compute dtype (``mixed_precision.param_dtype``): the modules whose
+            parameters are cast and reduced together, as :func:`shard`'s units; ignored
+            otherwise (gradients go in buckets). Default None.
+        bucket_mb: gradient bucket size in MiB, in reverse registration order with a small
+            first bucket as DDP (default 25; without a compute dtype).
+        mixed_precision: a :class:`MixedPrecision` policy; with a ``param_dtype`` the
+            parameters are cast per unit for compute and the gradients reduced in
+            ``reduce_dtype`` (default None: the parameters' dtype, buckets).
+        init_weights: for a meta-device model, the initialiser of one module's direct
+            tensors (default: ``reset_parameters()``).
+        sync_module_states: broadcast the first rank's parameters and buffers (default True).
+        device: where a meta-device model is materialised (default None: the CPU).
+
+    Returns:
+        ``module``, whose gradients are averaged over the data-parallel ranks in backward.
+
+    Raises:
+        ValueError: bad arguments, naming them.
+    """
+    _validate(module, 0, 1, bucket_mb, True)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(f"mixed_precision must be a shardwise.MixedPrecision, got "
+                         f"{type(mixed_precision).__name__}")
+    return _build(module, ZeroPolicy.from_stage(0), wrap, mesh, True, 1, init_weights,
+                  bucket_mb, sync_module_states, True, mixed_precision, None, None, device)
+
+
+def _build(module, policy: ZeroPolicy, wrap, mesh, reshard_after_forward: bool,
+           prefetch: int, init_weights, bucket_mb: float, sync_module_states: bool,
+           materialize: bool, mixed_precision, comm, offload, device) -> nn.Module:
+    """Build and attach the engine state of one ``shard`` / ``replicate`` call."""
     # Stage 0 with a compute dtype runs as units over one-rank shard groups (see
     # replicated_groups); plain stage 0 keeps DDP-style buckets.
-    as_units = stage > 0 or bool(mixed_precision and mixed_precision.param_dtype)
+    as_units = policy.shard_optimizer or bool(mixed_precision and mixed_precision.param_dtype)
     plans, _ = plan_units(module, wrap if as_units else None, split_data_axes=as_units)
     _check_plans(plans)
     target = torch.device(device) if device is not None else None
@@ -293,34 +349,33 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
                       "fragment the heap and resident memory grows every step. Set "
                       "TORCH_FR_BUFFER_SIZE=0 before init_process_group, or initialise with "
                       "shardwise.distributed.init(), which does (docs/engine.md, 'Memory over "
-                      "long runs').", stacklevel=2)
+                      "long runs').", stacklevel=3)
     tracker = MemoryTracker()
     # Every call takes one number, whatever its stage ([Note: gather identity]): ranks that
     # shard different modules (pipeline stages) count alike.
     state_id = next_state_id()
     per_unit: list[ShardGroups] = []
     if as_units:
-        groups, per_unit = _plan_groups(plans, groups, replicated=stage == 0)
+        groups, per_unit = _plan_groups(plans, groups, replicated=not policy.shard_optimizer)
     params = [e.param for p in plans for e in p.entries]
     record_data_axes(params, groups, sharded=as_units)  # [Note: placement is data]
-    if stage == 0 and not as_units:
+    if not as_units:
         state = _replicate(module, plans[0].entries, groups, bucket_mb, tracker, init_weights,
                            sync_module_states, target)
-        state.entries = plans[0].entries  # names of its parameters, for the state dict
         if any(placement_has_model_axes(p) for p in params):
             register_state_dict_hooks(module, state)
     else:
-        units = _build_units(module, plans, groups, stage, tracker, init_weights,
+        units = _build_units(module, plans, groups, tracker, init_weights,
                              sync_module_states, materialize, mixed_precision, target, comm,
                              per_unit, state_id)
-        state = ShardState(module, units, units[0], groups, stage, reshard_after_forward,
-                           prefetch, tracker)
+        # [Note: partial gradients]: of the materialised parameters (a meta-device model's
+        # parameters were replaced by real ones)
+        partial = PartialGrads([sp.param for u in units for sp in u.params])
+        state = ShardState(module, units, groups, policy, reshard_after_forward, prefetch,
+                           tracker, offload, [partial] if partial else [])
         register_state_dict_hooks(module, state)
         if mixed_precision is not None:
             _register_casts(module, mixed_precision)
-    state.offload = offload
-    partial = PartialGrads([e.param for p in plans for e in p.entries])
-    state.after_reduce = [partial] if partial else []  # [Note: partial gradients]
     if offload is not None:
         guard_unwrapped_steps([p for m in [module] for p in m.parameters()], offload)
     attach_state(module, state)

@@ -79,7 +79,7 @@ def set_reshard_after_forward(model: nn.Module, reshard: bool) -> None:
     if not isinstance(reshard, bool):
         raise ValueError(f"reshard must be True or False, got {reshard!r}")
     for s in _states(model, "set_reshard_after_forward"):
-        s.reshard_after_forward = reshard and s.stage == 3
+        s.reshard_after_forward = reshard and s.policy.shard_params
 
 
 def set_reshard_after_backward(model: nn.Module, reshard: bool) -> None:
@@ -93,7 +93,7 @@ def set_reshard_after_backward(model: nn.Module, reshard: bool) -> None:
     if not isinstance(reshard, bool):
         raise ValueError(f"reshard must be True or False, got {reshard!r}")
     for s in _states(model, "set_reshard_after_backward"):
-        s.reshard_after_backward = reshard and s.stage == 3
+        s.reshard_after_backward = reshard and s.policy.shard_params
 
 
 def unshard(model: nn.Module) -> None:
@@ -105,8 +105,7 @@ def unshard(model: nn.Module) -> None:
         ValueError: ``model`` is not sharded.
     """
     for s in _states(model, "unshard"):
-        if hasattr(s, "unshard_all"):
-            s.unshard_all()
+        s.unshard_all()
 
 
 def reshard(model: nn.Module) -> None:
@@ -117,8 +116,7 @@ def reshard(model: nn.Module) -> None:
         ValueError: ``model`` is not sharded.
     """
     for s in _states(model, "reshard"):
-        if hasattr(s, "reshard_all"):
-            s.reshard_all()
+        s.reshard_all()
 
 
 def graph_parameters(model: nn.Module) -> list:
@@ -142,14 +140,7 @@ def graph_parameter_groups(model: nn.Module) -> list[list]:
     Raises:
         ValueError: ``model`` is not sharded.
     """
-    groups = []
-    for s in _states(model, "graph_parameters"):
-        found = []
-        for u in getattr(s, "units", []):
-            found.extend(sp.full for sp in u.trainable)
-        found.extend(p for b in getattr(s, "buckets", []) for p in b.params)
-        groups.append(found)
-    return groups
+    return [s.graph_parameters() for s in _states(model, "graph_parameters")]
 
 
 @contextlib.contextmanager

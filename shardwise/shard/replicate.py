@@ -10,13 +10,17 @@ and no copy-out is needed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from shardwise.distributed import comm
 from shardwise.distributed.mesh import ShardGroups
+from shardwise.shard.engine_state import ParamRows, ZeroPolicy
 from shardwise.shard.hooks import OrderedLauncher, queue_end_of_backward, register_output_hooks
 from shardwise.shard.memory import MemoryTracker
+from shardwise.shard.param import ParamEntry
 from shardwise.sizes import nbytes
 
 __all__ = ["Bucket", "ReplicateState"]
@@ -68,23 +72,35 @@ class Bucket:
 
 
 class ReplicateState:
-    """Hooks and buckets of one ``shard(..., stage=0)`` call.
+    """Hooks and buckets of one ``replicate`` (``shard(..., stage=0)``) call; an
+    :class:`~shardwise.shard.engine_state.EngineState` whose parameters stay whole.
 
     Args:
+        module: the module replicated.
+        entries: its parameters and their names.
+        groups: its data-parallel groups.
+        bucket_mb: bucket size in MiB.
+        tracker: its memory accounting.
         groups_of: the groups of each parameter (by ``id``) whose gradient is reduced over
             other ranks than ``groups`` (experts: their ``edp`` axis); default: none.
+        after_reduce: callbacks after every reduction ([Note: partial gradients]).
     """
 
-    stage = 0
-
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: ShardGroups,
+    def __init__(self, module: nn.Module, entries: list[ParamEntry], groups: ShardGroups,
                  bucket_mb: float, tracker: MemoryTracker,
-                 groups_of: dict[int, ShardGroups] | None = None) -> None:
+                 groups_of: dict[int, ShardGroups] | None = None,
+                 after_reduce: list[Callable[[], None]] | None = None) -> None:
         self.module, self.groups, self.tracker = module, groups, tracker
+        self.entries = entries
+        self.policy = ZeroPolicy.from_stage(0)
+        self.offload = None  # offload needs sharded masters (stages 1-3)
+        self.after_reduce = list(after_reduce or [])
         self._groups_of = groups_of or {}
         self.units: list = []
         self.sync = True
         self.paused = False  # controls.paused_backward_hooks
+        self.reshard_after_forward = self.reshard_after_backward = False  # nothing gathered
+        params = [e.param for e in entries]
         self.launcher = OrderedLauncher(max_inflight=1 << 30)
         trainable = [p for p in reversed(params) if p.requires_grad]
         self.buckets = self._build_buckets(trainable, bucket_mb)
@@ -147,12 +163,27 @@ class ReplicateState:
                     b.pending = 0
                     self.launcher.mark_ready(b)
             self.launcher.flush()
-            for fn in getattr(self, "after_reduce", ()):  # [Note: partial gradients]
+            for fn in self.after_reduce:  # [Note: partial gradients]
                 fn()
         self._backward_started = False
 
     def mark_stale(self) -> None:
         """Nothing is cached at stage 0."""
+
+    def unshard_all(self) -> None:
+        """Parameters are whole: nothing to gather."""
+
+    def reshard_all(self) -> None:
+        """Parameters are whole: nothing to free."""
+
+    def graph_parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters themselves (autograd's leaves)."""
+        return [p for b in self.buckets for p in b.params]
+
+    def param_rows(self) -> list[ParamRows]:
+        """Every parameter, whole on this rank (no shard group)."""
+        return [ParamRows(e.fqns, e.param, 0, e.param.shape[0] if e.param.dim() else 1, None,
+                          whole=True) for e in self.entries]
 
     def remove(self) -> None:
         for h in self._handles:

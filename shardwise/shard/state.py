@@ -54,6 +54,8 @@ forward used the pre-step weights of that unit on every rank (issue 15).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -61,22 +63,41 @@ from shardwise.distributed.compiled import refuse_in_compiled_region
 from shardwise.distributed.mesh import ShardGroups
 from shardwise.shard.hooks import (OrderedLauncher, in_backward, queue_end_of_backward,
                                    register_output_hooks)
+from shardwise.shard.engine_state import ParamRows, ZeroPolicy
 from shardwise.shard.memory import MemoryTracker
+from shardwise.shard.offload.config import Offload
 from shardwise.shard.unit import Phase, Unit
 
 __all__ = ["ShardState"]
 
 
 class ShardState:
-    """Hooks and bookkeeping for the units of one sharded module (stages 1 to 3)."""
+    """Hooks and bookkeeping for the units of one sharded module (stages 1 to 3, and stage 0
+    with a compute dtype); an :class:`~shardwise.shard.engine_state.EngineState`.
 
-    def __init__(self, module: nn.Module, units: list[Unit], root: Unit, groups: ShardGroups,
-                 stage: int, reshard_after_forward: bool, prefetch: int,
-                 tracker: MemoryTracker) -> None:
-        self.module, self.units, self.root, self.groups = module, units, root, groups
-        self.stage, self.prefetch, self.tracker = stage, prefetch, tracker
-        self.reshard_after_forward = reshard_after_forward and stage == 3
-        self.reshard_after_backward = stage == 3  # [Note: per-micro-batch controls]
+    Args:
+        module: the module passed to ``shard``.
+        units: its units, the root first.
+        groups: its data-parallel groups.
+        policy: what it shards.
+        reshard_after_forward: free gathered parameters after forward (with
+            ``policy.shard_params``).
+        prefetch: units gathered ahead of use.
+        tracker: its memory accounting.
+        offload: the offload policy of its optimizer state, if any.
+        after_reduce: callbacks after every reduction ([Note: partial gradients]).
+    """
+
+    def __init__(self, module: nn.Module, units: list[Unit], groups: ShardGroups,
+                 policy: ZeroPolicy, reshard_after_forward: bool, prefetch: int,
+                 tracker: MemoryTracker, offload: Offload | None = None,
+                 after_reduce: list[Callable[[], None]] | None = None) -> None:
+        self.module, self.units, self.root, self.groups = module, units, units[0], groups
+        self.policy, self.prefetch, self.tracker = policy, prefetch, tracker
+        self.offload, self.after_reduce = offload, list(after_reduce or [])
+        self.reshard_after_forward = reshard_after_forward and policy.shard_params
+        # [Note: per-micro-batch controls]
+        self.reshard_after_backward = policy.shard_params
         self.sync = True
         self.paused = False  # controls.paused_backward_hooks
         self.launcher = OrderedLauncher()
@@ -92,7 +113,7 @@ class ShardState:
             self._handles.append(u.module.register_forward_pre_hook(
                 self._make_pre_forward(u), prepend=True))
             self._handles.append(u.module.register_forward_hook(self._make_post_forward(u)))
-            if u is root:  # runs even when the forward raises: the modules get shards back
+            if u is self.root:  # runs even when the forward raises: modules get shards back
                 self._handles.append(u.module.register_forward_hook(
                     self._finish_forward, always_call=True))
             for sp in u.trainable:
@@ -140,7 +161,7 @@ class ShardState:
                 register_output_hooks(output, lambda: self._pre_backward(u))
                 if self.reshard_after_forward and u is not self.root:
                     u.reshard()
-            elif self.stage == 3:
+            elif self.policy.shard_params:
                 u.reshard()
             return None
         return hook
@@ -169,7 +190,7 @@ class ShardState:
         """[Note: prefetch safety]: discard gathers of prefetched units that did not run."""
         for u in self.units:
             if u is not self.root and id(u) not in self._seen:
-                if self.stage == 3:
+                if self.policy.shard_params:
                     u.reshard()
                 else:
                     u._drain()
@@ -225,29 +246,29 @@ class ShardState:
             return
         u.phase = Phase.BACKWARD_DONE
         u.swap_out()
-        if self.stage == 3 and self.reshard_after_backward:
+        if self.policy.shard_params and self.reshard_after_backward:
             u.reshard()
-        if self.sync and u.trainable and self.stage != 1:
+        if self.sync and u.trainable and not self.policy.reduce_at_end:
             u.pack_grads()
             self.launcher.mark_ready(u)
 
     def _end_backward(self) -> None:
         for u in self.launcher.order:
             self._post_backward(u)
-        if self.sync and self.stage == 1:  # [Note: stage 1 vs 2]
+        if self.sync and self.policy.reduce_at_end:  # [Note: stage 1 vs 2]
             for u in self.launcher.order:
                 u.pack_grads()
                 self.launcher.mark_ready(u)
         if self.sync:
             self.launcher.flush()
-            for fn in getattr(self, "after_reduce", ()):  # [Note: partial gradients]
+            for fn in self.after_reduce:  # [Note: partial gradients]
                 fn()
         else:
             self.launcher.order = []
         for u in self.units:
             u.phase = Phase.BACKWARD_DONE
             u.swap_out()
-            if self.stage == 3 and self.reshard_after_backward:
+            if self.policy.shard_params and self.reshard_after_backward:
                 u.reshard()  # completes and discards a gather still in flight
             else:
                 u._drain()
@@ -259,7 +280,7 @@ class ShardState:
         """Parameters changed outside the optimizer step path: re-gather before next use."""
         for u in self.units:
             u.stale = True
-            if self.stage == 3:
+            if self.policy.shard_params:
                 u.reshard()
 
     def unshard_all(self) -> None:
@@ -271,9 +292,23 @@ class ShardState:
 
     def reshard_all(self) -> None:
         """Free every unit's gathered parameters (stage 3; stages 1/2 keep them by design)."""
-        if self.stage == 3:
+        if self.policy.shard_params:
             for u in self.units:
                 u.reshard()
+
+    def graph_parameters(self) -> list[nn.Parameter]:
+        """The gathered parameters of every trainable parameter: what autograd graphs hold."""
+        return [sp.full for u in self.units for sp in u.trainable]
+
+    def param_rows(self) -> list[ParamRows]:
+        """Every parameter's rows on this rank (a unit's own groups: experts shard over
+        ``edp``)."""
+        out = []
+        for u in self.units:
+            r = u.groups.shard_rank
+            out.extend(ParamRows(sp.fqns, sp.param, sp.layout.row_offset(r),
+                                 sp.layout.local_rows(r), u.groups.shard) for sp in u.params)
+        return out
 
     def remove(self) -> None:
         for h in self._handles:

@@ -126,19 +126,10 @@ def _spec(state, param: nn.Parameter, row_offset: int, local_rows: int,
 
 
 def _specs_of_state(state) -> list[tuple[list[str], ShardedParamSpec]]:
-    out = []
-    if not hasattr(state, "units"):  # stage 0: whole copies, only model-parallel ones
-        for e in getattr(state, "entries", []):
-            if placement_has_model_axes(e.param):
-                rows = e.param.shape[0] if e.param.dim() else 1
-                out.append((e.fqns, _spec(state, e.param, 0, rows, None)))
-        return out
-    for u in state.units:  # a unit's own groups: experts shard over edp
-        r = u.groups.shard_rank
-        for sp in u.params:
-            out.append((sp.fqns, _spec(state, sp.param, sp.layout.row_offset(r),
-                                       sp.layout.local_rows(r), u.groups.shard)))
-    return out
+    # Whole copies (stage 0 in buckets) are DTensors only when model-parallel.
+    return [(r.fqns, _spec(state, r.param, r.row_offset, r.local_rows, r.shard_group))
+            for r in state.param_rows()
+            if not r.whole or placement_has_model_axes(r.param)]
 
 
 def sharded_param_specs(model: nn.Module) -> dict[str, ShardedParamSpec]:
@@ -226,7 +217,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     gathered: dict[str, torch.Tensor] = {}
     for state in engine_states(model):
         base = paths[id(state.module)]
-        for u in getattr(state, "units", []):
+        for u in state.units:
             fulls = _gather_unit(u, f"{u.label}.full_state_dict")
             for sp, t in zip(u.params, fulls):
                 t = gather_model_pieces(t, placement_of(sp.param)).to("cpu", copy=True)

@@ -91,7 +91,7 @@ __all__ = ["Offload", "OffloadedOptimizer", "OffloadStats", "offload_optimizer",
 def policy_of(model: nn.Module) -> Offload | None:
     """The :class:`Offload` given to ``shardwise.shard(model, ..., offload=...)``, if any (the
     engine keeps it as its state's ``offload`` attribute)."""
-    found = {id(p): p for p in (getattr(s, "offload", None) for s in engine_states(model))
+    found = {id(p): p for p in (s.offload for s in engine_states(model))
              if p is not None}
     if len(found) > 1:
         raise ValueError("the model's sharded parts were given different Offload policies; "
