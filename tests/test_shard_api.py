@@ -257,10 +257,10 @@ def _replicate_worker():
     out = {}
     for name, mp in (("buckets", None), ("units", shardwise.MixedPrecision(torch.bfloat16))):
         weights = []
-        for make in (lambda m: shardwise.replicate(m, wrap={TransformerBlock},
-                                                   mixed_precision=mp),
-                     lambda m: shardwise.shard(m, stage=0, wrap={TransformerBlock},
-                                               mixed_precision=mp)):
+        for make in (lambda m, mp=mp: shardwise.replicate(m, wrap={TransformerBlock},
+                                                          mixed_precision=mp),
+                     lambda m, mp=mp: shardwise.shard(m, stage=0, wrap={TransformerBlock},
+                                                      mixed_precision=mp)):
             model = make(build_model(get_model_config("debug", n_layers=2, dim=32, n_heads=4,
                                                       n_kv_heads=2), seed=0))
             state = engine_states(model)[0]

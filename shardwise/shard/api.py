@@ -27,7 +27,7 @@ from shardwise.distributed.mesh import (ShardGroups, node_group, replicated_grou
                                         resolve_groups)
 from shardwise.shard.discover import UnitPlan, plan_units
 from shardwise.shard.engine_state import ZeroPolicy
-from shardwise.shard.identity import StepCount, UnitTag, next_state_id
+from shardwise.shard.identity import StepCount, UnitTag, call_identity
 from shardwise.shard.materialize import has_meta, materialize
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
 from shardwise.shard.precision import MixedPrecision, cast_floating
@@ -221,7 +221,7 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
           sync_module_states: bool = True, materialize: bool = True,
           mixed_precision: MixedPrecision | None = None, comm: CommQuant | None = None,
           offload: Offload | None = None,
-          device: torch.device | str | None = None) -> nn.Module:
+          device: torch.device | str | None = None, name: str | None = None) -> nn.Module:
     """Shard ``module`` for zero-redundancy data parallelism, in place.
 
     Args:
@@ -264,6 +264,9 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
             raises. Default None.
         device: where a meta-device model is materialised (default None: the CPU); a model
             with real tensors stays where it is.
+        name: what this call's gathers are called by, to tell it from other calls over
+            modules whose parameters are named and shaped alike ([Note: gather identity];
+            default None: its parameters' names and shapes).
 
     Returns:
         ``module``, whose ``named_parameters()`` now yield this rank's shards.
@@ -286,17 +289,18 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     if stage == 0:  # the same call as replicate()
         return replicate(module, mesh=mesh, wrap=wrap, bucket_mb=bucket_mb,
                          mixed_precision=mixed_precision, init_weights=init_weights,
-                         sync_module_states=sync_module_states, device=device)
+                         sync_module_states=sync_module_states, device=device, name=name)
     return _build(module, ZeroPolicy.from_stage(stage), wrap, mesh, reshard_after_forward,
                   prefetch, init_weights, bucket_mb, sync_module_states, materialize,
-                  mixed_precision, comm, offload, device)
+                  mixed_precision, comm, offload, device, name)
 
 
 def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.0,
               mixed_precision: MixedPrecision | None = None,
               init_weights: Callable[[nn.Module], None] | None = None,
               sync_module_states: bool = True,
-              device: torch.device | str | None = None) -> nn.Module:
+              device: torch.device | str | None = None, name: str | None = None
+              ) -> nn.Module:
     """Plain data parallelism, in place: every rank keeps whole parameters, gradients are
     all-reduced during backward (``shard(module, stage=0, ...)`` is this call).
 
@@ -316,6 +320,7 @@ def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.
             tensors (default: ``reset_parameters()``).
         sync_module_states: broadcast the first rank's parameters and buffers (default True).
         device: where a meta-device model is materialised (default None: the CPU).
+        name: as for :func:`shard` (default None).
 
     Returns:
         ``module``, whose gradients are averaged over the data-parallel ranks in backward.
@@ -328,12 +333,14 @@ def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.
         raise ValueError(f"mixed_precision must be a shardwise.MixedPrecision, got "
                          f"{type(mixed_precision).__name__}")
     return _build(module, ZeroPolicy.from_stage(0), wrap, mesh, True, 1, init_weights,
-                  bucket_mb, sync_module_states, True, mixed_precision, None, None, device)
+                  bucket_mb, sync_module_states, True, mixed_precision, None, None, device,
+                  name)
 
 
 def _build(module, policy: ZeroPolicy, wrap, mesh, reshard_after_forward: bool,
            prefetch: int, init_weights, bucket_mb: float, sync_module_states: bool,
-           materialize: bool, mixed_precision, comm, offload, device) -> nn.Module:
+           materialize: bool, mixed_precision, comm, offload, device,
+           name: str | None) -> nn.Module:
     """Build and attach the engine state of one ``shard`` / ``replicate`` call."""
     # Stage 0 with a compute dtype runs as units over one-rank shard groups (see
     # replicated_groups); plain stage 0 keeps DDP-style buckets.
@@ -351,9 +358,9 @@ def _build(module, policy: ZeroPolicy, wrap, mesh, reshard_after_forward: bool,
                       "shardwise.distributed.init(), which does (docs/engine.md, 'Memory over "
                       "long runs').", stacklevel=3)
     tracker = MemoryTracker()
-    # Every call takes one number, whatever its stage ([Note: gather identity]): ranks that
-    # shard different modules (pipeline stages) count alike.
-    state_id = next_state_id()
+    # What the call is, not how many came before ([Note: gather identity])
+    state_id = call_identity(name, [(e.fqns[0], tuple(e.param.shape))
+                                    for p in plans for e in p.entries])
     per_unit: list[ShardGroups] = []
     if as_units:
         groups, per_unit = _plan_groups(plans, groups, replicated=not policy.shard_optimizer)

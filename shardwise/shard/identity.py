@@ -4,11 +4,20 @@
 all-gather of one rank meets the k-th all-gather of every other rank. If two ranks gathered
 different units at the same position (another execution order, a skipped gather) and those
 units have the same size, each would silently receive another unit's shards and train on
-them. So every gather payload ends in an 8-byte trailer naming the unit: the number of the
-``shard`` call that made it (``shard`` is called in the same order on every rank) and the
-unit's index in it (4 bytes), and a CRC-32 of its label (4 bytes). The receiver compares
-every rank's trailer with its own before it copies the data into the parameters and raises,
-naming both units, on a mismatch, so a mispairing is an error, never corrupted weights.
+them. So every gather payload ends in an 8-byte trailer naming the unit: the identity of the
+``shard`` call that made it and the unit's index in it (4 bytes), and a CRC-32 of its label
+(4 bytes). The receiver compares every rank's trailer with its own before it copies the data
+into the parameters and raises, naming both units, on a mismatch, so a mispairing is an
+error, never corrupted weights.
+
+A call's identity is 16 bits of a CRC of its ``name`` when the caller gives one (the
+pipeline names each piece by its place in the unsplit model, ``layers.5``), else of its
+parameters' names and shapes (:func:`call_identity`): what the call *is*, not how many calls
+came before it, so ranks that shard different modules first (pipeline stages, a layout
+rebuilt in the same processes) still agree, with no counter to keep in step. Two calls over
+modules whose parameters are named and shaped alike (identical blocks sharded one by one)
+share an identity: give them distinct ``name``s, or shard their parent with ``wrap``, for
+their gathers to tell them apart.
 
 [Note: step identity] Naming the unit is not enough when a rank runs one more micro-batch
 than its peers (a loader without ``drop_last``, a filter that skips samples): its extra
@@ -29,25 +38,21 @@ the host; the count reaches the device with ``fill_`` (no host synchronisation).
 
 from __future__ import annotations
 
-import itertools
 import zlib
 
 import torch
 
-__all__ = ["TAG_BYTES", "UnitTag", "StepCount", "next_state_id", "GatherMismatch"]
+__all__ = ["TAG_BYTES", "UnitTag", "StepCount", "call_identity", "GatherMismatch"]
 
 _NAME_BYTES = 8   # shard call and unit (4), CRC-32 of the label (4)
 _WHEN_BYTES = 8   # step (4), micro-batch (4): [Note: step identity]
 TAG_BYTES = _NAME_BYTES + _WHEN_BYTES
 
-# Numbers the ``shard`` calls of this process. Every rank runs the same program, so the n-th
-# call names the same module everywhere; a process-wide id source, not configuration state.
-_STATE_IDS = itertools.count()
-
-
-def next_state_id() -> int:
-    """A fresh number for one ``shard`` call (the same on every rank for the same call)."""
-    return next(_STATE_IDS)
+def call_identity(name: str | None, params: list[tuple[str, tuple[int, ...]]]) -> int:
+    """The 16-bit identity of one ``shard`` call ([Note: gather identity]): of ``name`` when
+    given, else of its parameters' ``(name, shape)`` in order."""
+    text = name if name is not None else ";".join(f"{n}:{s}" for n, s in params)
+    return zlib.crc32(text.encode()) & 0xFFFF
 
 
 class GatherMismatch(RuntimeError):
@@ -96,7 +101,7 @@ class UnitTag:
     """The 8-byte identity of one unit, and the check of a gather's received trailers.
 
     Args:
-        state_id: the number of the ``shard`` call (see :func:`next_state_id`).
+        state_id: the identity of the ``shard`` call (:func:`call_identity`).
         index: the unit's index among that call's units.
         label: the unit's name, for messages.
         names: ``{(state_id, index): label}`` of the units this process knows (to name the

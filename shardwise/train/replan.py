@@ -38,7 +38,6 @@ from shardwise.distributed import comm, comm_objects
 from shardwise.planner.calibrate import StepMeasurement, calibrate, constant
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.layout import Layout
-from shardwise.shard.identity import next_state_id
 from shardwise.train import plan_layout
 from shardwise.train.config import Config
 from shardwise.train.preflight import build_model_config
@@ -299,21 +298,6 @@ def _checkpoint_path(cfg: Config, step: int) -> str:
     return str(root / step_name(step))
 
 
-def _align_shard_calls() -> None:
-    """Agree on the number of the next ``shard`` call before the model is rebuilt in the
-    same processes ([Note: gather identity] in shardwise/shard/identity.py): every rank
-    takes numbers up to the largest any rank reached, so the next layout's gathers carry the
-    same number for the same unit. Every ``shard`` call and every piece a pipeline rank does
-    not hold take one number ([Note: piece identity] in pipeline/sharding.py), so the ranks
-    of a layout built here agree already (a stage-0 ``shard`` once took none, which left the
-    ranks of a pipeline with different piece counts one apart); this keeps a re-plan safe
-    from any other code that shards on some ranks only."""
-    mine = next_state_id()
-    top = max(comm_objects.all_gather_object(mine, label="replan.shard_calls"))
-    while mine < top:
-        mine = next_state_id()
-
-
 def train_planned(cfg: Config, data: Any, env, observe: Callable | None = None
                   ) -> dict[str, Any] | None:
     """``train`` with ``parallel.plan = "auto"`` re-planning (see [Note: re-planning]);
@@ -334,7 +318,6 @@ def train_planned(cfg: Config, data: Any, env, observe: Callable | None = None
         summary = train(cfg, data, env, replan=planner)
         if planner.switching is None:
             return summary
-        _align_shard_calls()
         # The run folder is this run's now: resume into it, never clear it.
         cfg = dataclasses.replace(
             planner.switching,

@@ -21,12 +21,11 @@ model's values, whatever the pp degree or the placement (so pp 1 and pp 4 start 
 weights, bitwise). The cost is computing the init of the whole model on every rank, one
 module at a time (no more memory than the largest module).
 
-[Note: piece identity] Every parameter all-gather carries the number of the ``shard`` call
-that made its unit ([Note: gather identity] in identity.py), counted per process and
-expected to name the same module on every rank. Pipeline ranks shard different pieces, so
-each rank also takes (and leaves unused) the number of every piece it does not hold: the
-k-th number is the k-th piece of the unsplit model on every rank of the job, and ranks that
-later share a data group (another layout in the same process) still agree.
+[Note: piece identity] Every parameter all-gather carries the identity of the ``shard``
+call that made its unit ([Note: gather identity] in identity.py). Every block piece has the
+same parameter names and shapes relative to itself, so each piece is sharded under its
+name in the unsplit model (``layers.5``, ``tok_embeddings``): its gathers tell it from every
+other piece, whichever pieces a rank holds and whatever it sharded before.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import MoE
 from shardwise.parallel.pipeline.split import PipelinePart
 from shardwise.shard.api import shard
-from shardwise.shard.identity import next_state_id
 from shardwise.shard.materialize import materialize
 
 __all__ = ["shard_stages"]
@@ -75,20 +73,18 @@ def shard_stages(part: PipelinePart, *, stage: int = 3, init_weights=None,
                          f"stage's data axes (part.groups.data_mesh)")
     target = torch.device(device) if device is not None else torch.device("cpu")
     mesh = part.groups.data_mesh
-    for _, module, here in part.pieces:
-        if here:
+    for name, module, here in part.pieces:
+        if here:  # [Note: piece identity]
             shard(module, stage=stage, mesh=mesh, init_weights=init_weights, device=device,
-                  wrap=_INNER_UNITS, **shard_kwargs)
+                  wrap=_INNER_UNITS, name=name, **shard_kwargs)
             continue
-        next_state_id()  # [Note: piece identity]
         if module is not None and any(p.is_meta for p in module.parameters()):
             # Another rank's piece: the same draws, into scratch ([Note: pipeline init]).
             materialize(module, target, init_weights, lambda param, full: None)
     _materialize_rest(part, target, init_weights)
     if part.mirror is not None:
-        shard(part.mirror, stage=stage, mesh=mesh, device=device, **shard_kwargs)
-    elif part.tied:
-        next_state_id()
+        shard(part.mirror, stage=stage, mesh=mesh, device=device, name="output (tied mirror)",
+              **shard_kwargs)
     part.release_pieces()
     return part
 
