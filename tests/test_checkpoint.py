@@ -22,11 +22,10 @@ from torch.distributed.device_mesh import init_device_mesh
 import shardwise
 from shardwise import checkpoint
 from shardwise.checkpoint import Checkpointer, CheckpointError, jsonable
-from shardwise.checkpoint.state import param_names
 from shardwise.models import TransformerBlock, build_model, get_model_config
-from shardwise.shard import sharded_param_specs
 from shardwise.testing import run_ranks
 from shardwise.testing.dist import RankFailure
+from shardwise.testing.reshard import assert_same_states, full_optimizer_state
 
 LLAMA = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16,
              multiple_of=16)
@@ -54,23 +53,9 @@ def _train(model, opt, steps: int, seed: int = 0) -> None:
         opt.zero_grad()
 
 
-def _full_optimizer(model, opt) -> dict:
-    """``{fqn.key: full tensor}`` of the optimizer state, gathered (collective)."""
-    specs, names = sharded_param_specs(model), param_names(model, opt)
-    out = {}
-    for idx, st in sorted(opt.state_dict()["state"].items()):
-        spec = specs.get(names[idx])
-        for key, v in sorted(st.items()):
-            if spec is not None and key != "step":
-                v = spec.to_dtensor(v)
-                v = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[f"{names[idx]}.{key}"] = v.clone()
-    return out
-
-
 def _state(model, opt) -> tuple[dict, dict, list]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return shardwise.full_state_dict(model), _full_optimizer(model, opt), groups
+    return shardwise.full_state_dict(model), full_optimizer_state(model, opt), groups
 
 
 def _save(path: str, stage: int, hybrid: bool):
@@ -88,10 +73,7 @@ def _load(path: str, stage: int, hybrid: bool):
 
 
 def _assert_same(got, want, where) -> None:
-    for a, b in zip(got[:2], want[:2]):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert torch.equal(a[k], b[k]), (where, k)
+    assert_same_states(got[:2], want[:2], where)
     assert got[2] == want[2], where
 
 

@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 
+from shardwise.testing.trainer import refused
 from shardwise.train import config_io
 from shardwise.train.cli import build_parser, main
 from shardwise.train.config import Config
@@ -22,15 +23,6 @@ TINY = ["--train.steps", "1", "--model.dim", "32", "--model.n_layers", "1", "--m
         "2", "--model.n_kv_heads", "1", "--data.seq_len", "16", "--train.batch_size", "2",
         "--log.progress", "false", "--log.plot", "false"]
 
-
-def _refused(capsys, *args: str) -> str:
-    """Run ``shardwise train ARGS``; assert it is refused with exit code 2; return the message."""
-    code = main(["train", *args])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("shardwise: error: "), err
-    return lines[0]
 
 
 def test_help_lists_every_field_with_meaning_and_default(capsys):
@@ -86,14 +78,14 @@ def test_top_level_help_names_train(capsys):
     (["positional"], "unexpected argument 'positional'"),
 ])
 def test_bad_input_is_refused_with_the_value(capsys, tmp_path, args, expected):
-    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "out"), *args)
+    message = refused(capsys, *TINY, "--log.dir", str(tmp_path / "out"), *args)
     assert expected in message
 
 
 def test_config_file_errors_name_the_file_and_key(capsys, tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[optim]\nweightdecay = 0.1\n")
-    message = _refused(capsys, "--config", str(path))
+    message = refused(capsys, "--config", str(path))
     assert "optim.weightdecay" in message and "bad.toml" in message
     assert "did you mean optim.weight_decay" in message
 
@@ -101,14 +93,14 @@ def test_config_file_errors_name_the_file_and_key(capsys, tmp_path):
 def test_unwritable_output_dir(capsys, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    message = _refused(capsys, *TINY, "--log.dir", str(blocker / "run"))
+    message = refused(capsys, *TINY, "--log.dir", str(blocker / "run"))
     assert "log.dir" in message and str(blocker / "run") in message
     assert "cannot be written" in message
 
 
 def test_missing_corpus_path(capsys, tmp_path):
     missing = tmp_path / "nowhere.txt"
-    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
+    message = refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
                        str(missing))
     assert str(missing) in message
 
@@ -116,7 +108,7 @@ def test_missing_corpus_path(capsys, tmp_path):
 def test_empty_corpus(capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
+    message = refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
                        str(empty))
     assert str(empty) in message and "empty" in message
 
@@ -124,7 +116,7 @@ def test_empty_corpus(capsys, tmp_path):
 def test_whitespace_only_corpus(capsys, tmp_path):
     blank = tmp_path / "blank.txt"
     blank.write_text(" \n\n\t  \n" * 100)
-    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
+    message = refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
                        str(blank))
     assert str(blank) in message and "no text" in message
 
@@ -132,7 +124,7 @@ def test_whitespace_only_corpus(capsys, tmp_path):
 def test_corpus_too_small_for_one_global_batch(capsys, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("def f(x):\n    return x + 1\n" * 8)  # 232 bytes
-    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
+    message = refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--data.source",
                        str(small))
     assert str(small) in message and "too small" in message
     assert "2 ranks x 2 sequences x 17 tokens" in message
@@ -142,13 +134,13 @@ def test_corpus_too_small_for_one_global_batch(capsys, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
                     reason="tensorboard is installed")
 def test_tensorboard_missing_is_a_clear_error(capsys, tmp_path):
-    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--log.tensorboard")
+    message = refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--log.tensorboard")
     assert "tensorboard" in message and "pip install" in message
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
 def test_nccl_without_cuda_is_refused_before_launch(capsys, tmp_path):
-    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--parallel.backend",
+    message = refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--parallel.backend",
                        "nccl")
     assert "parallel.backend = 'nccl'" in message and "CUDA" in message
 
@@ -156,8 +148,8 @@ def test_nccl_without_cuda_is_refused_before_launch(capsys, tmp_path):
 @pytest.mark.parametrize("args", [["--nproc", "3", "--parallel.nproc", "2"],
                                   ["--parallel.nproc=2", "--nproc=3"],
                                   ["--checkpoint.async", "--checkpoint.async_save", "false"]])
-def test_an_alias_and_its_key_that_disagree_are_refused(capsys, tmp_path, args):
-    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), *args)
+def test_an_alias_and_its_key_that_disagree_arerefused(capsys, tmp_path, args):
+    message = refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), *args)
     first, second = (a for a in args if a.startswith("--") and not a[2:].isdigit())
     assert first.split("=")[0] in message and second.split("=")[0] in message
     assert "disagree" in message
@@ -174,10 +166,10 @@ def test_an_alias_and_its_key_that_agree_are_fine():
 
 
 def test_engine_errors_name_the_config_key(capsys, tmp_path):
-    message = _refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--offload.device",
-                       "disk", "--offload.path", str(tmp_path / "nope"))
-    assert message == (f"shardwise: error: offload.path = '{tmp_path / 'nope'}' does not "
-                       "exist; create the directory first")
+    message = refused(capsys, *TINY, "--log.dir", str(tmp_path / "o"), "--offload.device",
+                      "disk", "--offload.path", str(tmp_path / "nope"))
+    assert message == (f"offload.path = '{tmp_path / 'nope'}' does not exist; create the "
+                       "directory first")
 
 
 def _small_checkpoint(path) -> None:

@@ -13,21 +13,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardwise
-from shardwise import checkpoint
-from shardwise.checkpoint.export import export_safetensors, import_safetensors
+from shardwise.checkpoint.export import export_safetensors
 from shardwise.models import (MoESettings, TransformerBlock, build_model, configure_moe,
                               finish_moe_step, get_model_config, moe_aux_loss)
-from shardwise.checkpoint.state import param_names
 from shardwise.parallel import apply_global_balance
-from shardwise.shard import sharded_param_specs
 from shardwise.testing import run_ranks
+from shardwise.testing.reshard import (assert_same_files, assert_same_states, import_whole,
+                                       load_train_save, save_fresh, save_trained)
 
 SMALL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16,
              moe_ffn_dim=48)
@@ -59,68 +56,40 @@ def _train(model, opt, mesh, steps: int) -> None:
         finish_moe_step(model)
 
 
-def _full_optimizer(model, opt) -> dict:
-    names, specs, out = param_names(model, opt), sharded_param_specs(model), {}
-    for idx, st in sorted(opt.state_dict()["state"].items()):
-        spec = specs[names[idx]]
-        for key, v in sorted(st.items()):
-            if key != "step":
-                v = spec.to_dtensor(v).full_tensor()
-            out[f"{names[idx]}.{key}"] = v.clone()
-    return out
+def _build_aux(seed: int, ep: int, stage: int):
+    """Zero biases: Mixtral routing (what the HF export holds) has none."""
+    return _build(seed, ep, stage, balance="aux")
 
 
-def _state(model, opt) -> tuple[dict, dict]:
-    return shardwise.full_state_dict(model), _full_optimizer(model, opt)
-
-
-def _save(path: str, ep: int, stage: int, train: int):
-    model, opt, mesh = _build(0, ep, stage)
-    _train(model, opt, mesh, train)
-    checkpoint.save(path, model, opt, step=train)
+def _layout(model):
+    """The state dict's shapes and an expert weight's DTensor layout."""
     sd = model.state_dict()
     w = sd[EXPERT]
-    shapes = {k: tuple(v.shape) for k, v in sd.items()}
-    layout = (isinstance(w, DTensor), w.device_mesh.mesh_dim_names,
-              tuple((type(p).__name__, getattr(p, "dim", None)) for p in w.placements))
-    return _state(model, opt), shapes, layout
-
-
-def _load_train_save(path: str, ep: int, stage: int, out: str | None):
-    model, opt, mesh = _build(1, ep, stage)
-    info = checkpoint.load(path, model, opt)
-    loaded = _state(model, opt)
-    if out is None:
-        return loaded, info.resharded, None
-    _train(model, opt, mesh, 1)
-    checkpoint.save(out, model, opt, step=3)
-    return loaded, info.resharded, _state(model, opt)
-
-
-def _same(got, want, where) -> None:
-    for a, b in zip(got, want):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert torch.equal(a[k], b[k]), (where, k)
+    return ({k: tuple(v.shape) for k, v in sd.items()},
+            (isinstance(w, DTensor), w.device_mesh.mesh_dim_names,
+             tuple((type(p).__name__, getattr(p, "dim", None)) for p in w.placements)))
 
 
 def test_reshard_matrix_across_expert_parallel_degrees(tmp_path):
     first, second = str(tmp_path / "a"), str(tmp_path / "b")
-    want, shapes, layout = run_ranks(_save, 4, args=(first, 4, 3, 2))[0]
+    want, (shapes, layout) = run_ranks(save_trained, 4,
+                                       args=(_build, _train, first, 4, 3, 2, _layout))[0]
     unsplit = build_model(get_model_config("debug-moe", **SMALL), seed=0).state_dict()
     assert shapes == {k: tuple(v.shape) for k, v in unsplit.items()}
     assert layout == (True, ("ep",), (("Shard", 0),))  # edp has one rank at ep 4 on 4
     assert any(v.any() for k, v in want[0].items() if k.endswith("expert_bias"))
-    out = run_ranks(_load_train_save, 4, args=(first, 2, 1, second))
+    out = run_ranks(load_train_save, 4, args=(_build, _train, first, 2, 1, second))
     for got, resharded, _ in out:
-        _same(got, want, "ep2 stage1")
+        assert_same_states(got, want, "ep2 stage1")
         assert resharded
-    for got, resharded, _ in run_ranks(_load_train_save, 2, args=(first, 1, 3, None)):
-        _same(got, want, "ep1 stage3 on 2 ranks")
+    for got, resharded, _ in run_ranks(load_train_save, 2,
+                                       args=(_build, _train, first, 1, 3, None)):
+        assert_same_states(got, want, "ep1 stage3 on 2 ranks")
         assert resharded
     trained = out[0][2]
-    for got, resharded, _ in run_ranks(_load_train_save, 4, args=(second, 4, 2, None)):
-        _same(got, trained, "ep4 stage2")
+    for got, resharded, _ in run_ranks(load_train_save, 4,
+                                       args=(_build, _train, second, 4, 2, None)):
+        assert_same_states(got, trained, "ep4 stage2")
         assert resharded
 
 
@@ -128,17 +97,6 @@ def _full_and_layout(ep: int):
     model, _, _ = _build(0, ep, 3)
     w = model.state_dict()[EXPERT]
     return shardwise.full_state_dict(model), w.device_mesh.mesh_dim_names
-
-
-def _import(path: str, ep: int):
-    model, _, _ = _build(1, ep, 3, balance="aux")
-    import_safetensors(path, model)
-    return shardwise.full_state_dict(model)
-
-
-def _save_fresh(path: str, ep: int) -> None:
-    model, opt, _ = _build(0, ep, 1, balance="aux")  # zero biases: Mixtral routing has none
-    checkpoint.save(path, model, opt, step=0)
 
 
 def test_full_state_dict_and_mixtral_export_equal_the_unsplit_model(tmp_path):
@@ -150,14 +108,9 @@ def test_full_state_dict_and_mixtral_export_equal_the_unsplit_model(tmp_path):
     exports = {}
     for ep, world in ((1, 2), (2, 2), (4, 4)):
         ckpt = tmp_path / f"ep{ep}"
-        run_ranks(_save_fresh, world, args=(str(ckpt), ep))
+        run_ranks(save_fresh, world, args=(_build_aux, str(ckpt), ep, 1))
         exports[ep] = tmp_path / f"hf{ep}"
         export_safetensors(ckpt, exports[ep])
-    files = sorted(p.name for p in Path(exports[1]).iterdir())
-    assert "config.json" in files
-    for ep in (2, 4):
-        assert sorted(p.name for p in Path(exports[ep]).iterdir()) == files
-        for name in files:
-            assert (exports[ep] / name).read_bytes() == (exports[1] / name).read_bytes(), name
-    for full in run_ranks(_import, 4, args=(str(exports[4]), 2)):
+    assert "config.json" in assert_same_files(exports)
+    for full in run_ranks(import_whole, 4, args=(_build_aux, str(exports[4]), 2)):
         assert all(torch.equal(full[k], unsplit[k]) for k in unsplit), "import at ep 2"

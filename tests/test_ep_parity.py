@@ -50,12 +50,7 @@ HF_CASES = {"mixtral-ep2-stage3": ("mixtral", EPConfig(ep=2, stage=3, steps=STEP
             "qwen2moe-ep4-stage1": ("qwen2_moe", EPConfig(ep=4, stage=1, accum=2, steps=STEPS))}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _build(settings: MoESettings, overrides: dict, meta: bool = False):

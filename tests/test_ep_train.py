@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from shardwise.testing.dist import run_ranks
+from shardwise.testing.trainer import cli_args, logged, refused, train_rank
 from shardwise.train.cli import main
 from shardwise.train.config import load_config
 from shardwise.train.preflight import preflight
-from shardwise.train.trainer import build_env, train
 
 TINY = {"model.name": "debug-moe", "model.dim": "32", "model.n_layers": "2",
         "model.n_heads": "4", "model.n_kv_heads": "2", "model.moe_ffn_dim": "48",
@@ -26,14 +26,8 @@ TINY = {"model.name": "debug-moe", "model.dim": "32", "model.n_layers": "2",
         "data.max_bytes": "200000", "log.progress": "false", "log.plot": "false",
         "train.steps": "4", "train.eval_interval": "0", "checkpoint.keep_last": "0",
         "optim.warmup_steps": "1"}
-CLI = [a for k, v in TINY.items() for a in (f"--{k}", v)]
+CLI = cli_args(TINY)
 
-
-def _refused(capsys, *args: str) -> str:
-    code = main(["train", *CLI, *args])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    return err
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -53,23 +47,16 @@ def _refused(capsys, *args: str) -> str:
      "parallel.ep=4 must divide parallel.dp_shard=2"),
 ])
 def test_bad_expert_layouts_are_refused_before_launch(capsys, tmp_path, args, expected):
-    assert expected in _refused(capsys, "--log.dir", str(tmp_path / "out"), *args)
+    assert expected in refused(capsys, *CLI, "--log.dir", str(tmp_path / "out"), *args)
 
 
 def _run(log_dir: Path, world: int, **over: str):
     cfg = load_config(None, {**TINY, "log.dir": str(log_dir), **over})
     cfg, data = preflight(cfg, world_size=world)
-    run_ranks(_train, world, args=(cfg, data), timeout_s=300)
+    run_ranks(train_rank, world, args=(cfg, data), timeout_s=300)
     return cfg
 
 
-def _train(cfg, data):
-    train(cfg, data, build_env(cfg))
-
-
-def _records(log_dir: Path) -> list[dict]:
-    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
 
 
 def test_debug_moe_trains_at_ep_2_like_ep_1_and_resumes_at_ep_1(tmp_path, capfd):
@@ -82,7 +69,7 @@ def test_debug_moe_trains_at_ep_2_like_ep_1_and_resumes_at_ep_1(tmp_path, capfd)
     summary = json.loads((tmp_path / "ep" / "summary.json").read_text())
     assert summary["layout"]["ep"] == 2 and summary["layout"]["dp_shard"] == 2
     _run(tmp_path / "dp", 2, **{"moe.balance": "bias", "moe.bias_update_rate": "0.01"})
-    ep, dp = _records(tmp_path / "ep"), _records(tmp_path / "dp")
+    ep, dp = logged(tmp_path / "ep"), logged(tmp_path / "dp")
     assert len(ep) == len(dp) == 4
     for a, b in zip(ep, dp):
         for key in ("loss", "grad_norm", "aux_loss", "z_loss"):
@@ -95,8 +82,8 @@ def test_debug_moe_trains_at_ep_2_like_ep_1_and_resumes_at_ep_1(tmp_path, capfd)
     bias = {"moe.balance": "bias", "moe.bias_update_rate": "0.01"}
     _run(tmp_path / "tp-ep2", 4, **{"parallel.tp": "2", "parallel.ep": "2", **bias})
     _run(tmp_path / "tp-ep1", 4, **{"parallel.tp": "2", **bias})
-    tp_ep1 = _records(tmp_path / "tp-ep1")
-    for a, b in zip(_records(tmp_path / "tp-ep2"), tp_ep1, strict=True):
+    tp_ep1 = logged(tmp_path / "tp-ep1")
+    for a, b in zip(logged(tmp_path / "tp-ep2"), tp_ep1, strict=True):
         for key in ("loss", "grad_norm", "aux_loss", "z_loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (key, a, b)
         assert a["moe_tokens_cv"] == b["moe_tokens_cv"]
@@ -109,7 +96,7 @@ def test_debug_moe_trains_at_ep_2_like_ep_1_and_resumes_at_ep_1(tmp_path, capfd)
     summary = json.loads((tmp_path / "back" / "summary.json").read_text())
     assert summary["checkpoint"]["resumed_from_step"] == 2
     assert summary["layout"]["ep"] == 1 and summary["zero_stage"] == 1
-    back = _records(tmp_path / "back")
+    back = logged(tmp_path / "back")
     assert [r["step"] for r in back] == [3, 4]
     for a, b in zip(back, ep[2:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)

@@ -17,7 +17,7 @@ import pytest
 
 from shardwise import checkpoint
 from shardwise.testing.dist import RankFailure, run_ranks
-from shardwise.train.cli import main
+from shardwise.testing.trainer import refused, train_rank
 from shardwise.train.config import load_config
 from shardwise.train.preflight import preflight
 from shardwise.train.trainer import build_env, train
@@ -37,9 +37,6 @@ def _digest(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _train(cfg, data):
-    train(cfg, data, build_env(cfg))
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -47,32 +44,24 @@ def saved(tmp_path_factory):
     log = tmp_path_factory.mktemp("saved")
     cfg, data = preflight(load_config(None, {**TINY, "train.steps": "2", "log.dir": str(log)}),
                           world_size=2)
-    run_ranks(_train, 2, args=(cfg, data), timeout_s=120)
+    run_ranks(train_rank, 2, args=(cfg, data), timeout_s=120)
     return log, _digest(log / "checkpoints")
 
-
-def _refused(capsys, *args: str) -> str:
-    code = main(["train", *args])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("shardwise: error: "), err
-    return lines[0].removeprefix("shardwise: error: ")
 
 
 def test_a_missing_checkpoint_is_named_before_launch(capsys, tmp_path):
     missing = tmp_path / "nowhere" / "step_00000010"
-    message = _refused(capsys, *_args(**{"log.dir": str(tmp_path / "o"),
+    message = refused(capsys, *_args(**{"log.dir": str(tmp_path / "o"),
                                          "checkpoint.resume": str(missing)}))
     assert message == (f"checkpoint.resume '{missing}': checkpoint {missing} does not exist "
                        "(expected a folder written by shardwise.checkpoint.save)")
 
 
-def test_an_incomplete_checkpoint_is_refused(capsys, saved, tmp_path):
+def test_an_incomplete_checkpoint_isrefused(capsys, saved, tmp_path):
     log, digest = saved
     partial = tmp_path / ".step_00000004.partial"
     shutil.copytree(log / "checkpoints" / "step_00000002", partial)
-    message = _refused(capsys, *_args(**{"log.dir": str(tmp_path / "o"),
+    message = refused(capsys, *_args(**{"log.dir": str(tmp_path / "o"),
                                          "checkpoint.resume": str(partial)}))
     assert "is a save that was never committed: it may be incomplete" in message
     assert _digest(log / "checkpoints") == digest
@@ -88,9 +77,9 @@ def test_an_incomplete_checkpoint_is_refused(capsys, saved, tmp_path):
     ({"model.n_layers": "3", "model.tie_embeddings": "true"},
      "n_layers=2 (this run: 3), tie_embeddings=False (this run: True)"),
 ])
-def test_resuming_into_another_model_or_vocabulary_is_refused(capsys, saved, over, expected):
+def test_resuming_into_another_model_or_vocabulary_isrefused(capsys, saved, over, expected):
     log, digest = saved
-    message = _refused(capsys, *_args(**{"log.dir": str(log), "checkpoint.resume": "auto",
+    message = refused(capsys, *_args(**{"log.dir": str(log), "checkpoint.resume": "auto",
                                          **over}))
     assert message.startswith(f"checkpoint {log / 'checkpoints' / 'step_00000002'} ")
     assert expected in message
@@ -99,7 +88,7 @@ def test_resuming_into_another_model_or_vocabulary_is_refused(capsys, saved, ove
 
 def test_a_typo_in_the_fault_spec_is_refused_before_launch(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=1:step=3:phase=bakward")
-    message = _refused(capsys, *_args(**{"log.dir": str(tmp_path)}))
+    message = refused(capsys, *_args(**{"log.dir": str(tmp_path)}))
     assert message.startswith("SHARDWISE_FAULT: unknown phase 'bakward'; expected one of start")
 
 
@@ -129,7 +118,7 @@ def test_a_full_disk_during_a_save_fails_clearly_and_keeps_the_last_checkpoint(s
     assert kept == before  # the previous checkpoint: byte for byte
     checkpoint.verify(tmp_path / "checkpoints" / "step_00000002")
     with pytest.raises(RankFailure):  # ...and resuming from it works once the disk has room
-        run_ranks(_train, 2, args=(cfg, data), timeout_s=120,
+        run_ranks(train_rank, 2, args=(cfg, data), timeout_s=120,
                   env={"SHARDWISE_FAULT": "enospc:rank=0:step=4"})
-    run_ranks(_train, 2, args=(cfg, data), timeout_s=120)
+    run_ranks(train_rank, 2, args=(cfg, data), timeout_s=120)
     assert checkpoint.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000004"

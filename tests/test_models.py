@@ -23,14 +23,7 @@ from shardwise.models import (
 from shardwise.models.llama import apply_rotary, rope_tables
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Models here are tiny: a second intra-op thread only adds barrier waits, which become
-    # stalls of tens of ms per op when other processes share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny(**overrides) -> LlamaConfig:

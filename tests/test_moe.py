@@ -20,12 +20,7 @@ from shardwise.models.experts import GroupedExperts, expert_ffn
 from shardwise.models.router import sort_by_expert
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def moe_cfg(**overrides) -> LlamaConfig:

@@ -21,14 +21,7 @@ TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_
             moe_ffn_dim=16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models: a second intra-op thread only adds barrier waits, which become stalls of
-    # seconds when other processes share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _config(**overrides):

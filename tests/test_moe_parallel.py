@@ -35,14 +35,7 @@ CASES = {  # name: (ParityConfig, MoESettings, model overrides)
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models: a second intra-op thread only adds barrier waits, which become stalls of
-    # seconds when other processes share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # --- the balance statistics of one layer -------------------------------------------------------

@@ -12,20 +12,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardwise
-from shardwise import checkpoint
-from shardwise.checkpoint.export import export_safetensors, import_safetensors
+from shardwise.checkpoint.export import export_safetensors
 from shardwise.checkpoint.metadata import SafeReader
-from shardwise.checkpoint.state import param_names
 from shardwise.models import TransformerBlock, build_model, get_model_config
-from shardwise.shard import sharded_param_specs
 from shardwise.testing import run_ranks
+from shardwise.testing.reshard import (assert_same_files, assert_same_states, import_whole,
+                                       load_train_save, save_fresh, save_trained)
 
 LLAMA = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16,
              multiple_of=16)
@@ -50,86 +47,40 @@ def _train(model, opt, mesh, steps: int) -> None:
         opt.zero_grad()
 
 
-def _full_optimizer(model, opt) -> dict:
-    names, specs, out = param_names(model, opt), sharded_param_specs(model), {}
-    for idx, st in sorted(opt.state_dict()["state"].items()):
-        spec = specs[names[idx]]
-        for key, v in sorted(st.items()):
-            if key != "step":
-                v = spec.to_dtensor(v).full_tensor()
-            out[f"{names[idx]}.{key}"] = v.clone()
-    return out
-
-
-def _state(model, opt) -> tuple[dict, dict]:
-    return shardwise.full_state_dict(model), _full_optimizer(model, opt)
-
-
-def _save(path: str, tp: int, stage: int, train: int):
-    model, opt, mesh = _build(0, tp, stage)
-    _train(model, opt, mesh, train)
-    checkpoint.save(path, model, opt, step=train)
+def _layout(model):
+    """The state dict's shapes (whole, DTensor or not) and one KV weight's mesh."""
     sd = model.state_dict()
     wk = sd["layers.0.attention.wk.weight"]
     shapes = {k: (tuple(v.shape), isinstance(v, DTensor)) for k, v in sd.items()}
-    mesh_names = (wk.device_mesh.mesh_dim_names,
-                  tuple((type(p).__name__, getattr(p, "dim", None)) for p in wk.placements))
-    return _state(model, opt), shapes, mesh_names
-
-
-def _load_train_save(path: str, tp: int, stage: int, out: str | None):
-    model, opt, mesh = _build(1, tp, stage)
-    info = checkpoint.load(path, model, opt)
-    loaded = _state(model, opt)
-    if out is None:
-        return loaded, info.resharded, None
-    _train(model, opt, mesh, 1)
-    checkpoint.save(out, model, opt, step=3)
-    return loaded, info.resharded, _state(model, opt)
-
-
-def _same(got, want, where) -> None:
-    for a, b in zip(got, want):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert torch.equal(a[k], b[k]), (where, k)
+    return shapes, (wk.device_mesh.mesh_dim_names,
+                    tuple((type(p).__name__, getattr(p, "dim", None)) for p in wk.placements))
 
 
 def test_reshard_matrix_across_tensor_parallel_degrees(tmp_path):
     first, second = str(tmp_path / "a"), str(tmp_path / "b")
-    want, shapes, (names, placements) = run_ranks(_save, 4, args=(first, 2, 3, 2))[0]
+    want, (shapes, (names, placements)) = run_ranks(
+        save_trained, 4, args=(_build, _train, first, 2, 3, 2, _layout))[0]
     unsplit = build_model(get_model_config("debug", **LLAMA), seed=0).state_dict()
     assert shapes == {k: (tuple(v.shape), True) for k, v in unsplit.items()}
     assert names == ("tp", "dp_shard") and placements == (("Shard", 0), ("Shard", 0))
-    for got, resharded, _ in run_ranks(_load_train_save, 2, args=(first, 2, 1, None)):
-        _same(got, want, "tp2 dp1 stage1")
+    reload = (_build, _train, first)
+    for got, resharded, _ in run_ranks(load_train_save, 2, args=(*reload, 2, 1, None)):
+        assert_same_states(got, want, "tp2 dp1 stage1")
         assert resharded
-    out = run_ranks(_load_train_save, 4, args=(first, 1, 1, second))
+    out = run_ranks(load_train_save, 4, args=(*reload, 1, 1, second))
     for got, resharded, _ in out:
-        _same(got, want, "tp1 dp4 stage1")
+        assert_same_states(got, want, "tp1 dp4 stage1")
         assert resharded
     trained = out[0][2]
-    for got, resharded, _ in run_ranks(_load_train_save, 4, args=(second, 4, 2, None)):
-        _same(got, trained, "tp4 dp1 stage2")
+    for got, resharded, _ in run_ranks(load_train_save, 4,
+                                       args=(_build, _train, second, 4, 2, None)):
+        assert_same_states(got, trained, "tp4 dp1 stage2")
         assert resharded
 
 
 def _full(tp: int):
     model, _, _ = _build(0, tp, 3)
     return shardwise.full_state_dict(model)
-
-
-def _import(path: str, tp: int):
-    """HF safetensors imported into a model parallelised at ``tp`` (each rank reads its
-    piece), gathered back whole."""
-    model, _, _ = _build(1, tp, 3)
-    import_safetensors(path, model)
-    return shardwise.full_state_dict(model)
-
-
-def _save_fresh(path: str, tp: int) -> None:
-    model, opt, _ = _build(0, tp, 2)
-    checkpoint.save(path, model, opt, step=0)
 
 
 def test_full_state_dict_and_hf_export_equal_the_unsplit_model(tmp_path):
@@ -140,16 +91,11 @@ def test_full_state_dict_and_hf_export_equal_the_unsplit_model(tmp_path):
     exports = {}
     for tp, world in ((1, 2), (2, 2), (4, 4)):
         ckpt = tmp_path / f"tp{tp}"
-        run_ranks(_save_fresh, world, args=(str(ckpt), tp))
+        run_ranks(save_fresh, world, args=(_build, str(ckpt), tp, 2))
         exports[tp] = tmp_path / f"hf{tp}"
         export_safetensors(ckpt, exports[tp])
-    files = sorted(p.name for p in Path(exports[1]).iterdir())
-    for tp in (2, 4):
-        assert sorted(p.name for p in Path(exports[tp]).iterdir()) == files
-        for name in files:
-            assert (exports[tp] / name).read_bytes() == (exports[1] / name).read_bytes(), \
-                (tp, name)
-    for full in run_ranks(_import, 4, args=(str(exports[1]), 2)):  # tp 2 x dp_shard 2
+    assert_same_files(exports)
+    for full in run_ranks(import_whole, 4, args=(_build, str(exports[1]), 2)):  # tp2 x dp2
         assert all(torch.equal(full[k], unsplit[k]) for k in unsplit)
     # At tp 4 each KV head lives on two tensor ranks; the checkpoint holds it once.
     md = SafeReader(tmp_path / "tp4").read_metadata().state_dict_metadata

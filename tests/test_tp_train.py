@@ -14,25 +14,19 @@ from pathlib import Path
 import pytest
 
 from shardwise.testing.dist import run_ranks
+from shardwise.testing.trainer import cli_args, logged, refused, train_rank
 from shardwise.train.cli import main
 from shardwise.train.config import load_config
 from shardwise.train.parallelize import validate_tp
 from shardwise.train.preflight import build_model_config, preflight
-from shardwise.train.trainer import build_env, train
 
 TINY = {"model.dim": "32", "model.n_layers": "2", "model.n_heads": "4", "model.n_kv_heads": "2",
         "data.seq_len": "32", "train.batch_size": "2", "train.eval_batches": "1",
         "data.max_bytes": "200000", "log.progress": "false", "log.plot": "false",
         "train.steps": "4", "train.eval_interval": "0", "checkpoint.keep_last": "0",
         "optim.warmup_steps": "1"}
-CLI = [a for k, v in TINY.items() for a in (f"--{k}", v)]
+CLI = cli_args(TINY)
 
-
-def _refused(capsys, *args: str) -> str:
-    code = main(["train", *CLI, *args])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    return err
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -54,7 +48,7 @@ def _refused(capsys, *args: str) -> str:
      "parallel.sequence_parallel=true needs parallel.tp > 1"),
 ])
 def test_bad_layouts_are_refused_before_launch(capsys, tmp_path, args, expected):
-    assert expected in _refused(capsys, "--log.dir", str(tmp_path / "out"), *args)
+    assert expected in refused(capsys, *CLI, "--log.dir", str(tmp_path / "out"), *args)
 
 
 def test_a_tensor_group_wider_than_a_node_is_warned(monkeypatch):
@@ -71,17 +65,10 @@ def test_a_tensor_group_wider_than_a_node_is_warned(monkeypatch):
 def _run(log_dir: Path, world: int, **over: str):
     cfg = load_config(None, {**TINY, "log.dir": str(log_dir), **over})
     cfg, data = preflight(cfg, world_size=world)
-    run_ranks(_train, world, args=(cfg, data), timeout_s=300)
+    run_ranks(train_rank, world, args=(cfg, data), timeout_s=300)
     return cfg
 
 
-def _train(cfg, data):
-    train(cfg, data, build_env(cfg))
-
-
-def _records(log_dir: Path) -> list[dict]:
-    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
 
 
 def test_tp_trains_like_data_parallel_and_resumes_at_another_degree(tmp_path, capfd):
@@ -97,7 +84,7 @@ def test_tp_trains_like_data_parallel_and_resumes_at_another_degree(tmp_path, ca
                                  "ep": 1, "sequence_parallel": True, "stage": 3}
     assert summary["tokens"] == 4 * 2 * 2 * 32  # steps x data ranks x batch x seq_len
     _run(tmp_path / "dp", 2)
-    tp, dp = _records(tmp_path / "tp"), _records(tmp_path / "dp")
+    tp, dp = logged(tmp_path / "tp"), logged(tmp_path / "dp")
     for a, b in zip(tp, dp):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
@@ -108,7 +95,7 @@ def test_tp_trains_like_data_parallel_and_resumes_at_another_degree(tmp_path, ca
     summary = json.loads((tmp_path / "back" / "summary.json").read_text())
     assert summary["checkpoint"]["resumed_from_step"] == 2
     assert summary["layout"]["tp"] == 1 and summary["zero_stage"] == 2
-    back = _records(tmp_path / "back")
+    back = logged(tmp_path / "back")
     assert [r["step"] for r in back] == [3, 4]
     for a, b in zip(back, tp[2:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
