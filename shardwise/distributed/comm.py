@@ -252,13 +252,12 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group=None
     """Gather equal ``shard``s of every rank into ``output`` (rank-major), counted.
 
     [Note: all-gather on Gloo] Gloo's all-gather allocates two output-sized temporaries per
-    call (measured with torch.profiler on torch 2.13: 12.8 MB for a 6.4 MB output), and
-    those per-call allocations of the same large sizes fragment glibc's heap over a long run.
-    On Gloo this function therefore sends ``shard`` to every peer and receives each peer's
-    shard directly into its row of ``output`` (one ``batch_isend_irecv``): no temporary, the
-    same ``(n - 1)`` shards sent per rank, and measured at least as fast (at 2 ranks: 3.9 vs
-    5.7 ms for 800k fp32 elements with an all-to-all of ``n`` copies, 7.2 ms with Gloo's own
-    all-gather). Peers' sends pair in issue order per group, like any collective.
+    call, and those per-call allocations of the same large sizes fragment glibc's heap over
+    a long run. On Gloo this function therefore sends ``shard`` to every peer and receives
+    each peer's shard directly into its row of ``output`` (one ``batch_isend_irecv``): no
+    temporary, the same ``(n - 1)`` shards sent per rank, and at least as fast as Gloo's own
+    all-gather or an all-to-all of ``n`` copies (docs/engine.md, "Measurements behind the
+    notes"). Peers' sends pair in issue order per group, like any collective.
     """
     check_devices("all_gather", group, label, output, shard)
     n = group_size(group)
@@ -285,8 +284,8 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group=None, 
     """Sum ``full`` over ranks and keep this rank's chunk in ``output``, counted.
 
     [Note: reduce-scatter on Gloo] Gloo's own reduce-scatter is markedly slower than an
-    all-to-all of the same chunks followed by a local sum (measured on 2-core CPUs: 2x at
-    4 ranks), while both move exactly (n - 1) chunks per rank. On Gloo this function
+    all-to-all of the same chunks followed by a local sum (docs/engine.md, "Measurements
+    behind the notes"), while both move exactly (n - 1) chunks per rank. On Gloo this function
     therefore exchanges chunks with ``all_to_all_single`` into ``scratch`` (same size as
     ``full``; allocated when not given) and sums them in rank order when waited on, which
     also keeps the reduction in the tensors' own precision and deterministic.

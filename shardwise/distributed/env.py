@@ -36,10 +36,9 @@ def quiet_flight_recorder(backend: str, environ: dict[str, str] | None = None) -
     ring is full every new collective frees one record and allocates another, wherever the
     heap has room: in the holes left by the step's freed activations. Those small long-lived
     records keep the holes from merging, so resident memory grows every step, in proportion
-    to the number of collectives: measured on 2 ranks, ~2 MiB per step for stage 3 on a
-    4-layer width-256 model, ~0.03 MiB for DDP's few bucketed all-reduces; with the
-    recorder off, stage 3 stayed flat over 150 steps (mallinfo: free heap chunks grew by 25
-    per step with it, by 0.2 without). shardwise's own watchdog keeps the recent
+    to the number of collectives (stage 3's per-unit gathers far more than DDP's few
+    bucketed all-reduces; with the recorder off it stays flat: docs/engine.md,
+    "Measurements behind the notes"). shardwise's own watchdog keeps the recent
     collectives of every group for its reports, so on Gloo the recorder is turned off unless
     the user set its size (``TORCH_FR_BUFFER_SIZE`` or ``TORCH_NCCL_TRACE_BUFFER_SIZE``).
     NCCL groups keep torch's default: their tensors live in GPU memory, and the recorder is

@@ -17,9 +17,9 @@ collective that reaches the backend to :meth:`OpTracker.run`. The tracker
 
 [Note: tracking cost] The hot path is a few dict and deque operations, one cached hash
 lookup and one ``time.monotonic()`` per collective, plus a small wrapper object for each
-asynchronous work handle: 4-5 us per collective on a loaded 2-core CPU, against 0.7 us for
-the untracked call (``python bench/soak.py --overhead``), and 50 us to milliseconds for the
-smallest Gloo collective.
+asynchronous work handle: microseconds per collective, small against the smallest Gloo
+collective (``python bench/soak.py --overhead`` measures both; docs/engine.md,
+"Measurements behind the notes").
 Nothing is communicated per collective except in the debug mode (``check``), which
 exchanges fingerprints through the c10d store before every collective.
 

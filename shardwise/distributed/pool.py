@@ -5,14 +5,13 @@ output, the packed gradients, the reduce-scatter scratch and output) and frees t
 moments later. Through glibc's malloc that pattern fragments the heap: freeing a large
 mmapped block raises malloc's mmap threshold, later blocks of that size come from the
 heap, and interleaved with autograd's temporaries they leave holes that are never
-returned. Measured on the overhead-bound benchmark model (9.6M parameters, stage 3, 2
-ranks), resident memory grew by about 8 MiB per step and settled 790 MiB above its start
-after ~50 steps; the model state is 73 MiB. Keeping the buffers (keyed by size, dtype and
-device) and handing them out again means the same few blocks serve every step, so nothing
-new is allocated after the first step: with the pool (staging buffers and gathered
-parameters, see [Note: freeing gathered parameters] in unit.py) the same run stood 277 MiB
-above its start after 40 steps instead of 675 MiB; what still grows slowly comes from
-autograd's own temporaries, which stage 2 and DDP have too.
+returned, and resident memory grows for tens of steps by many times the model state.
+Keeping the buffers (keyed by size, dtype and device) and handing them out again means the
+same few blocks serve every step, so nothing new is allocated after the first step (the
+staging buffers and the gathered parameters, see [Note: freeing gathered parameters] in
+unit.py); what still grows slowly comes from autograd's own temporaries, which stage 2 and
+DDP have too. The growth with and without the pool: docs/engine.md, "Measurements behind
+the notes".
 
 What the pool keeps is bounded by the working set it already needed (see :class:`BufferPool`);
 ``cached_bytes`` reports it (``memory_report().cached_bytes``) and :func:`empty_cache`

@@ -20,12 +20,11 @@ Three ways to run ``E`` SwiGLUs over contiguous groups of rows, none with per-to
   back; wastes ``E * max_count - M`` rows of compute, so it degrades with imbalance.
 * ``loop``: one ``mm`` per expert with tokens (a Python loop over experts, not tokens).
 
-Measured by ``bench/moe_experts_bench.py`` (forward + backward, fp32, 1 thread, best of 31
-on a shared 2-core CPU; ``bench/results/moe_experts.md``): ``grouped_mm`` and ``loop`` are
-within noise of each other at every shape (24.1 vs 26.6 ms for a debug-moe layer with skewed
-routing, 49.7 vs 47.7 balanced; torch's CPU kernel is one GEMM per group as well), while
-``padded`` loses with imbalance (141 ms skewed; 1014 vs 52 ms for 64 fine-grained experts
-with skewed routing). ``compute="auto"`` therefore takes ``grouped_mm`` whenever it applies:
+Measured by ``bench/moe_experts_bench.py`` (``bench/results/moe_experts.md``): on the CPU
+``grouped_mm`` and ``loop`` are within noise of each other at every shape (torch's CPU
+kernel is one GEMM per group as well), while ``padded`` loses with imbalance, by an order of
+magnitude for many fine-grained experts. ``compute="auto"`` therefore takes ``grouped_mm``
+whenever it applies:
 one op per projection, no host synchronisation for the split sizes, and on GPUs a true
 grouped GEMM; otherwise ``loop``.
 """

@@ -23,9 +23,8 @@ end of backward    units that saw no gradient contribute zeros, all reductions f
 the rest away. Stage 2 reduces a unit as soon as backward is done with it (overlapping
 communication with the rest of backward, freeing its whole gradients at once); stage 1, as
 DeepSpeed's ZeRO-1, reduces every unit once backward has finished, so whole gradients live
-until then. Neither keeps whole gradients between steps (measured on the compute-bound
-benchmark model at 2 ranks: stage 1 peaked at 1,529 MiB while it kept them zeroed, against
-1,367 MiB for DeepSpeed ZeRO-1).
+until then. Neither keeps whole gradients between steps (keeping them zeroed, stage 1
+peaked above DeepSpeed's ZeRO-1: docs/engine.md, "Measurements behind the notes").
 
 [Note: prefetch order] Forward prefetch follows the order in which units started their
 forward in the previous step; backward prefetch follows the reverse of the order in which
