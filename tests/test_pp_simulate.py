@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from shardwise.parallel import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind, Schedule,
                                 build_schedule, critical_path, draw_timeline, format_timeline,
                                 simulate)
-from shardwise.parallel.pipeline.formulas import reference_bubble
+from shardwise.parallel.pipeline.schedules import schedule_spec
 
 UNIT = Costs(f=1, b=2, i=1, w=1, comm=0)
 PS = (1, 2, 3, 4, 5)
@@ -130,9 +130,31 @@ def test_reference_formulas_agree_with_the_simulator():
         for m in (1, p - 1, p, p + 1, 2 * p - 1, 2 * p, 3 * p):
             if name == "dualpipev" and m < 2 * p:
                 continue
-            known = reference_bubble(name, p, m, build_schedule(name, p, m).virtual)
+            known = schedule_spec(name).reference_bubble(p, m, build_schedule(name, p, m).virtual)
             if known is not None:
                 assert sim(name, p, m).bubble == known[1], (name, p, m, known[0])
+
+
+REGISTERED = [(name, v) for name in SCHEDULE_NAMES
+              for v in sorted({schedule_spec(name).default_virtual, schedule_spec(name).max_virtual
+                               or 4})]
+
+
+@pytest.mark.parametrize("name,v", REGISTERED)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_registered_closed_forms_equal_the_simulator(name, v, pp):
+    """Every schedule's closed forms in the registry are the simulator's results for equal
+    stage costs ([Note: pipeline closed forms]: exact for the looped schedules and ZB-H1,
+    within 10% for the V-shaped ones), and its placement is the one build_schedule uses."""
+    f, b, w, m = 1.0, 2.4, 1.1, 2 * pp
+    spec, sched = schedule_spec(name), build_schedule(name, pp, m, v)
+    assert spec.placement(pp, v) == sched.placement
+    run = simulate(sched, Costs(f=f / v, b=b / v, i=(b - w) / v, w=w / v))
+    rel = 0.10 if spec.v_shape else 1e-9
+    assert spec.bubble_time(pp, v, m, f, b, w) == pytest.approx(
+        float(run.step_time - max(run.busy)), rel=rel)
+    peak = max(run.peak_activations) / v if name not in ("gpipe", "looped_bfs") else m
+    assert spec.peak_inflight(pp, v, m) == pytest.approx(peak)
 
 
 # ---- memory ---------------------------------------------------------------------------------
