@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from shardwise.parallel import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind, Schedule,
                                 build_schedule, critical_path, draw_timeline, format_timeline,
                                 simulate)
+from shardwise.parallel.pipeline.replay import replay_shared
 from shardwise.parallel.pipeline.schedules import schedule_spec
 
 UNIT = Costs(f=1, b=2, i=1, w=1, comm=0)
@@ -217,6 +218,19 @@ def test_simulating_a_deadlocked_schedule_names_the_ranks():
          Action(1, Kind.SEND_B, 0))))
     with pytest.raises(DeadlockError, match="rank 0 waits at action #1 0RECV_B0"):
         simulate(s)
+    with pytest.raises(DeadlockError, match="rank 0 waits at action #1 0RECV_B0"):
+        replay_shared(s.ranks, s.placement, UNIT.of, (1.0,))
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_shared_replay_without_slowdown_is_the_simulation(name):
+    """Processor sharing with no slowdown is the simulator's replay with free messages: the
+    same step, and each rank busy for its own compute."""
+    s = build_schedule(name, 3, 6)
+    run = simulate(s, Costs(f=1.0, b=2.5, i=1.25, w=1.25))
+    step, busy = replay_shared(s.ranks, s.placement, run.costs.of, (1.0,))
+    assert step == pytest.approx(float(run.step_time))
+    assert busy == pytest.approx([float(b) for b in run.busy])
 
 
 # ---- properties over grids -------------------------------------------------------------------

@@ -11,27 +11,22 @@ committed bench (run 7: +16% to +30% median, +12% to +20% fastest, with ``busy``
 while the data-parallel rows beside them were over-predicted by that run's ``busy`` alone.
 
 So the pipeline is replayed (the executor's own schedule, under the executor's
-communication semantics as replay.py runs them: compute actions one after another per rank,
-consecutive sends and receives as one batch, sends posted on arrival) as processor sharing:
-from one event to the next (an action starting or ending), each of the ``n`` pipeline ranks
-computing works at ``1 / slowdown[n - 1]`` of its lone speed. Ranks that each keep a core
-are priced this way; ranks beyond the cores are time-shared and priced by
+communication semantics: ``shardwise.parallel.pipeline.replay.replay_shared``) as processor
+sharing: from one event to the next (an action starting or ending), each of the ``n``
+pipeline ranks computing works at ``1 / slowdown[n - 1]`` of its lone speed. Ranks that
+each keep a core are priced this way; ranks beyond the cores are time-shared and priced by
 ``cpu_stage.time_shared`` instead. Messages are free here: the cost model adds the sends.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 from shardwise.parallel.pipeline import Costs, build_schedule
-from shardwise.parallel.pipeline.actions import Kind
-from shardwise.parallel.pipeline.p2p import batch_end, message_key
+from shardwise.parallel.pipeline.replay import replay_shared
 
 __all__ = ["ContendedPipeline", "contended_pipeline"]
-
-_SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
 class ContendedPipeline(NamedTuple):
@@ -43,40 +38,6 @@ class ContendedPipeline(NamedTuple):
     """Per rank: its compute seconds, stretched by the ranks computing beside it."""
     alone: tuple[float, ...]
     """Per rank: the same compute at the lone core's speed."""
-
-
-@dataclass
-class _Rank:
-    actions: tuple
-    pos: int = 0
-    work: float | None = None  # lone-speed seconds left of the compute action at ``pos``
-    start: float = 0.0  # when that action started
-    busy: float = 0.0
-
-    @property
-    def computing(self) -> bool:
-        return self.work is not None
-
-    def advance(self, posted: set, costs: Costs, now: float) -> bool:
-        """Move an idle rank through its communication batches (its sends posted on arrival,
-        a batch done once each of its receives has been sent) to its next compute action,
-        which starts ``now``. Returns whether anything moved."""
-        moved = False
-        while self.work is None and self.pos < len(self.actions):
-            action = self.actions[self.pos]
-            if action.is_compute:
-                self.work, self.start = float(costs.of(action)), now
-                return True
-            end = batch_end(self.actions, self.pos)
-            batch = self.actions[self.pos:end]
-            for op in batch:
-                if op.kind in _SENDS and message_key(op) not in posted:
-                    posted.add(message_key(op))
-                    moved = True
-            if not all(message_key(op) in posted for op in batch if op.kind not in _SENDS):
-                return moved
-            self.pos, moved = end, True
-        return moved
 
 
 @lru_cache(maxsize=512)
@@ -102,25 +63,6 @@ def contended_pipeline(schedule: str, pp: int, virtual: int, microbatches: int,
     sched = build_schedule(schedule, pp, microbatches, virtual)
     f, b, i, w = (list(x) for x in stages)
     costs = Costs(f=f, b=b, i=i, w=w)
-    ranks = [_Rank(tuple(acts)) for acts in sched.ranks]
-    posted: set = set()
-    now = 0.0
-    while True:
-        while any([r.advance(posted, costs, now) for r in ranks if not r.computing]):
-            pass  # a send may let a rank already passed over move on
-        running = [r for r in ranks if r.computing]
-        if not running:
-            break
-        slow = slowdown[min(len(running), len(slowdown)) - 1]
-        dt = min(r.work for r in running) * slow  # until the next action ends
-        now += dt
-        for r in running:
-            r.work -= dt / slow
-            if r.work <= 1e-12 * max(1.0, now):
-                r.busy += now - r.start
-                r.pos, r.work = r.pos + 1, None
-    stuck = [k for k, r in enumerate(ranks) if r.pos < len(r.actions)]
-    if stuck:  # build_schedule validates its schedules: a stall is a bug here, not bad input
-        raise AssertionError(f"the contended replay of {schedule} stalled on ranks {stuck}")
-    alone = tuple(float(sum(costs.of(a) for a in r.actions if a.is_compute)) for r in ranks)
-    return ContendedPipeline(now, tuple(r.busy for r in ranks), alone)
+    step, busy = replay_shared(sched.ranks, sched.placement, costs.of, slowdown)
+    alone = tuple(float(sum(costs.of(a) for a in acts if a.is_compute)) for acts in sched.ranks)
+    return ContendedPipeline(step, busy, alone)
