@@ -48,7 +48,7 @@ from shardwise.planner.dp_cost import dp_copy_seconds, dp_exposed, dp_times, sha
 from shardwise.planner.engine_buffers import rank_transient
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import MemoryBreakdown, state_bytes
-from shardwise.planner.pipeline import schedule_profile
+from shardwise.planner.pipeline import gather_rounds, schedule_profile
 from shardwise.planner.stage_cost import RankTimes, StageCoster, stage_layers
 from shardwise.planner.workload import Workload
 
@@ -234,7 +234,7 @@ class CostModel:
             return cm.dp_collective_seconds(L)
         gather, _, red, _ = dp_times(self, L, *self._rank_plan(L, 0))
         if L.zero == 3:
-            gather *= L.pp_microbatches * (2 if self.wl.reshard_after_forward else 1)
+            gather *= gather_rounds(L, self.wl) * (2 if self.wl.reshard_after_forward else 1)
         return gather + red
 
     # ------------------------------------------------------------------ the step

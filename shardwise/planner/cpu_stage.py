@@ -63,7 +63,8 @@ from __future__ import annotations
 from shardwise.planner import comm_model
 from shardwise.planner.cpu_pipeline import contended_pipeline
 from shardwise.planner.memory import unit_state
-from shardwise.planner.pipeline import rounded, simulated_microbatches, stage_costs
+from shardwise.planner.pipeline import (gather_rounds, rounded, simulated_microbatches,
+                                        stage_costs)
 from shardwise.planner.recompute import layer_ac
 
 __all__ = ["cpu_pricable", "layer_kernels", "head_kernels", "optimizer_seconds",
@@ -184,7 +185,7 @@ def engine_calls(cm, L, layers, first: bool, last: bool) -> int:
                                               first, last)
         return len(comm_model.stage0_buckets(sizes))
     n, root = len(units), int(bool(states and states[0].n_params))
-    gathers = n if L.zero < 3 else L.pp_microbatches * (
+    gathers = n if L.zero < 3 else gather_rounds(L, cm.wl) * (
         n + (n - root if cm.wl.reshard_after_forward else 0))
     return gathers + n * (2 if L.dp_replicate > 1 else 1)
 
@@ -323,7 +324,7 @@ def cpu_step(cm, L, breakdown: dict[str, float], layers, first: bool, last: bool
     """
     hw, wl = cm.hw, cm.wl
     world = L.dp_shard * L.cp
-    gathers = L.pp_microbatches * (2 if wl.reshard_after_forward else 1) if L.zero == 3 else 1
+    gathers = gather_rounds(L, wl) * (2 if wl.reshard_after_forward else 1) if L.zero == 3 else 1
 
     def copies(lay, f: bool, la: bool) -> float:
         return engine_copy_seconds(hw, _rank_units(cm, L, lay, f, la), world, L.zero, gathers,

@@ -36,6 +36,7 @@ from __future__ import annotations
 from shardwise.planner import comm_model
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import unit_state
+from shardwise.planner.pipeline import gather_rounds
 from shardwise.planner.stage_cost import RankTimes
 from shardwise.quant import packed_nbytes
 
@@ -109,9 +110,10 @@ def dp_exposed(cm, L: Layout, rt: RankTimes, layers, first: bool, last: bool,
     gathers once per step (twice when it reshards after forward), behind the first
     micro-batch's compute, since nothing reshards between micro-batches."""
     gather, first_g, red, last_r = dp_times(cm, L, layers, first, last)
+    rounds = gather_rounds(L, cm.wl)
     if cm.wl.dp_sync_after_backward:
-        return _gathers(cm, L, rt, gather, first_g, 1)[1] + red
-    total_gather, hidden = _gathers(cm, L, rt, gather, first_g, L.pp_microbatches)
+        return _gathers(cm, L, rt, gather, first_g, rounds)[1] + red
+    total_gather, hidden = _gathers(cm, L, rt, gather, first_g, rounds)
     if not (cm.wl.overlap_dp and overlap):
         return total_gather + red
     return hidden + max(0.0, red - rt.bwd) + last_r
@@ -120,7 +122,8 @@ def dp_exposed(cm, L: Layout, rt: RankTimes, layers, first: bool, last: bool,
 def _gathers(cm, L: Layout, rt: RankTimes, gather: float, first_g: float, rounds: int
              ) -> tuple[float, float]:
     """(all the gathers' seconds, what of them compute leaves exposed) when stage 3
-    gathers ``rounds`` times a step (stages 1-2 once, behind the next forward)."""
+    gathers ``rounds`` times a step (``pipeline.gather_rounds``; stages 1-2 once, behind
+    the next forward)."""
     if L.zero == 3:
         per_round = (2 if cm.wl.reshard_after_forward else 1) * gather
         return rounds * per_round, rounds * max(0.0, per_round - rt.busy) + first_g
@@ -140,8 +143,7 @@ def dp_copy_seconds(cm, L: Layout, layers, first: bool, last: bool) -> float:
     rest = sum(count * unit_state(tuple(u), world).full_numel
                for u, count in (*dense.items(), *experts.items()) if u)
     if L.zero == 3:
-        rounds = 1 if wl.dp_sync_after_backward else L.pp_microbatches
-        gathers = rounds * (root_n + rest * (2 if wl.reshard_after_forward else 1))
+        gathers = gather_rounds(L, wl) * (root_n + rest * (2 if wl.reshard_after_forward else 1))
     else:
         gathers = root_n + rest
     reduce_bytes = _reduce_bytes(wl, L.zero)

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.parallel.pipeline import Costs, build_schedule, simulate
+from shardwise.parallel.pipeline.schedule import gather_rounds as stage_gather_rounds
 from shardwise.parallel.pipeline.schedules import schedule_spec
 
 __all__ = ["PipelineProfile", "schedule_profile", "min_microbatches", "stage_costs",
-           "placement", "simulated_microbatches", "rounded"]
+           "placement", "simulated_microbatches", "rounded", "gather_rounds"]
 
 
 @dataclass(frozen=True)
@@ -123,3 +124,17 @@ def rounded(stages: tuple) -> tuple:
     def r(x: float) -> float:
         return float(f"{x:.4g}")
     return tuple(tuple(r(x) for x in s) for s in stages)
+
+
+def gather_rounds(L, wl) -> int:
+    """How many times a step gathers a ZeRO-3 rank's parameters for its forwards (each unit
+    again for its backward when ``wl.reshard_after_forward``): once per step when the
+    stack keeps them gathered between micro-batches (``dp_sync_after_backward``), in a
+    pipeline the count of the schedule's engine actions ([Note: engine actions] in
+    shardwise/parallel/pipeline/schedule.py: the trainer keeps a stage gathered exactly
+    when it does not reshard after forward), else once per micro-batch."""
+    if wl.dp_sync_after_backward:
+        return 1
+    if L.pp > 1:
+        return stage_gather_rounds(not wl.reshard_after_forward, L.pp_microbatches)
+    return L.pp_microbatches

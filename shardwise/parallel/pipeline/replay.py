@@ -3,10 +3,11 @@
 The one model of execution shared by the validator (zero costs: does every rank finish?), the
 simulator (real costs: when does each action start and end?) and the planner (a cost callback
 per action, and ranks that slow each other while they compute at once). See [Note:
-communication semantics] in p2p.py: compute actions run one after another on their rank;
-consecutive communication actions are one batch, reached when the rank gets there; its sends
-are posted then and never waited for; its receives complete ``latency`` after their sends
-were posted, and the rank resumes when all of them have.
+communication semantics] in p2p.py: compute actions run one after another on their rank
+(the engine's actions take no time); consecutive communication actions are one batch,
+reached when the rank gets there; its sends are posted then and never waited for; its
+receives complete ``latency`` after their sends were posted, and the rank resumes when all
+of them have.
 
     times = replay(ranks, placement, cost)                    # every rank at its own speed
     step, busy = replay_shared(ranks, placement, cost, (1.0, 1.3))  # 2 ranks computing: 1.3x
@@ -104,8 +105,8 @@ def _advance(rank: int, state: list[_Rank], times, posted, placement, cost, late
     woken: set[int] = set()
     while me.pos < len(me.actions):
         action = me.actions[me.pos]
-        if action.is_compute:
-            end = me.now + cost(action)
+        if action.is_compute or action.is_engine:  # engine actions take no time
+            end = me.now + cost(action) if action.is_compute else me.now
             times[rank][me.pos] = (me.now, end)
             me.now = end
             me.pos += 1
@@ -157,6 +158,9 @@ def replay_shared(ranks: Sequence[Sequence[Action]], placement: Sequence[int],
             if action.is_compute:
                 work[r], me.now = float(cost(action)), now
                 return True
+            if action.is_engine:
+                me.pos, moved = me.pos + 1, True
+                continue
             end, sent_to, keys = _post_batch(me.actions, me.pos, posted, now, placement)
             moved = moved or bool(sent_to)
             if not all(key in posted for key in keys):
