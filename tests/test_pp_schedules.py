@@ -14,8 +14,8 @@ import pytest
 
 from shardwise.parallel import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind, Schedule,
                                 build_schedule, simulate, validate_schedule)
-from shardwise.parallel.pipeline.p2p import add_communication, steps
-from shardwise.parallel.pipeline.schedule import add_engine_actions, gather_rounds
+from shardwise.parallel.pipeline.messages import add_communication, steps
+from shardwise.parallel.pipeline.action_lists import add_engine_actions, gather_rounds
 
 
 def grid():

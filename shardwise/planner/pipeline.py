@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.parallel.pipeline import Costs, build_schedule, simulate
-from shardwise.parallel.pipeline.schedule import gather_rounds as stage_gather_rounds
+from shardwise.parallel.pipeline.action_lists import gather_rounds as stage_gather_rounds
 from shardwise.parallel.pipeline.schedules import schedule_spec
 
 __all__ = ["PipelineProfile", "schedule_profile", "min_microbatches", "stage_costs",
@@ -131,7 +131,7 @@ def gather_rounds(L, wl) -> int:
     again for its backward when ``wl.reshard_after_forward``): once per step when the
     stack keeps them gathered between micro-batches (``dp_sync_after_backward``), in a
     pipeline the count of the schedule's engine actions ([Note: engine actions] in
-    shardwise/parallel/pipeline/schedule.py: the trainer keeps a stage gathered exactly
+    shardwise/parallel/pipeline/action_lists.py: the trainer keeps a stage gathered exactly
     when it does not reshard after forward), else once per micro-batch."""
     if wl.dp_sync_after_backward:
         return 1

@@ -11,7 +11,7 @@ form is ``{stage}{KIND}{microbatch}``, the format ``torch.distributed.pipelining
     2SEND_B0   stage 2 sends the gradient of its input (micro-batch 0) to stage 1
     1RECV_B0   stage 1 receives the gradient of its output (micro-batch 0) from stage 2
     0UNSHARD0 / 0RESHARD7 / 0REDUCE_GRAD7   the data-parallel engine's actions on stage 0
-               ([Note: engine actions] in schedule.py), at micro-batch 0's forward and
+               ([Note: engine actions] in action_lists.py), at micro-batch 0's forward and
                micro-batch 7's backward
 
 Communication actions always carry the stage that owns the action's rank, so a SEND and its

@@ -8,9 +8,9 @@
     clip_grad_norm_(part, 1.0); optimizer.step(); optimizer.zero_grad()
 
 Each rank runs its own action list of the very schedule the simulator reads, step by step
-(``p2p.steps``): a compute action alone, a run of communication actions as one batch posted
+(``messages.steps``): a compute action alone, a run of communication actions as one batch posted
 together, sends eager and waited at the end of the step ([Note: communication semantics] in
-p2p.py, [Note: agreed shapes] in mailbox.py). The batch of ``B`` sequences is cut into the
+messages.py, [Note: agreed shapes] in mailbox.py). The batch of ``B`` sequences is cut into the
 schedule's ``microbatches`` equal micro-batches; the last stage's loss of each is divided by
 their number, so the step's gradients and loss are the whole batch's mean, as with pp 1.
 A stage with MoE layers adds the balance losses of each forward to that micro-batch's
@@ -19,7 +19,7 @@ loss.
 
 [Note: pipeline engine controls] The executor drives the ZeRO engine of each stage only
 through its per-micro-batch controls ([Note: per-micro-batch controls] in controls.py), at
-the engine actions of its training list ([Note: engine actions] in schedule.py):
+the engine actions of its training list ([Note: engine actions] in action_lists.py):
 
 * gradient sync is off from the start of the step; ``REDUCE_GRAD`` turns it on before the
   stage's last ``B`` or ``W``, so gradients are reduced once per step, after the last
@@ -57,8 +57,8 @@ from shardwise.distributed import comm, watchdog
 from shardwise.parallel.pipeline.actions import Action, Kind
 from shardwise.parallel.pipeline.mailbox import Mailbox
 from shardwise.parallel.pipeline.moe import stage_balance_roots
-from shardwise.parallel.pipeline.p2p import steps
-from shardwise.parallel.pipeline.schedule import Schedule, add_engine_actions
+from shardwise.parallel.pipeline.messages import steps
+from shardwise.parallel.pipeline.action_lists import Schedule, add_engine_actions
 from shardwise.parallel.checkpointing import checkpointed_blocks
 from shardwise.parallel.pipeline.split import PipelinePart, StageModule
 from shardwise.parallel.pipeline.split_backward import DeferredWeights, input_pass, weight_pass

@@ -3,7 +3,7 @@
 The one model of execution shared by the validator (zero costs: does every rank finish?), the
 simulator (real costs: when does each action start and end?) and the planner (a cost callback
 per action, and ranks that slow each other while they compute at once). See [Note:
-communication semantics] in p2p.py: compute actions run one after another on their rank
+communication semantics] in messages.py: compute actions run one after another on their rank
 (the engine's actions take no time); consecutive communication actions are one batch,
 reached when the rank gets there; its sends are posted then and never waited for; its
 receives complete ``latency`` after their sends were posted, and the rank resumes when all
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise.parallel.pipeline.actions import Action, Kind
-from shardwise.parallel.pipeline.p2p import batch_end, message_key, peer_rank
+from shardwise.parallel.pipeline.messages import batch_end, message_key, peer_rank
 
 __all__ = ["DeadlockError", "replay", "replay_shared"]
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardwise.parallel.pipeline import formulas, gen_classic, gen_dualpipe, gen_zero_bubble
-from shardwise.parallel.pipeline.schedule import Schedule, looped_placement, v_placement
+from shardwise.parallel.pipeline.action_lists import Schedule, looped_placement, v_placement
 
 __all__ = ["build_schedule", "SCHEDULE_NAMES", "ScheduleSpec", "schedule_spec",
            "expected_bubble", "default_microbatches", "TARGET_BUBBLE"]

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardwise.parallel.pipeline.actions import Action, Kind
-from shardwise.parallel.pipeline.p2p import add_communication
+from shardwise.parallel.pipeline.messages import add_communication
 from shardwise.parallel.pipeline.validate import validate_schedule
 
 __all__ = ["Schedule", "looped_placement", "v_placement", "add_engine_actions", "gather_rounds"]
