@@ -11,7 +11,7 @@ from shardwise.planner.calibrate import (StepMeasurement, calibrate, fit_alpha_b
                                          fit_matmul_curve)
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.fit import fit_constants, identified_directions
-from shardwise.planner.layout import Layout
+from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
 
 

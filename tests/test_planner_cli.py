@@ -130,7 +130,7 @@ def test_the_buildable_rules_are_the_trainers_refusals(layout, model, buildable,
     """[Note: buildable layouts]: the planner's rule and the trainer's own checks agree."""
     from shardwise.planner.buildable import not_buildable
     from shardwise.planner.catalogue import from_llama_config
-    from shardwise.planner.layout import Layout
+    from shardwise.planner.parallel_layout import Layout
     from shardwise.train import plan_layout
     from shardwise.train.config import load_config, resolve_world
     from shardwise.train.preflight import build_model_config

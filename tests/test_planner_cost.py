@@ -18,7 +18,7 @@ from shardwise.planner import comm_model, get_hardware, get_model_spec, planner_
 from shardwise.planner.catalogue import load_model_config
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.hardware import list_hardware, load_catalogue
-from shardwise.planner.layout import Layout, check_layout, parse_layout
+from shardwise.planner.parallel_layout import Layout, check_layout, parse_layout
 from shardwise.planner.pipeline import schedule_profile
 from shardwise.planner.work import layer_work, saved_bytes
 from shardwise.planner.workload import Workload

@@ -19,7 +19,7 @@ from shardwise.planner.catalogue import from_llama_config
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.cpu_costs import KERNELS, CpuCosts, Crowd, Fit, Kernel
 from shardwise.planner.cpu_stage import layer_kernels
-from shardwise.planner.layout import Layout
+from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
 
 

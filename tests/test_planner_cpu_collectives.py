@@ -12,7 +12,7 @@ import torch
 
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.cpu_costs import CpuCosts, Fit
-from shardwise.planner.layout import Layout
+from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
 from tests.test_planner_cpu import _estimate, _local
 

@@ -13,7 +13,7 @@ import pytest
 from shardwise.planner import comm_model, get_hardware, get_model_spec
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.dp_cost import dp_times
-from shardwise.planner.layout import Layout
+from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.recompute import check_selective, layer_ac, replayed_matmuls
 from shardwise.planner.stage_cost import StageCoster
 from shardwise.planner.work import layer_work

@@ -16,7 +16,7 @@ import shardwise
 from shardwise.models import TransformerBlock, build_model, get_model_config, list_model_configs
 from shardwise.planner import comm_model, get_model_spec
 from shardwise.planner.catalogue import from_llama_config
-from shardwise.planner.memory import state_bytes
+from shardwise.planner.rank_memory import state_bytes
 from shardwise.testing import run_ranks
 
 # Odd widths so that dim-0 sharding pads (rows not divisible by the world size).

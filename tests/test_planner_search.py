@@ -7,7 +7,7 @@ import time
 import pytest
 
 from shardwise.planner import get_hardware, get_model_spec
-from shardwise.planner.layout import Layout, check_layout
+from shardwise.planner.parallel_layout import Layout, check_layout
 from shardwise.planner.search import evaluate, in_search_space, search
 from shardwise.planner.workload import Workload
 

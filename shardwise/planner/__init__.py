@@ -12,7 +12,7 @@ from shardwise.planner.catalogue import (get_model_spec, list_models, load_model
                                          planner_only_models)
 from shardwise.planner.cost_model import CostModel, Estimate
 from shardwise.planner.hardware import Hardware, get_hardware, list_hardware
-from shardwise.planner.layout import Layout, check_layout, parse_layout
+from shardwise.planner.parallel_layout import Layout, check_layout, parse_layout
 from shardwise.planner.search import SearchResult, evaluate, search
 from shardwise.planner.spec import ModelSpec
 from shardwise.planner.workload import Workload

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from shardwise.distributed import comm_bytes
 from shardwise.planner.hardware import Hardware, Link
-from shardwise.planner.memory import TAG_BYTES, unit_state
+from shardwise.planner.rank_memory import TAG_BYTES, unit_state
 
 __all__ = ["Group", "place", "all_gather_time", "reduce_scatter_time", "all_reduce_time",
            "all_to_all_time", "dispatch_time", "p2p_time", "step_bytes", "stage0_buckets",

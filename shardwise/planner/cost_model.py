@@ -46,8 +46,8 @@ from shardwise.planner.cpu_stage import (cpu_step, optimizer_seconds, saturated,
                                          tp_collectives_per_layer)
 from shardwise.planner.dp_cost import dp_copy_seconds, dp_exposed, dp_times, shard_numel
 from shardwise.planner.engine_buffers import rank_transient
-from shardwise.planner.layout import Layout
-from shardwise.planner.memory import MemoryBreakdown, state_bytes
+from shardwise.planner.parallel_layout import Layout
+from shardwise.planner.rank_memory import MemoryBreakdown, state_bytes
 from shardwise.planner.pipeline import gather_rounds, schedule_profile
 from shardwise.planner.stage_cost import RankTimes, StageCoster, stage_layers
 from shardwise.planner.workload import Workload

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from shardwise.planner import comm_model
 from shardwise.planner.cpu_pipeline import contended_pipeline
-from shardwise.planner.memory import unit_state
+from shardwise.planner.rank_memory import unit_state
 from shardwise.planner.pipeline import (gather_rounds, rounded, simulated_microbatches,
                                         stage_costs)
 from shardwise.planner.recompute import layer_ac

@@ -34,8 +34,8 @@ micro-batch of 8192 tokens, fp32 reductions) it is 8.0 billion parameters x (2 g
 from __future__ import annotations
 
 from shardwise.planner import comm_model
-from shardwise.planner.layout import Layout
-from shardwise.planner.memory import unit_state
+from shardwise.planner.parallel_layout import Layout
+from shardwise.planner.rank_memory import unit_state
 from shardwise.planner.pipeline import gather_rounds
 from shardwise.planner.stage_cost import RankTimes
 from shardwise.quant import packed_nbytes

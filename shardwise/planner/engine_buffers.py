@@ -25,7 +25,7 @@ does. Buffer sizes are the engine's: ``build_layout`` (shard and gradient rows, 
 This is the engine's CPU path: pooled buffers go back to the pool as soon as their
 collective completes (``CommStreams.release``). On CUDA they are held until the side
 stream's next use, which this replay does not model, so GPU devices keep the per-unit
-formula of memory.py. ``tests/test_planner_engine_buffers.py`` checks the replay against
+formula of rank_memory.py. ``tests/test_planner_engine_buffers.py`` checks the replay against
 ``memory_report`` on real Gloo ranks.
 """
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner.memory import TAG_BYTES, unit_state
+from shardwise.planner.rank_memory import TAG_BYTES, unit_state
 from shardwise.shard.hooks import OrderedLauncher
 
 __all__ = ["UnitBuffers", "unit_buffers", "replay_peak", "shard_calls", "rank_transient",

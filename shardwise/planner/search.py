@@ -45,8 +45,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardwise.planner.cost_model import CostModel, Estimate
-from shardwise.planner.layout import Layout, check_layout
-from shardwise.planner.memory import state_bytes
+from shardwise.planner.parallel_layout import Layout, check_layout
+from shardwise.planner.rank_memory import state_bytes
 from shardwise.planner.pipeline import min_microbatches
 from shardwise.planner.stage_cost import stage_layers
 from shardwise.planner.workload import Workload

@@ -28,7 +28,7 @@ from importlib import resources
 from shardwise.planner.catalogue import get_model_spec
 from shardwise.planner.cost_model import Estimate
 from shardwise.planner.hardware import get_hardware
-from shardwise.planner.layout import Layout, parse_layout
+from shardwise.planner.parallel_layout import Layout, parse_layout
 from shardwise.planner.search import in_search_space, search
 from shardwise.planner.workload import Workload
 
