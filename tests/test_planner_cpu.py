@@ -17,8 +17,10 @@ from shardwise.models import build_model, get_model_config
 from shardwise.planner import get_hardware, get_model_spec
 from shardwise.planner.catalogue import from_llama_config
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.cpu_costs import KERNELS, CpuCosts, Crowd, Fit, Kernel
-from shardwise.planner.cpu_stage import layer_kernels
+from shardwise.planner.devices.cpu.costs import KERNELS, CpuCosts
+from shardwise.planner.devices.cpu.fits import Crowd, Fit, Kernel
+from shardwise.planner.devices.cpu.kernels import layer_kernels
+from shardwise.planner.devices.registry import device_model
 from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
 
@@ -70,8 +72,9 @@ def test_cpu_ranks_price_the_accumulation_as_the_calibrated_add():
     wl = Workload(seq_len=128, global_batch=16, compute_dtype="fp32")
     L = Layout(microbatch=4, pp_microbatches=4)
     layers = list(range(spec.n_layers))
-    on = StageCoster(spec, hw, wl).rank(L, layers, True, True)
-    off = StageCoster(spec, hw, replace(wl, autograd_accum=False)).rank(L, layers, True, True)
+    on = StageCoster(spec, device_model(hw), wl).rank(L, layers, True, True)
+    off = StageCoster(spec, device_model(hw), replace(wl, autograd_accum=False)).rank(
+        L, layers, True, True)
     shapes = [s for i in layers for s in spec.block_shapes(i)] + spec.root_shapes()
     adds = sum(1e-4 + 1e-9 * torch.Size(s).numel() for s in shapes)  # _costs' residual fit
     assert on.bwd - off.bwd == pytest.approx(adds * 3 / 4, rel=1e-9)
@@ -119,8 +122,8 @@ def test_pipeline_bubble_is_filled_by_time_sharing():
     wl = Workload(seq_len=128, global_batch=8, compute_dtype="fp32")
     cm = CostModel(get_model_spec("debug"), hw, wl)
     L = Layout(microbatch=4, **pipe)
-    busy = sum(2 * (rt.fwd + rt.bwd) + cm._optimizer(L, lay, *cm._rank_plan(L, r)[1:])[0]
-               for r, rt, lay in cm._all_ranks(L))
+    busy = sum(2 * (rt.fwd + rt.bwd) + cm.optimizer_seconds(L, lay, *cm.rank_plan(L, r)[1:])[0]
+               for r, rt, lay in cm.all_ranks(L))
     b = est.breakdown
     comm = b["pp_comm"] + b["dp_comm"] + b["tp_comm"]
     on_core = 0.5 * comm  # every group here has 2 ranks
@@ -201,7 +204,7 @@ def _crowded(hw, slow: float, cpu_fraction: float = 0.2, short: float | None = N
              gaps: tuple[float, float] = (1e-3, 4e-3)):
     """``hw`` with its 2-rank groups measured crowded in a 4-rank world: ``slow`` times
     their lone fits after ``gaps[1]`` seconds of compute, and ``short`` times after
-    ``gaps[0]`` if given ([Note: crowded collectives] in shardwise/planner/cpu_stage.py)."""
+    ``gaps[0]`` if given ([Note: crowded collectives] in shardwise/planner/devices/cpu/step.py)."""
     crowds = (_crowd(hw, slow, cpu_fraction, gaps[1]),)
     if short is not None:
         crowds = (_crowd(hw, short, cpu_fraction / 2, gaps[0]),) + crowds
@@ -306,8 +309,8 @@ def test_tensor_parallel_collectives_meet_the_crowd_at_their_own_gap():
     cm = CostModel(get_model_spec("debug"), base, Workload(seq_len=128, global_batch=8,
                                                            compute_dtype="fp32"))
     L = Layout(microbatch=4, **tp)
-    _, rt, layers = max(cm._sample_ranks(L), key=lambda x: x[1].busy)
-    gap = cm._tp_gap(L)
+    _, rt, layers = max(cm.sample_ranks(L), key=lambda x: x[1].busy)
+    gap = cm.tp_gap(L)
     assert gap == pytest.approx((rt.fwd + rt.bwd) / (10 * len(layers)))
     gaps = (2 * gap, 8 * gap)  # the layout's gap is below the short one
     short_lone = _estimate(_crowded(base, 20.0, short=1.0, gaps=gaps), **tp)
@@ -317,6 +320,6 @@ def test_tensor_parallel_collectives_meet_the_crowd_at_their_own_gap():
     assert both_slow.breakdown["tp_comm"] > 10 * lone.breakdown["tp_comm"]
     assert short_lone.breakdown["dp_comm"] == pytest.approx(both_slow.breakdown["dp_comm"])
     assert short_lone.breakdown["dp_comm"] > lone.breakdown["dp_comm"]
-    assert cm._tp_gap(Layout(microbatch=4, dp_shard=4, zero=3)) is None
+    assert cm.tp_gap(Layout(microbatch=4, dp_shard=4, zero=3)) is None
 
 

@@ -15,8 +15,9 @@ from shardwise.compat import tomllib
 from shardwise.planner import get_hardware, get_model_spec
 from shardwise.planner.calibrate import LocalMeasurements, write_calibration
 from shardwise.planner.cpu_bench import fit_collectives, fit_terms
-from shardwise.planner.cpu_costs import KERNELS, CpuCosts
-from shardwise.planner.cpu_fits import Fit
+from shardwise.planner.devices.cpu.costs import KERNELS, CpuCosts
+from shardwise.planner.devices.cpu.device import CpuDevice
+from shardwise.planner.devices.cpu.fits import Fit
 from shardwise.planner.stage_cost import StageCoster
 from shardwise.planner.workload import Workload
 from tests.test_planner_cpu import _costs
@@ -259,8 +260,8 @@ def test_two_composition_factors_come_from_blocks_of_different_kernel_shares(tmp
     assert (quiet.compose, quiet.kernel_compose) == pytest.approx((0.95, 1.1), rel=1e-3)
 
     wl = Workload(seq_len=128, global_batch=4, compute_dtype="fp32")
-    coster = StageCoster(get_model_spec("debug"), hw, wl)
-    gemm, kf, kb = coster.cpu_parts(False, 1, False, 4)
+    coster = StageCoster(get_model_spec("debug"), CpuDevice(hw), wl)
+    gemm, kf, kb = coster.device.layer_parts(coster.spec, wl, 1, False, 4)
     t = coster.layer(False, 1, 1, False, 1, 4, "none")
     assert (t.fwd, t.bwd, t.wgrad) == pytest.approx(
         (1.05 * gemm + 1.3 * kf, 2.1 * gemm + 1.3 * kb, 1.05 * gemm), rel=1e-6)

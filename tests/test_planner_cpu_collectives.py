@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.cpu_costs import CpuCosts, Fit
+from shardwise.planner.devices.cpu.costs import CpuCosts
+from shardwise.planner.devices.cpu.fits import Fit
 from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
 from tests.test_planner_cpu import _estimate, _local
@@ -81,20 +82,22 @@ def step_calls():
 
 @pytest.mark.parametrize("sp", [True, False])
 def test_tensor_parallel_collectives_are_the_trainers(sp, step_calls):
-    """With every collective costing 1 s, the CPU path's tensor-parallel seconds of a step
-    are the number of collectives apply_tp issues (comm_stats), sequence parallel or not."""
-    from shardwise.planner.cpu_stage import (tp_collectives_per_layer, tp_head_collectives,
-                                             tp_head_comm, tp_layer_comm)
+    """The one list of what tensor parallelism sends (sends.py) is what apply_tp issues
+    (comm_stats), sequence parallel or not: counted, and priced by the CPU device with
+    every collective costing 1 s."""
+    from shardwise.planner.devices.cpu.device import CpuDevice
+    from shardwise.planner.sends import tp_calls_per_layer, tp_edge_calls
 
     calls = step_calls["tp sp" if sp else "tp"]
     got = sum(n for k, n in calls.items() if k not in ("stats", "clip_grad_norm"))
     ones = {k: {2: Fit(1.0, 0.0)} for k in ("all_gather", "reduce_scatter", "all_reduce")}
-    hw = _local(2).replace(cpu=CpuCosts({}, Fit(0.0, 0.0), ones))
-    predicted = 2 * tp_layer_comm(hw, 32, 256, 4, 2, sp, False) + tp_head_comm(
-        hw, 32, 256, 4, 2, sp, True, True) + (1 if sp else 0)  # + the norms' gradients
+    dev = CpuDevice(_local(2).replace(cpu=CpuCosts({}, Fit(0.0, 0.0), ones)))
+    wl = Workload(seq_len=16, global_batch=2, compute_dtype="fp32")
+    predicted = 2 * dev.tp_seconds(wl, 32, 256, 2, sp, "none", 0.0, 0.0) + \
+        dev.tp_edge_seconds(wl, 32, 256, 2, sp, True, True) + (1 if sp else 0)  # + norms
     assert predicted == got, calls
     # the count collective_overhead is charged on ([Note: collectives between operators])
-    counted = 2 * tp_collectives_per_layer(sp, False) + tp_head_collectives(sp, True, True)
+    counted = 2 * tp_calls_per_layer(sp, False) + tp_edge_calls(sp, True, True)
     assert counted + (1 if sp else 0) == got
 
 
@@ -104,15 +107,16 @@ def test_engine_calls_are_the_engines_gathers_and_reductions(stage, step_calls):
     stage 0 its bucketed all-reduces, stages 1-2 a gather and a reduce-scatter per unit,
     stage 3 the root gathered once and every block twice; counted by comm_stats."""
     from shardwise.planner.catalogue import from_llama_config
-    from shardwise.planner.cpu_stage import engine_calls
+    from shardwise.planner.sends import engine_calls
     from shardwise.train.preflight import build_model_config
 
     calls = step_calls[f"stage {stage}"]
     got = sum(calls.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce"))
     spec = from_llama_config(build_model_config(_config({})), "debug-2")
-    cm = CostModel(spec, _local(2), Workload(seq_len=16, global_batch=4, compute_dtype="fp32"))
-    assert engine_calls(cm, Layout(dp_shard=2, zero=stage, microbatch=2), [0, 1], True,
-                        True) == got, calls
+    wl = Workload(seq_len=16, global_batch=4, compute_dtype="fp32")
+    L = Layout(dp_shard=2, zero=stage, microbatch=2)
+    units = CostModel(spec, _local(2), wl).rank_units(L, [0, 1], True, True)
+    assert engine_calls(spec, wl, L, units, [0, 1], True, True) == got, calls
 
 
 def test_pipeline_sends_are_the_schedules(step_calls):

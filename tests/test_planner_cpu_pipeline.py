@@ -1,5 +1,5 @@
 """A pipeline on CPU cores that slow each other only while they compute at once ([Note:
-contention follows the schedule] in shardwise/planner/cpu_pipeline.py): the replay against
+contention follows the schedule] in shardwise/planner/devices/cpu/pipeline.py): the replay against
 hand-worked processor sharing, and the cost model pricing a 2-rank pipeline with it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from shardwise.planner.cpu_pipeline import contended_pipeline
+from shardwise.planner.devices.cpu.pipeline import contended_pipeline
 from shardwise.planner.pipeline import stage_costs
 from tests.test_planner_cpu import _estimate, _local
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import shardwise
 from shardwise.models import TransformerBlock, build_model, get_model_config
 from shardwise.planner.catalogue import from_llama_config
-from shardwise.planner.engine_buffers import (MAX_INFLIGHT, replay_peak, shard_calls,
+from shardwise.planner.devices.cpu.engine_buffers import (MAX_INFLIGHT, replay_peak, shard_calls,
                                               unit_buffers)
 from shardwise.shard.hooks import OrderedLauncher
 from shardwise.testing import run_ranks

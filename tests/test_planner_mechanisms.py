@@ -12,6 +12,7 @@ import pytest
 
 from shardwise.planner import comm_model, get_hardware, get_model_spec
 from shardwise.planner.cost_model import CostModel
+from shardwise.planner.devices.registry import device_model
 from shardwise.planner.dp_cost import dp_times
 from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.recompute import check_selective, layer_ac, replayed_matmuls
@@ -25,7 +26,7 @@ LLAMA70 = get_model_spec("llama3-70b")
 
 
 def _layer(wl: Workload, spec=LLAMA70, tp=8, sp=True, ac="full", mb=2):
-    return StageCoster(spec, H100, wl).layer(False, tp, 1, sp, 1, mb, ac)
+    return StageCoster(spec, device_model(H100), wl).layer(False, tp, 1, sp, 1, mb, ac)
 
 
 def test_sequence_parallel_moves_the_bytes_of_two_all_reduces():
@@ -107,7 +108,7 @@ def test_gradient_sync_after_the_last_backward_is_exposed():
     backward (behind no compute) and keeps parameters gathered between micro-batches."""
     cm, L = _pp_fsdp()
     after, L2 = _pp_fsdp(dp_sync_after_backward=True)
-    plan = cm._rank_plan(L, 0)
+    plan = cm.rank_plan(L, 0)
     gather, _, red, _ = dp_times(cm, L, *plan)
     overlapped = cm.estimate(L).breakdown["dp_comm"]
     exposed = after.estimate(L2).breakdown["dp_comm"]
@@ -141,9 +142,9 @@ def test_gradient_accumulation_outside_the_multiplies_lengthens_every_slot():
                     attention="unfused", overlap_dp=False, overlap_pp=False)
     acc = dataclasses.replace(base, grad_accum_bytes=6)
     cm0, cm6 = CostModel(spec, a100, base), CostModel(spec, a100, acc)
-    layers, first, last = cm0._rank_plan(L, 0)
-    r0 = StageCoster(spec, a100, base).rank(L, layers, first, last)
-    r6 = StageCoster(spec, a100, acc).rank(L, layers, first, last)
+    layers, first, last = cm0.rank_plan(L, 0)
+    r0 = StageCoster(spec, device_model(a100), base).rank(L, layers, first, last)
+    r6 = StageCoster(spec, device_model(a100), acc).rank(L, layers, first, last)
     params = 3 * 12 * spec.dim ** 2 / 8  # three GPT blocks' weights over tp 8 ...
     params += spec.vocab_size * spec.dim / 8 + 2048 * spec.dim  # ... and the embeddings
     extra = a100.memory_time(6 * params)
@@ -173,8 +174,8 @@ def test_autograd_accumulation_is_shardwise_default_and_skips_the_first_micro_ba
 
     def extra(w, m: int, **kw) -> float:
         L = Layout(dp_shard=8, microbatch=1, pp_microbatches=m, **kw)
-        got = StageCoster(spec, h100, w).rank(L, layers, True, True)
-        bare = StageCoster(spec, h100, off).rank(L, layers, True, True)
+        got = StageCoster(spec, device_model(h100), w).rank(L, layers, True, True)
+        bare = StageCoster(spec, device_model(h100), off).rank(L, layers, True, True)
         assert got.wgrad - bare.wgrad == pytest.approx(got.bwd - bare.bwd)
         return got.bwd - bare.bwd
 
@@ -186,8 +187,8 @@ def test_autograd_accumulation_is_shardwise_default_and_skips_the_first_micro_ba
     fp32 = dataclasses.replace(wl, compute_dtype="fp32")
     fp32_off = dataclasses.replace(fp32, autograd_accum=False)
     L = Layout(dp_shard=8, microbatch=1, pp_microbatches=4)
-    got = StageCoster(spec, h100, fp32).rank(L, layers, True, True).bwd
-    bare = StageCoster(spec, h100, fp32_off).rank(L, layers, True, True).bwd
+    got = StageCoster(spec, device_model(h100), fp32).rank(L, layers, True, True).bwd
+    bare = StageCoster(spec, device_model(h100), fp32_off).rank(L, layers, True, True).bwd
     assert got - bare == pytest.approx(h100.memory_time(12 * params * 3 / 4), rel=1e-6)
     assert extra(wl, 1) == extra(own, 1) == 0.0
     # The search's cached ranks know the count: more micro-batches, more accumulation.
@@ -215,7 +216,7 @@ def test_engine_copies_around_gathers_and_reductions_on_gpus():
     for the blocks, once for the root) and packs the gradients into the fp32 reduction
     buffer once a step, at the memory bandwidth; stacks without copies and stage 0 pay
     nothing ([Note: the engine's copies on GPUs])."""
-    from shardwise.planner.dp_cost import dp_copy_seconds
+    from shardwise.planner.devices.gpu import dp_copy_seconds
 
     spec, a100 = get_model_spec("llama3-8b"), get_hardware("a100-80gb")
     wl = Workload(seq_len=8192, global_batch=64, reduce_fp32=True)
@@ -283,7 +284,7 @@ def test_zero1_all_reduce_reduces_whole_gradients():
                pp_schedule="1f1b", ac="full", sp=False)
     rs, ar = CostModel(bloom, a100, base), \
         CostModel(bloom, a100, dataclasses.replace(base, zero1_all_reduce=True))
-    plan = rs._rank_plan(L, 5)  # six blocks, no embedding
+    plan = rs.rank_plan(L, 5)  # six blocks, no embedding
     g_rs, _, red_rs, _ = dp_times(rs, L, *plan)
     g_ar, _, red_ar, _ = dp_times(ar, L, *plan)
     grp = comm_model.place(8, 4, a100.gpus_per_node)

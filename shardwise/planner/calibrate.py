@@ -41,7 +41,7 @@ from shardwise.distributed import comm_bytes
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.cpu_bench import LINEAR_SHAPES, measure_cpu, measure_linear
 from shardwise.planner.cpu_blocks import composed_costs
-from shardwise.planner.cpu_costs import CpuCosts
+from shardwise.planner.devices.cpu.costs import CpuCosts
 from shardwise.planner.fit import fit_constants, fit_directions, identified_directions, log_error
 from shardwise.planner.hardware import get_hardware
 from shardwise.planner.timing import best_time, kernel_clock, run_local_ranks
@@ -55,7 +55,7 @@ _FITTABLE = {"matmul_max": (0.05, 1.5), "memory_efficiency": (0.05, 1.5),
 """Constants :func:`calibrate` fits, with their bounds. ``cpu_busy`` is a CPU device's
 slowdown with every core computing (``CpuCosts.busy`` at ``cores``): the one constant of
 ``local`` that one-rank steps cannot see, and the least steady of its calibration
-([Note: undisturbed steps] in cpu_costs.py)."""
+([Note: undisturbed steps] in devices/cpu/costs.py)."""
 
 
 def constant(hw, name: str) -> float:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from shardwise.planner.cpu_blocks import (block_work, measure_blocks, measure_tp_blocks,
                                           median_blocks)
-from shardwise.planner.cpu_costs import CpuCosts
-from shardwise.planner.cpu_fits import Crowd, Fit, Kernel, fit_terms
+from shardwise.planner.devices.cpu.costs import CpuCosts
+from shardwise.planner.devices.cpu.fits import Crowd, Fit, Kernel, fit_terms
 from shardwise.planner.cpu_gloo import (cpu_fractions, fit_collectives, gap_seconds,
                                         measure_gloo)
 from shardwise.planner.timing import best_time, median_time

@@ -68,9 +68,10 @@ from shardwise.models import TransformerBlock, build_model, get_model_config
 from shardwise.models.layers import rope_tables
 from shardwise.parallel.tensor import apply_tp
 from shardwise.planner.catalogue import from_llama_config
-from shardwise.planner.cpu_costs import CpuCosts
-from shardwise.planner.cpu_fits import fit_terms
-from shardwise.planner.cpu_stage import tp_collectives_per_layer
+from shardwise.planner.devices.cpu.costs import CpuCosts
+from shardwise.planner.devices.cpu.device import CpuDevice
+from shardwise.planner.devices.cpu.fits import fit_terms
+from shardwise.planner.sends import tp_calls_per_layer
 from shardwise.planner.stage_cost import StageCoster
 from shardwise.planner.timing import run_local_ranks
 from shardwise.planner.workload import Workload
@@ -206,18 +207,19 @@ def median_blocks(passes) -> tuple[tuple[int, int, int, float, float], ...]:
 
 
 # ---------------------------------------------------------------------- pricing and fits
-def _coster(hw, dim: int, heads: int, kv_heads: int) -> StageCoster:
+def _block(dim: int, heads: int, kv_heads: int):
+    """(ModelSpec, Workload) of one calibration block."""
     batch, seq = BLOCK_TOKENS
     spec = from_llama_config(block_config(dim, heads, kv_heads), f"block-{dim}")
-    wl = Workload(seq_len=seq, global_batch=batch, compute_dtype="fp32", param_dtype="fp32")
-    return StageCoster(spec, hw, wl)
+    return spec, Workload(seq_len=seq, global_batch=batch, compute_dtype="fp32",
+                          param_dtype="fp32")
 
 
 def priced_block_parts(hw, dim: int, heads: int, kv_heads: int) -> tuple[float, float]:
     """(multiplies, other kernels) seconds of one calibration block's forward and backward
     as the cost model prices them on ``hw`` with no composition factor."""
-    coster = _coster(hw, dim, heads, kv_heads)
-    gemm, kf, kb = coster.cpu_parts(False, 1, False, BLOCK_TOKENS[0])
+    spec, wl = _block(dim, heads, kv_heads)
+    gemm, kf, kb = CpuDevice(hw).layer_parts(spec, wl, 1, False, BLOCK_TOKENS[0])
     return 3 * gemm, kf + kb
 
 
@@ -232,7 +234,8 @@ def priced_tp_block_seconds(hw, dim: int, heads: int, kv_heads: int) -> float:
     ranks on
     its own core runs it: the compute slowed by the cores' contention, plus the
     collectives' fits."""
-    t = _coster(hw, dim, heads, kv_heads).layer(False, 2, 1, True, 1, BLOCK_TOKENS[0], "none")
+    spec, wl = _block(dim, heads, kv_heads)
+    t = StageCoster(spec, CpuDevice(hw), wl).layer(False, 2, 1, True, 1, BLOCK_TOKENS[0], "none")
     slow = hw.cpu.contention(2, hw.cores or 2)
     return slow * (t.fwd + t.bwd) + t.tp_comm
 
@@ -265,7 +268,7 @@ def collective_overhead_of(hw, tp_blocks, fastest: bool = False) -> float:
     tensor-parallel pairs]); 0 with no blocks."""
     if not tp_blocks:
         return 0.0
-    calls = tp_collectives_per_layer(True, False)
+    calls = tp_calls_per_layer(True, False)
     extra = [(b[4] if fastest and len(b) > 4 else b[3]) - priced_tp_block_seconds(hw, *b[:3])
              for b in tp_blocks]
     return max(0.0, statistics.fmean(extra) / calls)

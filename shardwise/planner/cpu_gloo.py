@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from shardwise.planner.cpu_costs import Fit, fit_terms
+from shardwise.planner.devices.cpu.fits import Fit, fit_terms
 from shardwise.planner.timing import run_local_ranks
 
 __all__ = ["measure_gloo", "gap_seconds", "fit_collectives", "cpu_fractions"]

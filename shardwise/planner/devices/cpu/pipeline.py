@@ -15,7 +15,7 @@ communication semantics: ``shardwise.parallel.pipeline.replay.replay_shared``) a
 sharing: from one event to the next (an action starting or ending), each of the ``n``
 pipeline ranks computing works at ``1 / slowdown[n - 1]`` of its lone speed. Ranks that
 each keep a core are priced this way; ranks beyond the cores are time-shared and priced by
-``cpu_stage.time_shared`` instead. Messages are free here: the cost model adds the sends.
+``step.time_shared`` instead. Messages are free here: the cost model adds the sends.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from shardwise.planner.cpu_fits import Crowd, Fit, Kernel, fit_terms
+from shardwise.planner.devices.cpu.fits import Crowd, Fit, Kernel, fit_terms
 
 __all__ = ["Fit", "Kernel", "Crowd", "CpuCosts", "KERNELS", "COLLECTIVES", "fit_terms"]
 
@@ -115,7 +115,7 @@ class CpuCosts:
     comm_cpu: dict[int, float] = field(default_factory=dict)
     """Measured: group size -> the fraction of a collective's seconds its callers spend on
     a core (process CPU time over wall time, median over kinds and payloads); the rest is
-    waiting ([Note: CPU ranks share the cores] in cpu_stage.py). Empty: not measured (0)."""
+    waiting ([Note: CPU ranks share the cores] in step.py). Empty: not measured (0)."""
     busy_best: dict[int, float] = field(default_factory=dict)
     """Measured: ``busy`` from the fastest calls instead of the median ones, the slowdown
     of :meth:`undisturbed` (empty: not measured, ``busy`` stands in)."""
@@ -151,7 +151,7 @@ class CpuCosts:
 
     def in_world(self, ranks: int, cores: int, gap_s: float | None = None) -> "CpuCosts":
         """These costs as a job of ``ranks`` ranks on ``cores`` cores meets its
-        collectives ([Note: crowded collectives] in cpu_stage.py): beyond the cores, the
+        collectives ([Note: crowded collectives] in step.py): beyond the cores, the
         group sizes measured crowded in the nearest measured world (the larger on a tie)
         replace their lone fits and CPU fractions, interpolated between the measured gaps
         at ``gap_s``, the compute between the job's collectives (None: the longest
