@@ -10,7 +10,7 @@ from shardwise.planner import get_hardware, get_model_spec
 from shardwise.planner.calibrate import (StepMeasurement, calibrate, fit_alpha_beta,
                                          fit_matmul_curve)
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.fit import fit_constants, identified_directions
+from shardwise.planner.calibrate.fit import fit_constants, identified_directions
 from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
 

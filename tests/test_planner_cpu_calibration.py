@@ -14,7 +14,7 @@ import torch
 from shardwise.compat import tomllib
 from shardwise.planner import get_hardware, get_model_spec
 from shardwise.planner.calibrate import LocalMeasurements, write_calibration
-from shardwise.planner.cpu_bench import fit_collectives, fit_terms
+from shardwise.planner.calibrate.kernels import fit_collectives, fit_terms
 from shardwise.planner.devices.cpu.costs import KERNELS, CpuCosts
 from shardwise.planner.devices.cpu.device import CpuDevice
 from shardwise.planner.devices.cpu.fits import Fit
@@ -62,7 +62,7 @@ def test_composed_blocks_are_priced_from_the_fits(tmp_path):
     mean of measured over priced seconds; the file reads back the same."""
     from dataclasses import replace
 
-    from shardwise.planner.cpu_blocks import compose_factors, priced_block_seconds
+    from shardwise.planner.calibrate.blocks import compose_factors, priced_block_seconds
 
     coll = {2: [(k, b, 1e-4 + b / 1e9) for k in ("all_reduce", "all_gather")
                 for b in (4096, 1 << 20)]}
@@ -120,7 +120,7 @@ def test_gloo_micro_benchmark_runs_every_collective_on_real_ranks():
     """``--calibrate``'s collective rows come from live Gloo ranks through the engine's own
     calls (all four kinds, both payloads, a positive time each, the CPU time beside it) and
     fit per group size."""
-    from shardwise.planner.cpu_gloo import cpu_fractions, measure_gloo
+    from shardwise.planner.calibrate.gloo import cpu_fractions, measure_gloo
 
     rows = measure_gloo(2, [4096, 65536], calls=3, timeout_s=120)
     assert sorted({(k, b) for k, b, _, _ in rows}) == sorted(
@@ -138,7 +138,7 @@ def test_gloo_micro_benchmark_runs_every_collective_on_real_ranks():
 def test_measure_blocks_times_the_calibration_blocks():
     """The composed blocks run for real (shardwise.models' block, forward and backward, one
     thread) and come back as (dim, heads, kv_heads, seconds) rows the pricing reads."""
-    from shardwise.planner.cpu_blocks import BLOCKS, measure_blocks
+    from shardwise.planner.calibrate.blocks import BLOCKS, measure_blocks
 
     threads = torch.get_num_threads()
     rows = measure_blocks(seconds=0.01)
@@ -151,7 +151,7 @@ def test_measure_blocks_times_the_calibration_blocks():
 def test_contention_ratios_run_the_block_on_every_core():
     """Both slowdowns come back per process count, never below 1 (the lone process's
     median and fastest calls are the references), and a lone process asks for nothing."""
-    from shardwise.planner.cpu_bench import contention_ratios, measure_contention
+    from shardwise.planner.calibrate.kernels import contention_ratios, measure_contention
 
     median, fastest = contention_ratios([1, 2], seconds=0.05)
     assert set(median) == set(fastest) == {2}
@@ -162,7 +162,7 @@ def test_contention_ratios_run_the_block_on_every_core():
 def test_median_blocks_takes_each_blocks_median_over_passes():
     """The composed blocks are timed in three passes across the calibration; one fast (or
     slow) pass does not decide a block's seconds."""
-    from shardwise.planner.cpu_blocks import median_blocks
+    from shardwise.planner.calibrate.blocks import median_blocks
 
     passes = [((384, 6, 3, 0.09, 0.08), (640, 10, 5, 0.187, 0.180)),
               ((384, 6, 3, 0.10, 0.07), (640, 10, 5, 0.240, 0.175)),
@@ -177,7 +177,7 @@ def test_calibration_measures_the_crowd_only_beyond_the_cores(monkeypatch):
     """measure_cpu times each smaller group of a world beyond the cores, all groups at
     once, at both gaps (the kernels and blocks faked: only the collectives' wiring is
     under test)."""
-    from shardwise.planner import cpu_bench
+    from shardwise.planner.calibrate import kernels as cpu_bench
 
     launched = []
 
@@ -212,7 +212,7 @@ def test_gloo_micro_benchmark_runs_groups_inside_a_larger_world():
     """Two 2-rank groups of a 4-rank world run the same collectives at once, through the
     engine's calls on their own groups; a group that does not divide the world is refused
     by value before any rank starts."""
-    from shardwise.planner.cpu_gloo import measure_gloo
+    from shardwise.planner.calibrate.gloo import measure_gloo
 
     rows = measure_gloo(4, [4096], calls=3, timeout_s=120, group=2)
     assert sorted(k for k, *_ in rows) == ["all_gather", "all_reduce", "reduce_scatter",
@@ -244,7 +244,7 @@ def test_two_composition_factors_come_from_blocks_of_different_kernel_shares(tmp
     tell the multiplies' factor from the kernels'; the layers are priced with each on its
     own part; blocks that cannot tell them apart, or a fit outside 0.5-4 times, give one
     factor."""
-    from shardwise.planner.cpu_blocks import BLOCKS, compose_factors, priced_block_parts
+    from shardwise.planner.calibrate.blocks import BLOCKS, compose_factors, priced_block_parts
 
     _, plain = _plain(tmp_path)
     parts = [priced_block_parts(plain, *b) for b in BLOCKS]
@@ -286,7 +286,7 @@ def test_collective_overhead_is_what_the_pairs_take_beyond_their_price(tmp_path)
     """[Note: tensor-parallel pairs]: the 2-rank blocks' seconds beyond their price, per
     tensor-parallel collective (10 a layer), median and fastest calls apart; never below
     0; written, read back and checked by value."""
-    from shardwise.planner.cpu_blocks import TP_BLOCKS, priced_tp_block_seconds
+    from shardwise.planner.calibrate.blocks import TP_BLOCKS, priced_tp_block_seconds
 
     _, hw = _plain(tmp_path)
     priced = [priced_tp_block_seconds(hw, *b) for b in TP_BLOCKS]
@@ -320,8 +320,8 @@ def test_repredict_recomputes_the_factors_from_the_stored_blocks(tmp_path):
     import dataclasses
 
     from bench.planner_bench import _recomposed
-    from shardwise.planner.cpu_blocks import BLOCKS, TP_BLOCKS, priced_block_parts
-    from shardwise.planner.cpu_blocks import priced_tp_block_seconds
+    from shardwise.planner.calibrate.blocks import BLOCKS, TP_BLOCKS, priced_block_parts
+    from shardwise.planner.calibrate.blocks import priced_tp_block_seconds
 
     _, plain = _plain(tmp_path)
     parts = [priced_block_parts(plain, *b) for b in BLOCKS]
@@ -345,7 +345,7 @@ def test_repredict_recomputes_the_factors_from_the_stored_blocks(tmp_path):
 def test_measure_tp_blocks_runs_sequence_parallel_pairs_on_two_ranks():
     """The tensor-parallel blocks run for real: apply_tp's sequence-parallel block on 2
     Gloo ranks, forward and backward, (dim, heads, kv_heads, median, fastest) rows."""
-    from shardwise.planner.cpu_blocks import TP_BLOCKS, measure_tp_blocks
+    from shardwise.planner.calibrate.blocks import TP_BLOCKS, measure_tp_blocks
 
     rows = measure_tp_blocks(seconds=0.01)
     assert [r[:3] for r in rows] == [tuple(b) for b in TP_BLOCKS]
@@ -356,7 +356,7 @@ def test_measure_tp_blocks_runs_sequence_parallel_pairs_on_two_ranks():
 def test_calibration_times_tp_pairs_only_when_ranks_keep_a_core(monkeypatch):
     """measure_cpu times the tensor-parallel pairs in each of its three block passes (the
     median of the passes kept) when there are 2 cores for them, and not on one core."""
-    from shardwise.planner import cpu_bench
+    from shardwise.planner.calibrate import kernels as cpu_bench
 
     passes = iter([0.3, 0.1, 0.2])
     calls = []

@@ -1,7 +1,7 @@
 """The collectives a CPU rank's step meets between a block's operators, counted against
 the trainer's own (comm_stats of real 2-rank steps: tensor parallelism, the engine's
 stages 0-3, a pipeline), and ``collective_overhead`` charged on each ([Note: collectives
-between operators] in shardwise/planner/cpu_blocks.py)."""
+between operators] in shardwise/planner/calibrate/blocks.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ multiplies' FLOP/s. So ``--calibrate`` times each kernel the trainer's Llama blo
 forward and forward + backward with autograd, exactly as shardwise.models calls it
 (``RMSNorm``, ``apply_rotary``, ``repeat_kv``, SiLU-gated product, residual add,
 ``scaled_dot_product_attention``, the embedding, the fp32 cross-entropy) at a few sizes,
-and fits ``seconds = latency + per_unit * size`` per kernel and pass (cpu_bench.py). The
+and fits ``seconds = latency + per_unit * size`` per kernel and pass (calibrate/kernels.py). The
 size is elements, except attention (its executed forward FLOPs, work.py's
 ``attn_exec_flops``, plus a ``softmax`` term per causal score: fitted jointly over head
 widths, as a narrow head spends more of its time in the softmax), the embedding's
@@ -26,7 +26,7 @@ subtracted. The optimizer update (the
 engine's foreach norm, the clip and ``torch.optim.AdamW.step`` over per-parameter
 tensors) is fitted per tensor and per element. Matrix multiplies keep the device's
 efficiency curve (hardware.py), fitted on ``F.linear`` forward and backward at linear
-shapes (``cpu_bench.measure_linear``), as the trainer multiplies.
+shapes (``calibrate.kernels.measure_linear``), as the trainer multiplies.
 
 Collectives are timed per kind as the engine issues them on Gloo (all-gather into a flat
 buffer, the reduce-scatter as an all-to-all plus a local sum, all-reduce, a send/receive
@@ -46,10 +46,10 @@ passes, prices the same blocks from the fits, and stores their ratio as ``compos
 trainer's layers and head are priced at ``compose`` times their parts. Where the blocks
 tell the multiplies from the other kernels (their mixes of the two differ enough), the
 two get factors of their own, ``compose`` and ``compose_kernels`` ([Note: two
-composition factors] in cpu_blocks.py); otherwise one factor, the geometric mean of the
+composition factors] in calibrate/blocks.py); otherwise one factor, the geometric mean of the
 blocks' ratios. The same blocks split 2 ways over tensor-parallel ranks give
 ``collective_overhead``, charged on every collective ([Note: tensor-parallel pairs] and
-[Note: collectives between operators] in cpu_blocks.py). Measured here: 0.98-1.29
+[Note: collectives between operators] in calibrate/blocks.py). Measured here: 0.98-1.29
 on single blocks across runs minutes apart, the median call 5-30% above the fastest; one
 pass of two seconds made the whole calibration (the width-640 block at 0.187 s in one
 calibration, 0.232-0.249 s in four passes minutes later: compose 1.01 against 1.15, every

@@ -1,5 +1,5 @@
 """Micro-benchmarks of what a CPU rank runs, for ``--calibrate`` ([Note: CPU kernels] in
-cpu_costs.py): the trainer's eager kernels, its optimizer update and the engine's Gloo
+devices/cpu/costs.py): the trainer's eager kernels, its optimizer update and the engine's Gloo
 collectives, each timed at a few sizes and fitted.
 
     costs = measure_cpu(ranks=4)   # -> CpuCosts, about 20 s on 2 cores
@@ -7,8 +7,8 @@ collectives, each timed at a few sizes and fitted.
 Kernels are timed on one thread (what a training rank runs), each the least CPU time of
 this thread over several calls (``time.thread_time``: the time slices other processes take
 on a shared machine are not counted, and the minimum filters out their cache pollution).
-The engine's collectives are measured by cpu_gloo.py, the composed blocks (whole and
-tensor-parallel) by cpu_blocks.py.
+The engine's collectives are measured by gloo.py, the composed blocks (whole and
+tensor-parallel) by blocks.py.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from shardwise.planner.cpu_blocks import (block_work, measure_blocks, measure_tp_blocks,
+from shardwise.planner.calibrate.blocks import (block_work, measure_blocks, measure_tp_blocks,
                                           median_blocks)
 from shardwise.planner.devices.cpu.costs import CpuCosts
 from shardwise.planner.devices.cpu.fits import Crowd, Fit, Kernel, fit_terms
-from shardwise.planner.cpu_gloo import (cpu_fractions, fit_collectives, gap_seconds,
+from shardwise.planner.calibrate.gloo import (cpu_fractions, fit_collectives, gap_seconds,
                                         measure_gloo)
-from shardwise.planner.timing import best_time, median_time
+from shardwise.planner.calibrate.timing import best_time, median_time
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
            "measure_contention", "contention_ratios", "measure_linear", "fit_terms",
@@ -198,9 +198,9 @@ def measure_optimizer(quick: bool = False) -> Fit:
 
 
 CROWD_GAPS = (1, 3)
-"""The compute before each crowded call, in ``cpu_gloo._multiplies`` units: about 1.4 ms
+"""The compute before each crowded call, in ``gloo._multiplies`` units: about 1.4 ms
 (a tensor-parallel collective's, ten to a layer) and 4 ms (a layer's, between a unit's
-gathers and reductions) here ([Note: crowded collectives] in cpu_stage.py)."""
+gathers and reductions) here ([Note: crowded collectives] in devices/cpu/step.py)."""
 
 def _contention_worker(barrier, queue, seconds: float) -> None:
     barrier.wait()
@@ -227,7 +227,7 @@ def contention_ratios(counts: list[int], seconds: float = 2.0
 
     Returns the ratios of the median calls and of the fastest calls (the slowest
     process's fastest call over the lone process's: [Note: undisturbed steps] in
-    cpu_costs.py; the median calls measured 1.00-1.39 across calibrations, as a
+    devices/cpu/costs.py; the median calls measured 1.00-1.39 across calibrations, as a
     neighbour slowed one measurement or the other)."""
     ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
     ks = sorted({k for k in counts if k > 1})
@@ -254,7 +254,7 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     """Kernels and update on one thread, the slowdown with every core busy, then the
     collectives on 2 and ``ranks`` ranks, and with more ranks than ``cores`` those of
     each smaller group of the ``ranks`` after each gap of ``CROWD_GAPS`` ([Note: crowded
-    collectives] in cpu_stage.py)."""
+    collectives] in devices/cpu/step.py)."""
     block_s = 0.2 if quick else 1.0
     pair = cores >= 2  # [Note: tensor-parallel pairs]: 2 ranks that keep a core each
 
@@ -275,7 +275,7 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     rows = {w: measure_gloo(w, sizes, calls=calls) for w in sorted({2, ranks})}
     crowded = {}
     groups = [g for g in range(2, ranks) if ranks % g == 0]
-    if cores and ranks > cores and groups:  # [Note: crowded collectives] in cpu_stage.py
+    if cores and ranks > cores and groups:  # [Note: crowded collectives] in devices/cpu/step.py
         crowds = []
         for mult in CROWD_GAPS:
             sub = {g: measure_gloo(ranks, sizes, calls=calls, group=g, multiplies=mult)

@@ -1,5 +1,5 @@
 """Composed blocks: whole Llama blocks timed as the trainer runs them, and the factors the
-cost model prices a CPU rank's layers with ([Note: composed blocks] in cpu_costs.py).
+cost model prices a CPU rank's layers with ([Note: composed blocks] in devices/cpu/costs.py).
 
     blocks = median_blocks([measure_blocks(1.0) for _ in range(3)])   # one thread
     pairs = median_blocks([measure_tp_blocks(1.0) for _ in range(3)])  # 2 Gloo ranks
@@ -41,11 +41,11 @@ tensor-parallel charge alone, debug x2 at stages 1-3 ran 5-25 ms a step above it
 prediction beyond the stage-0 row (runs 19-21 of bench/planner_bench.py), about 1 ms for
 each of the 10 (stages 1-2) or 14 (stage 3) gathers and reductions the engine issued. So
 the cost model charges ``collective_overhead`` on every collective of a step
-(``cpu_stage.collective_overhead_seconds``): each tensor-parallel one, each of the engine's
-(``cpu_stage.engine_calls``, counted as comm_stats counts them) and each pipeline send or
+(``devices.cpu.step.collective_overhead_seconds``): each tensor-parallel one, each of the engine's
+(``sends.engine_calls``, counted as comm_stats counts them) and each pipeline send or
 receive, while the ranks keep a core each; beyond the cores the crowded collectives,
 measured amid the other ranks at the tensor-parallel and the layer gap, price what a call
-meets instead ([Note: crowded collectives] in cpu_stage.py). Re-predicted from their own
+meets instead ([Note: crowded collectives] in devices/cpu/step.py). Re-predicted from their own
 calibrations, runs 19-21's 2-rank data-parallel rows moved from -15% to -2% (the debug
 model's stages 0-3, each run's worst round) to -9% to +2%.
 """
@@ -73,7 +73,7 @@ from shardwise.planner.devices.cpu.device import CpuDevice
 from shardwise.planner.devices.cpu.fits import fit_terms
 from shardwise.planner.sends import tp_calls_per_layer
 from shardwise.planner.stage_cost import StageCoster
-from shardwise.planner.timing import run_local_ranks
+from shardwise.planner.calibrate.timing import run_local_ranks
 from shardwise.planner.workload import Workload
 
 __all__ = ["BLOCKS", "TP_BLOCKS", "BLOCK_TOKENS", "CONTENTION_BLOCK", "block_config",
@@ -89,7 +89,7 @@ TP_BLOCKS = ((384, 6, 2), (640, 10, 2))
 """(dim, heads, kv_heads) of the 2-way tensor-parallel blocks ([Note: tensor-parallel
 pairs]): key/value heads divisible by 2."""
 CONTENTION_BLOCK = (384, 6, 3)
-"""The block ``cpu_bench.contention_ratios`` runs on every core."""
+"""The block ``kernels.contention_ratios`` runs on every core."""
 BLOCK_TOKENS = (4, 128)
 """(sequences, sequence length) each block runs on."""
 _MIN_MIX_SPREAD = 2.0
@@ -279,7 +279,7 @@ def composed_costs(plain, cpu: CpuCosts) -> CpuCosts:
     fits, no factors): ``compose`` and ``compose_kernels`` from ``blocks``, then
     ``collective_overhead`` from ``tp_blocks`` priced with those; each also from the
     fastest calls
-    ([Note: undisturbed steps] in cpu_costs.py)."""
+    ([Note: undisturbed steps] in devices/cpu/costs.py)."""
     compose, kernels = compose_factors(plain, cpu.blocks)
     best, kernels_best = compose_factors(plain, cpu.blocks, fastest=True)
     out = dataclasses.replace(cpu, compose=compose, compose_kernels=kernels,

@@ -1,5 +1,5 @@
 """The engine's Gloo collectives on CPU ranks, met as the trainer meets them, for
-``--calibrate`` ([Note: CPU kernels] in cpu_costs.py).
+``--calibrate`` ([Note: CPU kernels] in devices/cpu/costs.py).
 
     rows = measure_gloo(2, [4096, 1 << 20])   # (kind, payload bytes, seconds, CPU seconds)
     fits = fit_collectives({2: rows})         # kind -> group size -> Fit
@@ -22,7 +22,7 @@ time slices).
 
 Beyond the cores, ``group`` measures groups smaller than the world with every group
 running at once, and ``multiplies`` sets the compute before each call ([Note: crowded
-collectives] in cpu_stage.py).
+collectives] in devices/cpu/step.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 import torch
 
 from shardwise.planner.devices.cpu.fits import Fit, fit_terms
-from shardwise.planner.timing import run_local_ranks
+from shardwise.planner.calibrate.timing import run_local_ranks
 
 __all__ = ["measure_gloo", "gap_seconds", "fit_collectives", "cpu_fractions"]
 
@@ -149,12 +149,12 @@ def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float
     Gloo ranks, each met after a few milliseconds of compute (see the module docstring;
     payload: the gathered shard, the reduced shard, the all-reduced tensor, one message
     each way). CPU seconds: the process time a rank spends per call, its own thread's and
-    Gloo's ([Note: CPU ranks share the cores] in cpu_stage.py).
+    Gloo's ([Note: CPU ranks share the cores] in devices/cpu/step.py).
 
     Args:
         group: the ranks of each collective (None: all ``world``): the world splits into
             ``world / group`` groups of consecutive ranks, each running the same calls at
-            the same time ([Note: crowded collectives] in cpu_stage.py).
+            the same time ([Note: crowded collectives] in devices/cpu/step.py).
         multiplies: the compute before each call, in :func:`_multiplies` units (3: about
             4 ms here; :func:`gap_seconds` times it).
 
