@@ -22,14 +22,14 @@ communication batch as soon as the current batch is done (``prepost``), before t
 actions between them, so the data crosses while this rank computes and the batch, when
 reached, only waits. Without it, a message sent while its receiver computes crosses only
 after the receiver posts the receive (Gloo's sender and receiver meet in their transport
-threads, which on a busy CPU costs a few milliseconds per message: measured 1-5 ms at pp 2
-on 2 cores against 0.7 ms for a ping between idle ranks). The simulator already assumes
-this: a receive completes ``latency`` after its send was posted. Receives are still posted
-in list order, so each link stays in order; a batch whose buffers need a shape message is
-posted when reached. NCCL posts receives when reached: its sends and receives between two
-ranks share one communicator and stream, where a receive posted early holds back this
-rank's later sends on that link until it completes (some schedules would deadlock), and its
-waits do not block the host anyway (the compute stream waits on the communication stream).
+threads, which on a busy CPU costs milliseconds per message, several times a ping between
+idle ranks). The simulator already assumes this: a receive completes ``latency`` after its
+send was posted. Receives are still posted in list order, so each link stays in order; a
+batch whose buffers need a shape message is posted when reached. NCCL posts receives when
+reached: its sends and receives between two ranks share one communicator and stream, where
+a receive posted early holds back this rank's later sends on that link until it completes
+(some schedules would deadlock), and its waits do not block the host anyway (the compute
+stream waits on the communication stream).
 """
 
 from __future__ import annotations

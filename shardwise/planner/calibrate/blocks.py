@@ -9,45 +9,33 @@ cost model prices a CPU rank's layers with ([Note: composed blocks] in devices/c
 SwiGLU, attention, the loss) are timed alone at their fastest, on operands the previous
 call left in the caches; in a block each runs after a multiply that evicted them. So they
 compose worse than the multiplies, and a narrow block, where they are a larger share,
-runs further above its parts: measured on one EPYC core (2026-12-05), blocks of widths
-192, 256, 320, 384, 512 and 640 took 1.14, 1.09, 1.06, 1.05, 1.04 and 1.05 times their
-priced parts, the kernels being 28% of the 192 block's parts and 9% of the 640's. One
-factor fitted on 384 and 640 priced the debug model's 256-wide block 4-5% fast. Fitted
-as two factors, ``seconds = compose * multiplies + compose_kernels * kernels`` (1.03 and
-1.25 there), on blocks 192, 384 and 640, the 256 and 512 blocks (the registry's widths,
-not fitted) priced within 1.5%. The two are told apart only when the blocks' ratios of
-kernels to multiplies differ at least twofold (0.39 against 0.10 here), and kept only
-when the kernels' factor lies within 0.5-4 times the multiplies'; otherwise the blocks
-give one factor (their geometric mean), as before.
+runs further above its parts; one factor fitted on wide blocks prices a narrow one fast.
+Fitted as two factors, ``seconds = compose * multiplies + compose_kernels * kernels``, on
+blocks of different mixes, they price the registry's widths (not fitted) well (the
+figures: docs/planner.md). The two are told apart only when the blocks' ratios of kernels
+to multiplies differ at least twofold, and kept only when the kernels' factor lies within
+0.5-4 times the multiplies'; otherwise the blocks give one factor (their geometric mean).
 
 [Note: tensor-parallel pairs] A tensor-parallel layer meets its peer ten times a micro-batch
 (sequence parallelism's gathers and reduce-scatters, both ways, and the weight gradients'
 regather), each time after a few milliseconds of a block's operators: the peer's jitter is
 waited for at every meeting, and sequence parallelism's concatenations and copies run
 around each. The collectives' fits (timed after a fixed multiply on every rank) and the
-kernels' fits miss both: on 2 ranks, a 2-way tensor-parallel block took 10-22 ms more per
-layer than its priced parts at widths 256-640 (1.06-1.40 times them, three runs each),
-and the trainer's 2-rank tensor-parallel steps came out 10-12% further below their
-prediction than the data-parallel steps of the same model. So ``--calibrate`` runs
-sequence-parallel blocks on 2 Gloo ranks (each on its own core, as the trainer's ranks),
-and the seconds they take beyond their priced parts, per tensor-parallel collective, are
-``collective_overhead`` (0.9-1.3 ms on the median calls in three calibrations, 0.07-0.27
-ms on the fastest).
+kernels' fits miss both, so a tensor-parallel block takes longer than its priced parts.
+``--calibrate`` therefore runs sequence-parallel blocks on 2 Gloo ranks (each on its own
+core, as the trainer's ranks), and the seconds they take beyond their priced parts, per
+tensor-parallel collective, are ``collective_overhead``.
 
 [Note: collectives between operators] The engine's gathers and reductions and the
 pipeline's sends are met the same way: issued and waited for from hooks between a block's
-operators, on ranks whose peers jitter. Their excess is the same size: with the
-tensor-parallel charge alone, debug x2 at stages 1-3 ran 5-25 ms a step above its
-prediction beyond the stage-0 row (runs 19-21 of bench/planner_bench.py), about 1 ms for
-each of the 10 (stages 1-2) or 14 (stage 3) gathers and reductions the engine issued. So
-the cost model charges ``collective_overhead`` on every collective of a step
-(``devices.cpu.step.collective_overhead_seconds``): each tensor-parallel one, each of the engine's
-(``sends.engine_calls``, counted as comm_stats counts them) and each pipeline send or
-receive, while the ranks keep a core each; beyond the cores the crowded collectives,
-measured amid the other ranks at the tensor-parallel and the layer gap, price what a call
-meets instead ([Note: crowded collectives] in devices/cpu/step.py). Re-predicted from their own
-calibrations, runs 19-21's 2-rank data-parallel rows moved from -15% to -2% (the debug
-model's stages 0-3, each run's worst round) to -9% to +2%.
+operators, on ranks whose peers jitter, and their excess is the same size. So the cost
+model charges ``collective_overhead`` on every collective of a step
+(``devices.cpu.step.collective_overhead_seconds``): each tensor-parallel one, each of the
+engine's (``sends.engine_calls``, counted as comm_stats counts them) and each pipeline
+send or receive, while the ranks keep a core each; beyond the cores the crowded
+collectives, measured amid the other ranks at the tensor-parallel and the layer gap, price
+what a call meets instead ([Note: crowded collectives] in devices/cpu/step.py). What it
+was worth on the committed bench: bench/results/planner_bench.md.
 """
 
 from __future__ import annotations
@@ -82,9 +70,9 @@ __all__ = ["BLOCKS", "TP_BLOCKS", "BLOCK_TOKENS", "CONTENTION_BLOCK", "block_con
            "compose_factors", "collective_overhead_of", "composed_costs"]
 
 BLOCKS = ((192, 6, 3), (384, 6, 3), (640, 10, 5))
-"""(dim, heads, kv_heads) of the blocks [Note: composed blocks] times: kernels at about
-0.39, 0.17 and 0.10 of their multiplies' seconds ([Note: two composition factors]); none is a
-registry model's width."""
+"""(dim, heads, kv_heads) of the blocks [Note: composed blocks] times: mixes of kernels and
+multiplies far enough apart to tell two factors ([Note: two composition factors]); none is
+a registry model's width."""
 TP_BLOCKS = ((384, 6, 2), (640, 10, 2))
 """(dim, heads, kv_heads) of the 2-way tensor-parallel blocks ([Note: tensor-parallel
 pairs]): key/value heads divisible by 2."""

@@ -10,15 +10,12 @@ Collectives run on real Gloo ranks through the engine's own calls
 milliseconds, then calls the collective, timed from the call to its return, averaged over
 the calls and the ranks. That is what a collective adds to a step on saturated cores: its
 latency and copies, and the wait for a peer still computing (with two ranks the mean wait
-is half the mean difference of their compute times, what the slower one costs the step);
-measured here at 2 ranks: 1.8-3.9 ms for all-gathers of 4 KB-1 MB that take 0.6-1.9 ms
-back to back. Under time-sharing (more ranks than cores) the slices the others take are
-part of it too. The process CPU time of each call is measured beside it: the part of a
-collective that occupies a core (the copies, the reduction, Gloo's threads), which
-time-shared ranks compete for; the rest is waiting, during which another rank can run.
-Measured here: a median of 0.5 of the seconds at 2 ranks (0.33-0.68 over kinds and
-payloads), 0.25 at 4 ranks on 2 cores (0.12-0.35: most of it is waiting for the peers'
-time slices).
+is half the mean difference of their compute times, what the slower one costs the step),
+well above the same collective back to back. Under time-sharing (more ranks than cores)
+the slices the others take are part of it too. The process CPU time of each call is
+measured beside it: the part of a collective that occupies a core (the copies, the
+reduction, Gloo's threads), which time-shared ranks compete for; the rest is waiting,
+during which another rank can run (most of it, once ranks outnumber the cores).
 
 Beyond the cores, ``group`` measures groups smaller than the world with every group
 running at once, and ``multiplies`` sets the compute before each call ([Note: crowded
@@ -39,8 +36,9 @@ __all__ = ["measure_gloo", "gap_seconds", "fit_collectives", "cpu_fractions"]
 
 
 def _multiplies(count: int):
-    """The compute between two calls: ``count`` multiplies of about 1.4 ms each on one
-    thread here, as a layer's work (or a tenth of it) comes between two collectives."""
+    """The compute between two calls: ``count`` multiplies of a 256 x 256 by a 256 x 1024
+    matrix on one thread, as a layer's work (or a tenth of it) comes between two
+    collectives (:func:`gap_seconds` times them)."""
     a, b = torch.randn(256, 256), torch.randn(256, 1024)
 
     def compute() -> None:
@@ -155,8 +153,8 @@ def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float
         group: the ranks of each collective (None: all ``world``): the world splits into
             ``world / group`` groups of consecutive ranks, each running the same calls at
             the same time ([Note: crowded collectives] in devices/cpu/step.py).
-        multiplies: the compute before each call, in :func:`_multiplies` units (3: about
-            4 ms here; :func:`gap_seconds` times it).
+        multiplies: the compute before each call, in :func:`_multiplies` units
+            (:func:`gap_seconds` times it).
 
     Raises:
         ValueError: ``group`` not a divisor of ``world`` of at least 2.

@@ -6,9 +6,7 @@ tensor-parallel step computes on every rank at once from its first kernel to its
 the slowdown applies to all of its compute. A pipeline does not: in a 2-stage 1F1B step of
 2 micro-batches with a backward twice its forward, both ranks compute at once for 3 of the 9
 forward-lengths of the step, and one rank computes alone (at the lone core's speed) for the
-other 6. Slowing the whole step by ``busy`` over-predicted both 2-rank pipeline rows of the
-committed bench (run 7: +16% to +30% median, +12% to +20% fastest, with ``busy`` 1.39),
-while the data-parallel rows beside them were over-predicted by that run's ``busy`` alone.
+other 6: slowing the whole step by ``busy`` over-predicts a pipeline.
 
 So the pipeline is replayed (the executor's own schedule, under the executor's
 communication semantics: ``shardwise.parallel.pipeline.replay.replay_shared``) as processor
