@@ -66,7 +66,7 @@ def test_moe_layouts_use_expert_parallelism():
 @pytest.mark.parametrize("run", ["megatron21-1.7b", "korthikanti22-175b-full",
                                  "torchtitan-a100-70b-full"])
 def test_published_layout_in_space_and_choice_at_least_as_fast(run):
-    from shardwise.planner.validate import hardware_of, load_runs, predict, workload_of
+    from shardwise.planner.validate.runs import hardware_of, load_runs, predict, workload_of
     r = next(x for x in load_runs() if x.id == run)
     est, _ = predict(r)
     spec, hw, wl = get_model_spec(r.model), hardware_of(r), workload_of(r)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.planner.validate import STACK_FITS, fit_families, fit_stack
+from shardwise.planner.validate.fit_runs import STACK_FITS, fit_families, fit_stack
 from shardwise.planner.hardware import get_hardware
-from shardwise.planner.validate import hardware_of, load_runs, predict
+from shardwise.planner.validate.runs import hardware_of, load_runs, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "bench" / "results" / "planner_validation.md"

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-__all__ = ["reference_bubble", "one_pass_bubble", "looped_bubble", "zb1_bubble", "zbv_bubble",
+__all__ = ["reference_bubble", "one_pass_bubble", "looped_bubble", "zero_bubble",
            "dualpipev_bubble"]
 
 
@@ -62,16 +62,11 @@ def looped_bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float
     return (p - 1) * (f + b) / v
 
 
-def zb1_bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
-    """ZB-H1's bubble seconds: the input-gradient pass ``i = b - w`` fills it."""
+def zero_bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
+    """ZB-H1's bubble seconds (the input-gradient pass ``i = b - w`` fills it), halved by
+    ZB-V's two stages per rank."""
     i = b - w
-    return (p - 1) * max(f, i, f + i - w)
-
-
-def zbv_bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:
-    """ZB-V's bubble seconds: ZB-H1's halved by the V of two stages per rank."""
-    i = b - w
-    return (p - 1) * max(f, i, f + i - w) / 2
+    return (p - 1) * max(f, i, f + i - w) / v
 
 
 def dualpipev_bubble(p: int, v: int, m: int, f: float, b: float, w: float) -> float:

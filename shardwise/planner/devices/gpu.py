@@ -141,11 +141,9 @@ class GpuDevice:
         docstring): the backward's, and each forward pass's beyond what AsyncTP hides."""
         act = tokens * dim * wl.act_bytes
         grp = comm_model.place(tp, 1, self.hw.gpus_per_node)
-        price = {"all_gather": lambda: self.all_gather(act / tp, grp),
-                 "reduce_scatter": lambda: self.reduce_scatter(act / tp, grp),
-                 "all_reduce": lambda: self.all_reduce(act, grp)}
-        priced = {kind: price[kind]() for kind in
-                  {c.kind for calls in tp_region(sp).values() for c in calls}}
+        priced = {"all_gather": self.all_gather(act / tp, grp),
+                  "reduce_scatter": self.reduce_scatter(act / tp, grp),
+                  "all_reduce": self.all_reduce(act, grp)}
 
         def seconds(calls) -> tuple[float, float]:
             """(what a pass of ``calls`` costs, the part of it that is not reduce-scatters)."""

@@ -88,23 +88,23 @@ class CpuDevice:
         return optimizer_seconds(self.hw, units, world)
 
     # ------------------------------------------------------------------ communication
-    def all_gather(self, shard_bytes: float, g) -> float:
+    def _measured(self, kind: str, g, nbytes: float, fallback) -> float:
+        """The calibration's fit for ``kind`` on ``g``, else ``fallback()``."""
         if g.size <= 1:
             return 0.0
-        t = self.hw.cpu.collective("all_gather", g.size, shard_bytes)
-        return self.roofline.all_gather(shard_bytes, g) if t is None else t
+        t = self.hw.cpu.collective(kind, g.size, nbytes)
+        return fallback() if t is None else t
+
+    def all_gather(self, shard_bytes: float, g) -> float:
+        return self._measured("all_gather", g, shard_bytes,
+                              lambda: self.roofline.all_gather(shard_bytes, g))
 
     def reduce_scatter(self, shard_bytes: float, g) -> float:
-        if g.size <= 1:
-            return 0.0
-        t = self.hw.cpu.collective("reduce_scatter", g.size, shard_bytes)
-        return self.all_gather(shard_bytes, g) if t is None else t
+        return self._measured("reduce_scatter", g, shard_bytes,
+                              lambda: self.all_gather(shard_bytes, g))
 
     def all_reduce(self, nbytes: float, g) -> float:
-        if g.size <= 1:
-            return 0.0
-        t = self.hw.cpu.collective("all_reduce", g.size, nbytes)
-        return self.roofline.all_reduce(nbytes, g) if t is None else t
+        return self._measured("all_reduce", g, nbytes, lambda: self.roofline.all_reduce(nbytes, g))
 
     def dispatch(self, token_bytes: float, tokens: float, top_k: int, g,
                  node_limit: int = 0) -> float:
