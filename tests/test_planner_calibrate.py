@@ -13,6 +13,7 @@ from shardwise.planner.cost_model import CostModel
 from shardwise.planner.calibrate.fit import fit_constants, identified_directions
 from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
+from tests.planner_helpers import local_cpu
 
 
 def _measure(hw, cases):
@@ -124,9 +125,8 @@ def test_calibrate_fits_the_cores_contention_from_a_two_rank_step():
     fastest calls' slowdown moves by the same ratio."""
     import dataclasses
 
-    from tests.test_planner_cpu import _local
 
-    base = _local(2)
+    base = local_cpu(2)
     start = base.replace(cpu=dataclasses.replace(base.cpu, busy={2: 1.0}, busy_best={2: 1.1}))
     truth = start.replace(matmul_max=start.matmul_max * 0.9,
                           cpu=dataclasses.replace(start.cpu, busy={2: 1.3}))

@@ -9,11 +9,11 @@ import re
 import pytest
 
 from shardwise.train.cli import main
+from tests.planner_helpers import RECORD_KEYS
 
 JOB = ["plan", "--model", "llama3-8b", "--hardware", "h100", "--gpus", "16", "--seq-len",
        "8192", "--global-batch", "64"]
-KEYS = {"layout", "step_time_s", "tokens_per_s_per_gpu", "mfu", "hfu", "memory_per_gpu_gib",
-        "fits", "bottleneck", "buildable", "not_buildable_reason"}
+KEYS = RECORD_KEYS | {"buildable", "not_buildable_reason"}
 
 
 def test_table(capsys):

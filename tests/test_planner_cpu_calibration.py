@@ -20,7 +20,7 @@ from shardwise.planner.devices.cpu.device import CpuDevice
 from shardwise.planner.devices.cpu.fits import Fit
 from shardwise.planner.stage_cost import StageCoster
 from shardwise.planner.workload import Workload
-from tests.test_planner_cpu import _costs
+from tests.planner_helpers import cpu_costs
 
 
 def test_fit_terms_recovers_latency_and_slope():
@@ -38,7 +38,7 @@ def test_fit_terms_recovers_latency_and_slope():
 def test_calibration_file_round_trip(tmp_path):
     """The kernels, update and collectives written by --calibrate are what `local` reads,
     with the machine's cores and Gloo."""
-    costs = _costs()
+    costs = cpu_costs()
     coll = {2: [("all_reduce", b, 1e-4 + b / 1e9) for b in (4096, 1 << 20)]
             + [("all_gather", b, 1e-4 + b / 1e9) for b in (4096, 1 << 20)]}
     meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 4,
@@ -67,7 +67,7 @@ def test_composed_blocks_are_priced_from_the_fits(tmp_path):
     coll = {2: [(k, b, 1e-4 + b / 1e9) for k in ("all_reduce", "all_gather")
                 for b in (4096, 1 << 20)]}
     meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 2,
-                             2.0 ** 34, 2, _costs())
+                             2.0 ** 34, 2, cpu_costs())
     plain = get_hardware("local", calibration=write_calibration(meas, tmp_path / "a.toml"))
     priced = [priced_block_seconds(plain, d, h, kv) for d, h, kv in ((384, 6, 3), (640, 10, 5))]
     assert priced[1] > priced[0] > 0
@@ -105,13 +105,13 @@ def test_collective_cpu_fraction_round_trips_and_is_checked():
     refused by name."""
     import dataclasses
 
-    costs = dataclasses.replace(_costs(), comm_cpu={2: 0.5, 4: 0.25})
+    costs = dataclasses.replace(cpu_costs(), comm_cpu={2: 0.5, 4: 0.25})
     table = tomllib.loads("\n".join(costs.toml_lines("x")))["x"]["cpu"]
     again = CpuCosts.from_table(table)
     assert again.comm_cpu == pytest.approx({2: 0.5, 4: 0.25})
     assert [again.comm_cpu_fraction(w) for w in (1, 2, 3, 4, 8)] == pytest.approx(
         [0.0, 0.5, 0.25, 0.25, 0.25])
-    assert _costs().comm_cpu_fraction(2) == 0.0
+    assert cpu_costs().comm_cpu_fraction(2) == 0.0
     with pytest.raises(ValueError, match=r"comm_cpu\.2 = 1.5"):
         CpuCosts.from_table({**table, "comm_cpu": {"2": 1.5}})
 
@@ -191,7 +191,7 @@ def test_calibration_measures_the_crowd_only_beyond_the_cores(monkeypatch):
     monkeypatch.setattr(cpu_bench, "gap_seconds", lambda mult: mult * 1.5e-3)
     monkeypatch.setattr(cpu_bench, "measure_blocks", lambda seconds: ((384, 6, 3, 0.1, 0.09),))
     monkeypatch.setattr(cpu_bench, "measure_tp_blocks", lambda seconds: ((384, 6, 2, 0.1, 0.09),))
-    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: _costs().kernels)
+    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: cpu_costs().kernels)
     monkeypatch.setattr(cpu_bench, "measure_optimizer", lambda quick: Fit(1e-5, 1e-9))
     monkeypatch.setattr(cpu_bench, "contention_ratios", lambda counts, seconds: (
         {2: 1.1}, {2: 1.05}))
@@ -235,7 +235,7 @@ def _plain(tmp_path, name: str = "plain.toml", **cpu):
     coll = {2: [(k, b, 1e-4 + b / 1e9) for k in ("all_reduce", "all_gather")
                 for b in (4096, 1 << 20)]}
     meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 2,
-                             2.0 ** 34, 2, replace(_costs(), **cpu))
+                             2.0 ** 34, 2, replace(cpu_costs(), **cpu))
     return meas, get_hardware("local", calibration=write_calibration(meas, tmp_path / name))
 
 
@@ -371,7 +371,7 @@ def test_calibration_times_tp_pairs_only_when_ranks_keep_a_core(monkeypatch):
         (k, b, 1e-3 + b * 1e-9, 0.5e-3) for b in sizes
         for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")])
     monkeypatch.setattr(cpu_bench, "measure_blocks", lambda seconds: ((384, 6, 3, 0.1, 0.09),))
-    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: _costs().kernels)
+    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: cpu_costs().kernels)
     monkeypatch.setattr(cpu_bench, "measure_optimizer", lambda quick: Fit(1e-5, 1e-9))
     monkeypatch.setattr(cpu_bench, "contention_ratios", lambda counts, seconds: ({}, {}))
     two = cpu_bench.measure_cpu(2, quick=True, cores=2)

@@ -19,6 +19,7 @@ from shardwise.planner.recompute import check_selective, layer_ac, replayed_matm
 from shardwise.planner.stage_cost import StageCoster
 from shardwise.planner.work import layer_work
 from shardwise.planner.workload import Workload, parse_workload
+from tests.planner_helpers import train_config
 
 H100 = get_hardware("h100")
 LLAMA8 = get_model_spec("llama3-8b")
@@ -204,9 +205,8 @@ def test_the_trainer_prices_its_own_accumulation():
     (autograd's add, in the run's compute dtype)."""
     from shardwise.models.registry import get_model_config
     from shardwise.train import plan_layout
-    from shardwise.train.config import load_config, resolve_world
 
-    cfg = resolve_world(load_config(None, {"model.name": "debug", "train.grad_accum": "4"}), 2)
+    cfg = train_config(2, **{"model.name": "debug", "train.grad_accum": "4"})
     _, _, wl = plan_layout.planner_inputs(cfg, get_model_config("debug"), get_hardware("h100"))
     assert wl.autograd_accum and wl.grad_accum_bytes == 0
 
