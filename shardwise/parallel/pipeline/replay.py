@@ -145,13 +145,9 @@ def replay_shared(ranks: Sequence[Sequence[Action]], placement: Sequence[int],
     """
     state = [_Rank(list(actions)) for actions in ranks]
     work: list[float | None] = [None] * len(state)  # own-speed seconds left of the action
-    busy = [0.0] * len(state)
-    posted: dict = {}
-    now = 0.0
+    busy, posted, now = [0.0] * len(state), {}, 0.0
 
-    def advance(r: int) -> bool:
-        """Move an idle rank through its batches to its next compute action, which starts
-        ``now``; whether anything moved."""
+    def advance(r: int) -> bool:  # to its next compute action, starting now; moved?
         me, moved = state[r], False
         while work[r] is None and me.pos < len(me.actions):
             action = me.actions[me.pos]
