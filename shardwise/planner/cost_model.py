@@ -173,26 +173,22 @@ class CostModel:
     # ------------------------------------------------------------------ ranks
     def sample_ranks(self, L: Layout) -> Ranks:
         """(rank, per-micro-batch times, layers) of the pipeline ranks the closed forms
-        price: the first, the last and, for a MoE model, the second."""
-        key = (L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch, L.ac,
-               self.stages.accum_bytes(L))
-        if key not in self._ranks:
-            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
-            # Rank 0 holds the most layers (uneven splits give the first stages one more)
-            # and the embedding; the head sits on the last rank (rank 0 in a V); rank 1 has
-            # no dense-first layers.
-            picks = sorted({0, L.pp - 1} | ({1} if self.spec.is_moe and L.pp > 2 else set()))
-            self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0]) for r in picks]
-        return self._ranks[key]
+        price: the first (the most layers, uneven splits giving the first stages one more,
+        and the embedding), the last (the head; rank 0 in a V) and, for a MoE model, the
+        second (no dense-first layers)."""
+        picks = sorted({0, L.pp - 1} | ({1} if self.spec.is_moe and L.pp > 2 else set()))
+        return self._priced_ranks(L, "sample", picks)
 
     def all_ranks(self, L: Layout) -> Ranks:
         """(rank, per-micro-batch times, layers) of every pipeline rank."""
-        key = ("all", L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch,
+        return self._priced_ranks(L, "all", range(L.pp))
+
+    def _priced_ranks(self, L: Layout, which: str, picks) -> Ranks:
+        key = (which, L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch,
                L.ac, self.stages.accum_bytes(L))
         if key not in self._ranks:
             plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
-            self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0])
-                                for r in range(L.pp)]
+            self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0]) for r in picks]
         return self._ranks[key]
 
     def rank_plan(self, L: Layout, r: int) -> tuple[list[int], bool, bool]:

@@ -4,13 +4,9 @@ steps.
     shardwise plan --hardware local --calibrate        # measure, write the calibration file
     hw, err = calibrate(measurements, get_hardware("h100"))  # fit constants to measured steps
 
-    local.py     the micro-benchmarks and the ``local`` catalogue entry (measure_local,
-                 write_calibration)
-    kernels.py   a CPU rank's kernels, update and contention; gloo.py its Gloo collectives;
-                 blocks.py whole Llama blocks and the composition factors they give
-    refit.py     calibrate(): a device's constants refitted to measured steps
-    fit.py       the optimiser both use (and the published runs' fit, validate/fit_runs.py)
-    timing.py    timers and the launcher of local Gloo ranks
+local.py writes the ``local`` entry from the micro-benchmarks of kernels.py (a CPU rank's
+kernels, update, contention), gloo.py (its Gloo collectives) and blocks.py (composed
+blocks); refit.py refits a device to measured steps with fit.py's optimiser.
 
 [Note: calibration] ``measure_local`` runs short micro-benchmarks: matrix multiplies of
 growing size as the trainer runs them (``F.linear`` forward and backward at linear shapes;
