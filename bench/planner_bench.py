@@ -7,7 +7,7 @@
 First ``shardwise plan --hardware local --calibrate``'s micro-benchmarks run (matmul
 throughput by size, copy bandwidth, the trainer's eager kernels and optimizer update on one
 thread, the engine's Gloo collectives per kind on 2 and 4 ranks: [Note: CPU kernels] in
-shardwise/planner/cpu_costs.py) and are written as the ``local`` device, with the cores
+shardwise/planner/devices/cpu/costs.py) and are written as the ``local`` device, with the cores
 this process may use (unless ``--calibration`` names an existing file). Then,
 for each case of the grid (the debug and small models at 1, 2 and 4 ranks, ZeRO stages 0-3,
 tensor parallelism 2, a 2-stage 1F1B pipeline), every round launches the ranks (one thread
@@ -23,7 +23,7 @@ measures:
   describes (``plan_layout.layout_of``, the mapping ``--parallel.plan auto`` uses), the
   best step against the same estimate with the layers priced at the calibration blocks'
   fastest calls (``CpuCosts.undisturbed``, [Note: undisturbed steps] in
-  shardwise/planner/cpu_costs.py);
+  shardwise/planner/devices/cpu/costs.py);
 * **memory**: per rank, the engine's own accounting in the first step (``memory_report``
   after the update, before gradients are freed: parameters, gradients, optimizer state,
   the peak of gathered parameters and communication buffers, and tensor parallelism's
@@ -42,7 +42,7 @@ with every case of every round.
 
 Random tokens of the model's vocabulary feed both (the numbers do not depend on the
 text). With 2 cores, 4 ranks time-share them ([Note: CPU ranks share the cores] in
-shardwise/planner/cpu_stage.py); other jobs disturb every timing, so the table is only
+shardwise/planner/devices/cpu/step.py); other jobs disturb every timing, so the table is only
 meaningful from a quiet machine (load average below ~1.5). Writes
 ``bench/results/planner_bench.{md,json}`` (``--out`` elsewhere). A target is met only when
 every round holds it.
@@ -307,7 +307,7 @@ def _recomposed(hw):
     store it under an older name)."""
     import dataclasses
 
-    from shardwise.planner.cpu_blocks import composed_costs
+    from shardwise.planner.calibrate.blocks import composed_costs
 
     c = hw.cpu
     if c is None or not (c.blocks or c.tp_blocks):

@@ -42,7 +42,7 @@ def _args(line: str) -> dict:
 
 
 def _layout(L) -> str:
-    from shardwise.planner.layout import Layout
+    from shardwise.planner.parallel_layout import Layout
     default, keep = Layout(), ("tp", "pp", "dp_shard", "zero", "microbatch", "ac", "sp")
     return " ".join(f"{k}={str(v).lower()}" for k, v in L.as_dict().items()
                     if (k in keep or v != getattr(default, k)) and k != "pp_microbatches")

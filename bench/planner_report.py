@@ -192,7 +192,7 @@ def refit_report(rows: list[dict[str, Any]], fitted, preds: list[float]) -> str:
              f"as `--parallel.plan auto` does) to the median step times of "
              f"{', '.join(FIT_CASES)}, along the combinations of the three the "
              f"measurements determine ([Note: identified directions] in "
-             f"shardwise/planner/fit.py): matmul_max {fitted.matmul_max:.3g}, "
+             f"shardwise/planner/calibrate/fit.py): matmul_max {fitted.matmul_max:.3g}, "
              f"memory_efficiency {fitted.memory_efficiency:.3g}, cpu_busy "
              f"{_busy(fitted):.3g}. The other rows are held out.",
              "", "| case | fit on | step predicted s | measured s (rounds) | error | within |",

@@ -1,6 +1,6 @@
 """planner_bench's verdicts: a target is met only when every round holds it, a row that
 holds it in some rounds only is "not settled", and the fastest step is judged against the
-undisturbed prediction ([Note: undisturbed steps] in shardwise/planner/cpu_costs.py)."""
+undisturbed prediction ([Note: undisturbed steps] in shardwise/planner/devices/cpu/costs.py)."""
 
 from __future__ import annotations
 

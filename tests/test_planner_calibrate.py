@@ -10,9 +10,10 @@ from shardwise.planner import get_hardware, get_model_spec
 from shardwise.planner.calibrate import (StepMeasurement, calibrate, fit_alpha_beta,
                                          fit_matmul_curve)
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.fit import fit_constants, identified_directions
-from shardwise.planner.layout import Layout
+from shardwise.planner.calibrate.fit import fit_constants, identified_directions
+from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
+from tests.planner_helpers import local_cpu
 
 
 def _measure(hw, cases):
@@ -124,9 +125,8 @@ def test_calibrate_fits_the_cores_contention_from_a_two_rank_step():
     fastest calls' slowdown moves by the same ratio."""
     import dataclasses
 
-    from tests.test_planner_cpu import _local
 
-    base = _local(2)
+    base = local_cpu(2)
     start = base.replace(cpu=dataclasses.replace(base.cpu, busy={2: 1.0}, busy_best={2: 1.1}))
     truth = start.replace(matmul_max=start.matmul_max * 0.9,
                           cpu=dataclasses.replace(start.cpu, busy={2: 1.3}))

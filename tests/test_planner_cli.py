@@ -9,11 +9,11 @@ import re
 import pytest
 
 from shardwise.train.cli import main
+from tests.planner_helpers import RECORD_KEYS
 
 JOB = ["plan", "--model", "llama3-8b", "--hardware", "h100", "--gpus", "16", "--seq-len",
        "8192", "--global-batch", "64"]
-KEYS = {"layout", "step_time_s", "tokens_per_s_per_gpu", "mfu", "hfu", "memory_per_gpu_gib",
-        "fits", "bottleneck", "buildable", "not_buildable_reason"}
+KEYS = RECORD_KEYS | {"buildable", "not_buildable_reason"}
 
 
 def test_table(capsys):
@@ -130,7 +130,7 @@ def test_the_buildable_rules_are_the_trainers_refusals(layout, model, buildable,
     """[Note: buildable layouts]: the planner's rule and the trainer's own checks agree."""
     from shardwise.planner.buildable import not_buildable
     from shardwise.planner.catalogue import from_llama_config
-    from shardwise.planner.layout import Layout
+    from shardwise.planner.parallel_layout import Layout
     from shardwise.train import plan_layout
     from shardwise.train.config import load_config, resolve_world
     from shardwise.train.preflight import build_model_config

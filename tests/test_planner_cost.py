@@ -1,5 +1,5 @@
-"""The cost model's parts against their definitions: FLOPs, Korthikanti activations, the
-pipeline closed forms against the simulator, collective pricing, catalogues, layouts."""
+"""The cost model's parts against their definitions: FLOPs, Korthikanti activations,
+the pipeline profile, collective pricing, catalogues, layouts."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import pytest
 from shardwise.distributed import comm_bytes
 from shardwise.models import get_model_config, list_model_configs
 from shardwise.parallel import Costs, build_schedule, simulate
+from shardwise.parallel.pipeline.schedules import schedule_spec
 from shardwise.planner import comm_model, get_hardware, get_model_spec, planner_only_models
 from shardwise.planner.catalogue import load_model_config
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.hardware import list_hardware, load_catalogue
-from shardwise.planner.layout import Layout, check_layout, parse_layout
+from shardwise.planner.parallel_layout import Layout, check_layout, parse_layout
 from shardwise.planner.pipeline import schedule_profile
 from shardwise.planner.work import layer_work, saved_bytes
 from shardwise.planner.workload import Workload
@@ -65,18 +66,15 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1
 
 @pytest.mark.parametrize("name,v", SCHEDULES)
 @pytest.mark.parametrize("pp", [2, 4])
-def test_closed_forms_equal_the_simulator(name, v, pp):
-    """The search's closed forms are the simulator's results for equal stage costs (exact
-    for the looped schedules and ZB-H1, within 10% for the V-shaped ones)."""
-    f, b, w, m = 1.0, 2.4, 1.1, 2 * pp
-    sched = build_schedule(name, pp, m, v)
-    sim = simulate(sched, Costs(f=f / v, b=b / v, i=(b - w) / v, w=w / v))
-    closed = schedule_profile(name, pp, v, m, f, b, w)
-    rel = 0.10 if name in ("zbv", "dualpipev") else 1e-9
-    assert closed.bubble_time == pytest.approx(float(sim.step_time - max(sim.busy)), rel=rel)
-    peak = max(sim.peak_activations) / v if name != "gpipe" else m
-    assert closed.peak_inflight == pytest.approx(peak)
-    # The exact profile simulates 2p + (m mod p) micro-batches for m >= 3p: the same bubble.
+def test_pipeline_profile_reads_the_registry_and_the_simulator(name, v, pp):
+    """The closed-form profile is the registry's closed forms (checked against the simulator
+    in tests/test_pp_simulate.py); the exact one simulates 2p + (m mod p) micro-batches for
+    m >= 3p, which has the bubble of all m."""
+    f, b, w = 1.0, 2.4, 1.1
+    spec = schedule_spec(name)
+    closed = schedule_profile(name, pp, v, 2 * pp, f, b, w)
+    assert (closed.bubble_time, closed.peak_inflight) == (
+        spec.bubble_time(pp, v, 2 * pp, f, b, w), spec.peak_inflight(pp, v, 2 * pp))
     big = 3 * pp + 1
     full = simulate(build_schedule(name, pp, big, v),
                     Costs(f=f / v, b=b / v, i=(b - w) / v, w=w / v))

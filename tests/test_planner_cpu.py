@@ -17,31 +17,13 @@ from shardwise.models import build_model, get_model_config
 from shardwise.planner import get_hardware, get_model_spec
 from shardwise.planner.catalogue import from_llama_config
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.cpu_costs import KERNELS, CpuCosts, Crowd, Fit, Kernel
-from shardwise.planner.cpu_stage import layer_kernels
-from shardwise.planner.layout import Layout
+from shardwise.planner.devices.cpu.costs import KERNELS, CpuCosts
+from shardwise.planner.devices.cpu.fits import Crowd, Fit, Kernel
+from shardwise.planner.devices.cpu.kernels import layer_kernels
+from shardwise.planner.devices.registry import device_model
+from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
-
-
-def _costs(per_call: float = 1e-4) -> CpuCosts:
-    kernels = {k: Kernel(Fit(per_call, 1e-9), Fit(2 * per_call, 2e-9)) for k in KERNELS}
-    colls = {k: {2: Fit(1e-3, 1e-9), 4: Fit(2e-3, 2e-9)}
-             for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")}
-    return CpuCosts(kernels, Fit(1e-5, 5e-9), colls)
-
-
-def _local(cores: int = 2):
-    base = get_hardware("a100-80gb")
-    return base.replace(name="local", cores=cores, backend="gloo", cpu=_costs(),
-                        peak_flops={"fp32": 1e11, "bf16": 1e11}, gpus_per_node=8,
-                        memory_efficiency=1.0)
-
-
-def _estimate(hw, **layout):
-    wl = Workload(seq_len=128, global_batch=4 * layout.get("dp_shard", 1)
-                  * layout.get("pp_microbatches", 1), compute_dtype="fp32")
-    return CostModel(get_model_spec("debug"), hw, wl).estimate(Layout(microbatch=4, **layout),
-                                                               exact=True)
+from tests.planner_helpers import estimate_debug, local_cpu
 
 
 @pytest.mark.parametrize("layout", [{}, {"tp": 2, "sp": True}, {"pp": 2, "pp_microbatches": 2,
@@ -51,9 +33,9 @@ def test_compose_scales_compute_not_communication(layout):
     forward and backward, so the bubble too), never the collectives."""
     from dataclasses import replace
 
-    hw = _local(cores=8)
+    hw = local_cpu(cores=8)
     slow = hw.replace(cpu=replace(hw.cpu, compose=1.5))
-    a, b = _estimate(hw, **layout).breakdown, _estimate(slow, **layout).breakdown
+    a, b = estimate_debug(hw, **layout).breakdown, estimate_debug(slow, **layout).breakdown
     assert b["compute"] == pytest.approx(1.5 * a["compute"], rel=1e-9)
     # (the simulator reads stage costs to 4 significant digits)
     assert b["pp_bubble"] == pytest.approx(1.5 * a["pp_bubble"], rel=1e-3)
@@ -66,14 +48,15 @@ def test_cpu_ranks_price_the_accumulation_as_the_calibrated_add():
     one call per parameter tensor the rank holds, once per micro-batch after the first."""
     from shardwise.planner.stage_cost import StageCoster
 
-    hw, spec = _local(cores=8), get_model_spec("debug")
+    hw, spec = local_cpu(cores=8), get_model_spec("debug")
     wl = Workload(seq_len=128, global_batch=16, compute_dtype="fp32")
     L = Layout(microbatch=4, pp_microbatches=4)
     layers = list(range(spec.n_layers))
-    on = StageCoster(spec, hw, wl).rank(L, layers, True, True)
-    off = StageCoster(spec, hw, replace(wl, autograd_accum=False)).rank(L, layers, True, True)
+    on = StageCoster(spec, device_model(hw), wl).rank(L, layers, True, True)
+    off = StageCoster(spec, device_model(hw), replace(wl, autograd_accum=False)).rank(
+        L, layers, True, True)
     shapes = [s for i in layers for s in spec.block_shapes(i)] + spec.root_shapes()
-    adds = sum(1e-4 + 1e-9 * torch.Size(s).numel() for s in shapes)  # _costs' residual fit
+    adds = sum(1e-4 + 1e-9 * torch.Size(s).numel() for s in shapes)  # cpu_costs' residual fit
     assert on.bwd - off.bwd == pytest.approx(adds * 3 / 4, rel=1e-9)
     assert on.fwd == off.fwd
 
@@ -87,8 +70,9 @@ def test_gpus_never_take_the_cpu_path():
 def test_more_ranks_than_cores_time_share_them():
     """Data parallel at stage 3: every rank equally busy, so 4 ranks on 2 cores take twice
     the compute of 2 ranks on 2 cores; on 4 cores (or a GPU) they do not."""
-    two, four = _estimate(_local(2), dp_shard=2, zero=3), _estimate(_local(2), dp_shard=4, zero=3)
-    wide = _estimate(_local(4), dp_shard=4, zero=3)
+    two = estimate_debug(local_cpu(2), dp_shard=2, zero=3)
+    four = estimate_debug(local_cpu(2), dp_shard=4, zero=3)
+    wide = estimate_debug(local_cpu(4), dp_shard=4, zero=3)
     assert four.breakdown["compute"] == pytest.approx(2 * two.breakdown["compute"], rel=0.03)
     assert wide.breakdown["compute"] == pytest.approx(two.breakdown["compute"], rel=1e-9)
 
@@ -96,10 +80,10 @@ def test_more_ranks_than_cores_time_share_them():
 def test_collectives_are_exposed_once_the_cores_are_saturated():
     """On 4 cores 2 ranks leave cores for Gloo's threads (overlap as scheduled); on 2
     cores every gather and reduction is on the step."""
-    sat, free = _estimate(_local(2), dp_shard=2, zero=3), _estimate(_local(4), dp_shard=2,
-                                                                    zero=3)
+    sat = estimate_debug(local_cpu(2), dp_shard=2, zero=3)
+    free = estimate_debug(local_cpu(4), dp_shard=2, zero=3)
     assert sat.breakdown["dp_comm"] > free.breakdown["dp_comm"]
-    cm = CostModel(get_model_spec("debug"), _local(2), Workload(seq_len=128, global_batch=8,
+    cm = CostModel(get_model_spec("debug"), local_cpu(2), Workload(seq_len=128, global_batch=8,
                                                                 compute_dtype="fp32"))
     L = Layout(microbatch=4, dp_shard=2, zero=3)
     assert sat.breakdown["dp_comm"] >= cm.dp_collective_seconds(L)
@@ -112,21 +96,21 @@ def test_pipeline_bubble_is_filled_by_time_sharing():
     4 ranks' worth), not the critical path with its bubble slowed down."""
     import dataclasses
 
-    hw = _local(2)
+    hw = local_cpu(2)
     hw = hw.replace(cpu=dataclasses.replace(hw.cpu, comm_cpu={2: 0.5, 4: 0.25}))
     pipe = dict(pp=2, dp_shard=2, zero=3, pp_microbatches=2, pp_schedule="1f1b", pp_virtual=1)
-    est, alone = _estimate(hw, **pipe), _estimate(_local(4), **pipe)
+    est, alone = estimate_debug(hw, **pipe), estimate_debug(local_cpu(4), **pipe)
     wl = Workload(seq_len=128, global_batch=8, compute_dtype="fp32")
     cm = CostModel(get_model_spec("debug"), hw, wl)
     L = Layout(microbatch=4, **pipe)
-    busy = sum(2 * (rt.fwd + rt.bwd) + cm._optimizer(L, lay, *cm._rank_plan(L, r)[1:])[0]
-               for r, rt, lay in cm._all_ranks(L))
+    busy = sum(2 * (rt.fwd + rt.bwd) + cm.optimizer_seconds(L, lay, *cm.rank_plan(L, r)[1:])[0]
+               for r, rt, lay in cm.all_ranks(L))
     b = est.breakdown
     comm = b["pp_comm"] + b["dp_comm"] + b["tp_comm"]
     on_core = 0.5 * comm  # every group here has 2 ranks
     assert est.step_time == pytest.approx((2 * busy + 4 * on_core) / 2
                                           + (comm - on_core) * 2 / 4, rel=0.02)  # copies aside
-    without = _estimate(_local(2), **pipe)  # CPU fraction not measured: all waiting
+    without = estimate_debug(local_cpu(2), **pipe)  # CPU fraction not measured: all waiting
     assert without.step_time < est.step_time
     assert alone.step_time < est.step_time < 2 * alone.step_time
     assert b["pp_bubble"] == pytest.approx(alone.breakdown["pp_bubble"])
@@ -137,7 +121,7 @@ def test_layer_kernels_count_the_calls_a_block_makes():
     the gate, the attention kernel (its multiplies and softmax), k and v expanded for
     grouped-query attention."""
     spec = get_model_spec("debug")
-    hw = _local(2).replace(cpu=CpuCosts({k: Kernel(Fit(1.0, 0.0), Fit(1.0, 0.0))
+    hw = local_cpu(2).replace(cpu=CpuCosts({k: Kernel(Fit(1.0, 0.0), Fit(1.0, 0.0))
                                          for k in KERNELS}, Fit(0.0, 0.0), {}))
     fwd, bwd = layer_kernels(hw, spec, 512, 128, 1, False, 1e6)
     assert fwd == bwd == 2 + 2 + 2 + 1 + 2 + 2
@@ -162,7 +146,7 @@ def test_saved_activations_equal_saved_tensors_hooks():
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
     loss.backward()
     spec = from_llama_config(cfg, "debug")
-    cm = CostModel(spec, _local(2), Workload(seq_len=t, global_batch=b, compute_dtype="fp32"))
+    cm = CostModel(spec, local_cpu(2), Workload(seq_len=t, global_batch=b, compute_dtype="fp32"))
     predicted = cm.estimate(Layout(microbatch=b)).memory.activations
     assert predicted == pytest.approx(saved.peak, rel=0.01)
 
@@ -176,8 +160,8 @@ def test_busy_cores_compute_slower():
     assert [costs.contention(b, 2) for b in (1, 2, 3, 4, 8)] == pytest.approx(
         [1.0, 1.2, 1.2, 1.2, 1.2])
     assert costs.contention(3, 4) == pytest.approx(1.35)  # on 4 cores: between 2 and 4
-    hw = _local(2).replace(cpu=CpuCosts(costs.kernels, costs.optimizer, {}, busy={2: 1.2}))
-    one, two = _estimate(hw, dp_shard=1, zero=0), _estimate(hw, dp_shard=2, zero=0)
+    hw = local_cpu(2).replace(cpu=CpuCosts(costs.kernels, costs.optimizer, {}, busy={2: 1.2}))
+    one, two = estimate_debug(hw, dp_shard=1, zero=0), estimate_debug(hw, dp_shard=2, zero=0)
     assert two.breakdown["compute"] == pytest.approx(1.2 * one.breakdown["compute"])
     again = CpuCosts.from_table(tomllib.loads("\n".join(costs.toml_lines("x")))["x"]["cpu"])
     assert again.busy == pytest.approx({2: 1.2, 4: 1.5})  # as written
@@ -201,7 +185,7 @@ def _crowded(hw, slow: float, cpu_fraction: float = 0.2, short: float | None = N
              gaps: tuple[float, float] = (1e-3, 4e-3)):
     """``hw`` with its 2-rank groups measured crowded in a 4-rank world: ``slow`` times
     their lone fits after ``gaps[1]`` seconds of compute, and ``short`` times after
-    ``gaps[0]`` if given ([Note: crowded collectives] in shardwise/planner/cpu_stage.py)."""
+    ``gaps[0]`` if given ([Note: crowded collectives] in shardwise/planner/devices/cpu/step.py)."""
     crowds = (_crowd(hw, slow, cpu_fraction, gaps[1]),)
     if short is not None:
         crowds = (_crowd(hw, short, cpu_fraction / 2, gaps[0]),) + crowds
@@ -213,7 +197,7 @@ def _fractions(hw):
 
 
 def test_crowded_fits_replace_the_smaller_groups_beyond_the_cores_only():
-    c = _crowded(_fractions(_local(2)), 4.0).cpu
+    c = _crowded(_fractions(local_cpu(2)), 4.0).cpu
     assert c.in_world(2, 2) is c and c.in_world(4, 4) is c  # every rank keeps a core
     four = c.in_world(4, 2)
     assert four.collective("all_gather", 2, 1e6) == pytest.approx(
@@ -231,7 +215,7 @@ def test_crowded_fits_replace_the_smaller_groups_beyond_the_cores_only():
 def test_crowds_are_interpolated_between_the_measured_gaps_and_clamped():
     """After 1 ms of compute the pairs were 2x their lone fits, after 4 ms 5x: 2.5 ms
     between the two is 3.5x, and outside the measured gaps the nearest one holds."""
-    c = _crowded(_fractions(_local(2)), 5.0, short=2.0).cpu
+    c = _crowded(_fractions(local_cpu(2)), 5.0, short=2.0).cpu
     lone = c.collective("all_gather", 2, 1e6)
 
     def at(gap):
@@ -244,7 +228,7 @@ def test_crowds_are_interpolated_between_the_measured_gaps_and_clamped():
 
 
 def test_crowded_fits_round_trip_through_the_calibration_file_and_are_checked():
-    c = _crowded(_fractions(_local(2)), 3.0, short=1.5).cpu
+    c = _crowded(_fractions(local_cpu(2)), 3.0, short=1.5).cpu
     table = tomllib.loads("\n".join(c.toml_lines("x")))["x"]["cpu"]
     again = CpuCosts.from_table(table)
     assert set(again.crowded) == {4} and len(again.crowded[4]) == 2
@@ -273,12 +257,12 @@ def test_crowded_groups_lengthen_a_pipeline_beyond_the_cores_not_data_parallelis
     crowded 2-rank fits, or the time-shared bound with the lone ones, whichever is longer.
     A crowd as fast as the lone groups changes nothing; 4 ranks of pure data parallelism
     (the world's own group) and 2 ranks on 2 cores never read the crowd."""
-    base = _fractions(_local(2))
-    plain = _estimate(base, **_PIPE)
-    assert _estimate(_crowded(base, 1.0), **_PIPE).step_time == pytest.approx(
+    base = _fractions(local_cpu(2))
+    plain = estimate_debug(base, **_PIPE)
+    assert estimate_debug(_crowded(base, 1.0), **_PIPE).step_time == pytest.approx(
         plain.step_time, rel=1e-12)
     slow = _crowded(base, 30.0)
-    est = _estimate(slow, **_PIPE)
+    est = estimate_debug(slow, **_PIPE)
     wl = Workload(seq_len=128, global_batch=8, compute_dtype="fp32")
     timeline = CostModel(get_model_spec("debug"), slow.replace(cpu=slow.cpu.in_world(4, 2)),
                          wl)
@@ -294,29 +278,29 @@ def test_crowded_groups_lengthen_a_pipeline_beyond_the_cores_not_data_parallelis
     assert cm.lower_bound(L) <= est.step_time
     for other in (dict(dp_shard=4, zero=3), dict(dp_shard=2, zero=3),
                   dict(pp=2, zero=2, pp_microbatches=2, pp_schedule="1f1b", pp_virtual=1)):
-        assert _estimate(slow, **other).step_time == _estimate(base, **other).step_time
+        assert estimate_debug(slow, **other).step_time == estimate_debug(base, **other).step_time
 
 
 def test_tensor_parallel_collectives_meet_the_crowd_at_their_own_gap():
     """tp 2 x dp 2 on 4 ranks: the tensor-parallel pairs meet their peers a fraction of a
     layer apart, so they are priced at the crowd interpolated at that gap (here below the
     short one: the 1 ms crowd), while the data-parallel pairs take the layer-gap crowd."""
-    base = _fractions(_local(2))
+    base = _fractions(local_cpu(2))
     tp = dict(tp=2, sp=True, dp_shard=2, zero=3)
     cm = CostModel(get_model_spec("debug"), base, Workload(seq_len=128, global_batch=8,
                                                            compute_dtype="fp32"))
     L = Layout(microbatch=4, **tp)
-    _, rt, layers = max(cm._sample_ranks(L), key=lambda x: x[1].busy)
-    gap = cm._tp_gap(L)
+    _, rt, layers = max(cm.sample_ranks(L), key=lambda x: x[1].busy)
+    gap = cm.tp_gap(L)
     assert gap == pytest.approx((rt.fwd + rt.bwd) / (10 * len(layers)))
     gaps = (2 * gap, 8 * gap)  # the layout's gap is below the short one
-    short_lone = _estimate(_crowded(base, 20.0, short=1.0, gaps=gaps), **tp)
-    both_slow = _estimate(_crowded(base, 20.0, short=20.0, gaps=gaps), **tp)
-    lone = _estimate(base, **tp)
+    short_lone = estimate_debug(_crowded(base, 20.0, short=1.0, gaps=gaps), **tp)
+    both_slow = estimate_debug(_crowded(base, 20.0, short=20.0, gaps=gaps), **tp)
+    lone = estimate_debug(base, **tp)
     assert short_lone.breakdown["tp_comm"] == pytest.approx(lone.breakdown["tp_comm"])
     assert both_slow.breakdown["tp_comm"] > 10 * lone.breakdown["tp_comm"]
     assert short_lone.breakdown["dp_comm"] == pytest.approx(both_slow.breakdown["dp_comm"])
     assert short_lone.breakdown["dp_comm"] > lone.breakdown["dp_comm"]
-    assert cm._tp_gap(Layout(microbatch=4, dp_shard=4, zero=3)) is None
+    assert cm.tp_gap(Layout(microbatch=4, dp_shard=4, zero=3)) is None
 
 

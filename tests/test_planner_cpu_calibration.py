@@ -14,12 +14,13 @@ import torch
 from shardwise.compat import tomllib
 from shardwise.planner import get_hardware, get_model_spec
 from shardwise.planner.calibrate import LocalMeasurements, write_calibration
-from shardwise.planner.cpu_bench import fit_collectives, fit_terms
-from shardwise.planner.cpu_costs import KERNELS, CpuCosts
-from shardwise.planner.cpu_fits import Fit
+from shardwise.planner.calibrate.kernels import fit_collectives, fit_terms
+from shardwise.planner.devices.cpu.costs import KERNELS, CpuCosts
+from shardwise.planner.devices.cpu.device import CpuDevice
+from shardwise.planner.devices.cpu.fits import Fit
 from shardwise.planner.stage_cost import StageCoster
 from shardwise.planner.workload import Workload
-from tests.test_planner_cpu import _costs
+from tests.planner_helpers import cpu_costs
 
 
 def test_fit_terms_recovers_latency_and_slope():
@@ -37,7 +38,7 @@ def test_fit_terms_recovers_latency_and_slope():
 def test_calibration_file_round_trip(tmp_path):
     """The kernels, update and collectives written by --calibrate are what `local` reads,
     with the machine's cores and Gloo."""
-    costs = _costs()
+    costs = cpu_costs()
     coll = {2: [("all_reduce", b, 1e-4 + b / 1e9) for b in (4096, 1 << 20)]
             + [("all_gather", b, 1e-4 + b / 1e9) for b in (4096, 1 << 20)]}
     meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 4,
@@ -61,12 +62,12 @@ def test_composed_blocks_are_priced_from_the_fits(tmp_path):
     mean of measured over priced seconds; the file reads back the same."""
     from dataclasses import replace
 
-    from shardwise.planner.cpu_blocks import compose_factors, priced_block_seconds
+    from shardwise.planner.calibrate.blocks import compose_factors, priced_block_seconds
 
     coll = {2: [(k, b, 1e-4 + b / 1e9) for k in ("all_reduce", "all_gather")
                 for b in (4096, 1 << 20)]}
     meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 2,
-                             2.0 ** 34, 2, _costs())
+                             2.0 ** 34, 2, cpu_costs())
     plain = get_hardware("local", calibration=write_calibration(meas, tmp_path / "a.toml"))
     priced = [priced_block_seconds(plain, d, h, kv) for d, h, kv in ((384, 6, 3), (640, 10, 5))]
     assert priced[1] > priced[0] > 0
@@ -104,13 +105,13 @@ def test_collective_cpu_fraction_round_trips_and_is_checked():
     refused by name."""
     import dataclasses
 
-    costs = dataclasses.replace(_costs(), comm_cpu={2: 0.5, 4: 0.25})
+    costs = dataclasses.replace(cpu_costs(), comm_cpu={2: 0.5, 4: 0.25})
     table = tomllib.loads("\n".join(costs.toml_lines("x")))["x"]["cpu"]
     again = CpuCosts.from_table(table)
     assert again.comm_cpu == pytest.approx({2: 0.5, 4: 0.25})
     assert [again.comm_cpu_fraction(w) for w in (1, 2, 3, 4, 8)] == pytest.approx(
         [0.0, 0.5, 0.25, 0.25, 0.25])
-    assert _costs().comm_cpu_fraction(2) == 0.0
+    assert cpu_costs().comm_cpu_fraction(2) == 0.0
     with pytest.raises(ValueError, match=r"comm_cpu\.2 = 1.5"):
         CpuCosts.from_table({**table, "comm_cpu": {"2": 1.5}})
 
@@ -119,7 +120,7 @@ def test_gloo_micro_benchmark_runs_every_collective_on_real_ranks():
     """``--calibrate``'s collective rows come from live Gloo ranks through the engine's own
     calls (all four kinds, both payloads, a positive time each, the CPU time beside it) and
     fit per group size."""
-    from shardwise.planner.cpu_gloo import cpu_fractions, measure_gloo
+    from shardwise.planner.calibrate.gloo import cpu_fractions, measure_gloo
 
     rows = measure_gloo(2, [4096, 65536], calls=3, timeout_s=120)
     assert sorted({(k, b) for k, b, _, _ in rows}) == sorted(
@@ -137,7 +138,7 @@ def test_gloo_micro_benchmark_runs_every_collective_on_real_ranks():
 def test_measure_blocks_times_the_calibration_blocks():
     """The composed blocks run for real (shardwise.models' block, forward and backward, one
     thread) and come back as (dim, heads, kv_heads, seconds) rows the pricing reads."""
-    from shardwise.planner.cpu_blocks import BLOCKS, measure_blocks
+    from shardwise.planner.calibrate.blocks import BLOCKS, measure_blocks
 
     threads = torch.get_num_threads()
     rows = measure_blocks(seconds=0.01)
@@ -150,7 +151,7 @@ def test_measure_blocks_times_the_calibration_blocks():
 def test_contention_ratios_run_the_block_on_every_core():
     """Both slowdowns come back per process count, never below 1 (the lone process's
     median and fastest calls are the references), and a lone process asks for nothing."""
-    from shardwise.planner.cpu_bench import contention_ratios, measure_contention
+    from shardwise.planner.calibrate.kernels import contention_ratios, measure_contention
 
     median, fastest = contention_ratios([1, 2], seconds=0.05)
     assert set(median) == set(fastest) == {2}
@@ -161,7 +162,7 @@ def test_contention_ratios_run_the_block_on_every_core():
 def test_median_blocks_takes_each_blocks_median_over_passes():
     """The composed blocks are timed in three passes across the calibration; one fast (or
     slow) pass does not decide a block's seconds."""
-    from shardwise.planner.cpu_blocks import median_blocks
+    from shardwise.planner.calibrate.blocks import median_blocks
 
     passes = [((384, 6, 3, 0.09, 0.08), (640, 10, 5, 0.187, 0.180)),
               ((384, 6, 3, 0.10, 0.07), (640, 10, 5, 0.240, 0.175)),
@@ -176,7 +177,7 @@ def test_calibration_measures_the_crowd_only_beyond_the_cores(monkeypatch):
     """measure_cpu times each smaller group of a world beyond the cores, all groups at
     once, at both gaps (the kernels and blocks faked: only the collectives' wiring is
     under test)."""
-    from shardwise.planner import cpu_bench
+    from shardwise.planner.calibrate import kernels as cpu_bench
 
     launched = []
 
@@ -190,7 +191,7 @@ def test_calibration_measures_the_crowd_only_beyond_the_cores(monkeypatch):
     monkeypatch.setattr(cpu_bench, "gap_seconds", lambda mult: mult * 1.5e-3)
     monkeypatch.setattr(cpu_bench, "measure_blocks", lambda seconds: ((384, 6, 3, 0.1, 0.09),))
     monkeypatch.setattr(cpu_bench, "measure_tp_blocks", lambda seconds: ((384, 6, 2, 0.1, 0.09),))
-    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: _costs().kernels)
+    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: cpu_costs().kernels)
     monkeypatch.setattr(cpu_bench, "measure_optimizer", lambda quick: Fit(1e-5, 1e-9))
     monkeypatch.setattr(cpu_bench, "contention_ratios", lambda counts, seconds: (
         {2: 1.1}, {2: 1.05}))
@@ -211,7 +212,7 @@ def test_gloo_micro_benchmark_runs_groups_inside_a_larger_world():
     """Two 2-rank groups of a 4-rank world run the same collectives at once, through the
     engine's calls on their own groups; a group that does not divide the world is refused
     by value before any rank starts."""
-    from shardwise.planner.cpu_gloo import measure_gloo
+    from shardwise.planner.calibrate.gloo import measure_gloo
 
     rows = measure_gloo(4, [4096], calls=3, timeout_s=120, group=2)
     assert sorted(k for k, *_ in rows) == ["all_gather", "all_reduce", "reduce_scatter",
@@ -234,7 +235,7 @@ def _plain(tmp_path, name: str = "plain.toml", **cpu):
     coll = {2: [(k, b, 1e-4 + b / 1e9) for k in ("all_reduce", "all_gather")
                 for b in (4096, 1 << 20)]}
     meas = LocalMeasurements([(1e6, 1e-5), (1e8, 1e-3), (1e9, 1e-2)], 1e10, coll, 2,
-                             2.0 ** 34, 2, replace(_costs(), **cpu))
+                             2.0 ** 34, 2, replace(cpu_costs(), **cpu))
     return meas, get_hardware("local", calibration=write_calibration(meas, tmp_path / name))
 
 
@@ -243,7 +244,7 @@ def test_two_composition_factors_come_from_blocks_of_different_kernel_shares(tmp
     tell the multiplies' factor from the kernels'; the layers are priced with each on its
     own part; blocks that cannot tell them apart, or a fit outside 0.5-4 times, give one
     factor."""
-    from shardwise.planner.cpu_blocks import BLOCKS, compose_factors, priced_block_parts
+    from shardwise.planner.calibrate.blocks import BLOCKS, compose_factors, priced_block_parts
 
     _, plain = _plain(tmp_path)
     parts = [priced_block_parts(plain, *b) for b in BLOCKS]
@@ -259,8 +260,8 @@ def test_two_composition_factors_come_from_blocks_of_different_kernel_shares(tmp
     assert (quiet.compose, quiet.kernel_compose) == pytest.approx((0.95, 1.1), rel=1e-3)
 
     wl = Workload(seq_len=128, global_batch=4, compute_dtype="fp32")
-    coster = StageCoster(get_model_spec("debug"), hw, wl)
-    gemm, kf, kb = coster.cpu_parts(False, 1, False, 4)
+    coster = StageCoster(get_model_spec("debug"), CpuDevice(hw), wl)
+    gemm, kf, kb = coster.device.layer_parts(coster.spec, wl, 1, False, 4)
     t = coster.layer(False, 1, 1, False, 1, 4, "none")
     assert (t.fwd, t.bwd, t.wgrad) == pytest.approx(
         (1.05 * gemm + 1.3 * kf, 2.1 * gemm + 1.3 * kb, 1.05 * gemm), rel=1e-6)
@@ -285,7 +286,7 @@ def test_collective_overhead_is_what_the_pairs_take_beyond_their_price(tmp_path)
     """[Note: tensor-parallel pairs]: the 2-rank blocks' seconds beyond their price, per
     tensor-parallel collective (10 a layer), median and fastest calls apart; never below
     0; written, read back and checked by value."""
-    from shardwise.planner.cpu_blocks import TP_BLOCKS, priced_tp_block_seconds
+    from shardwise.planner.calibrate.blocks import TP_BLOCKS, priced_tp_block_seconds
 
     _, hw = _plain(tmp_path)
     priced = [priced_tp_block_seconds(hw, *b) for b in TP_BLOCKS]
@@ -319,8 +320,8 @@ def test_repredict_recomputes_the_factors_from_the_stored_blocks(tmp_path):
     import dataclasses
 
     from bench.planner_bench import _recomposed
-    from shardwise.planner.cpu_blocks import BLOCKS, TP_BLOCKS, priced_block_parts
-    from shardwise.planner.cpu_blocks import priced_tp_block_seconds
+    from shardwise.planner.calibrate.blocks import BLOCKS, TP_BLOCKS, priced_block_parts
+    from shardwise.planner.calibrate.blocks import priced_tp_block_seconds
 
     _, plain = _plain(tmp_path)
     parts = [priced_block_parts(plain, *b) for b in BLOCKS]
@@ -344,7 +345,7 @@ def test_repredict_recomputes_the_factors_from_the_stored_blocks(tmp_path):
 def test_measure_tp_blocks_runs_sequence_parallel_pairs_on_two_ranks():
     """The tensor-parallel blocks run for real: apply_tp's sequence-parallel block on 2
     Gloo ranks, forward and backward, (dim, heads, kv_heads, median, fastest) rows."""
-    from shardwise.planner.cpu_blocks import TP_BLOCKS, measure_tp_blocks
+    from shardwise.planner.calibrate.blocks import TP_BLOCKS, measure_tp_blocks
 
     rows = measure_tp_blocks(seconds=0.01)
     assert [r[:3] for r in rows] == [tuple(b) for b in TP_BLOCKS]
@@ -355,7 +356,7 @@ def test_measure_tp_blocks_runs_sequence_parallel_pairs_on_two_ranks():
 def test_calibration_times_tp_pairs_only_when_ranks_keep_a_core(monkeypatch):
     """measure_cpu times the tensor-parallel pairs in each of its three block passes (the
     median of the passes kept) when there are 2 cores for them, and not on one core."""
-    from shardwise.planner import cpu_bench
+    from shardwise.planner.calibrate import kernels as cpu_bench
 
     passes = iter([0.3, 0.1, 0.2])
     calls = []
@@ -370,7 +371,7 @@ def test_calibration_times_tp_pairs_only_when_ranks_keep_a_core(monkeypatch):
         (k, b, 1e-3 + b * 1e-9, 0.5e-3) for b in sizes
         for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")])
     monkeypatch.setattr(cpu_bench, "measure_blocks", lambda seconds: ((384, 6, 3, 0.1, 0.09),))
-    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: _costs().kernels)
+    monkeypatch.setattr(cpu_bench, "measure_kernels", lambda quick: cpu_costs().kernels)
     monkeypatch.setattr(cpu_bench, "measure_optimizer", lambda quick: Fit(1e-5, 1e-9))
     monkeypatch.setattr(cpu_bench, "contention_ratios", lambda counts, seconds: ({}, {}))
     two = cpu_bench.measure_cpu(2, quick=True, cores=2)

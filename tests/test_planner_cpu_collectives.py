@@ -1,7 +1,7 @@
 """The collectives a CPU rank's step meets between a block's operators, counted against
 the trainer's own (comm_stats of real 2-rank steps: tensor parallelism, the engine's
 stages 0-3, a pipeline), and ``collective_overhead`` charged on each ([Note: collectives
-between operators] in shardwise/planner/cpu_blocks.py)."""
+between operators] in shardwise/planner/calibrate/blocks.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.cpu_costs import CpuCosts, Fit
-from shardwise.planner.layout import Layout
+from shardwise.planner.devices.cpu.costs import CpuCosts
+from shardwise.planner.devices.cpu.fits import Fit
+from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.workload import Workload
-from tests.test_planner_cpu import _estimate, _local
+from tests.planner_helpers import estimate_debug, local_cpu, train_config
 
 
 _CALL_CASES = {  # name -> overrides of a 2-layer debug model on 2 ranks
@@ -26,12 +27,10 @@ _CALL_CASES = {  # name -> overrides of a 2-layer debug model on 2 ranks
 
 
 def _config(over: dict[str, str]):
-    from shardwise.train.config import load_config, resolve_world
-
-    return resolve_world(load_config(None, {
+    return train_config(2, **{
         "model.name": "debug", "model.n_layers": "2", "data.seq_len": "16",
         "train.batch_size": "2", "parallel.stage": "2", "log.progress": "false",
-        "parallel.watchdog": "off", **over}), 2)
+        "parallel.watchdog": "off", **over})
 
 
 def _step_calls() -> dict[str, dict[str, int]]:
@@ -81,20 +80,22 @@ def step_calls():
 
 @pytest.mark.parametrize("sp", [True, False])
 def test_tensor_parallel_collectives_are_the_trainers(sp, step_calls):
-    """With every collective costing 1 s, the CPU path's tensor-parallel seconds of a step
-    are the number of collectives apply_tp issues (comm_stats), sequence parallel or not."""
-    from shardwise.planner.cpu_stage import (tp_collectives_per_layer, tp_head_collectives,
-                                             tp_head_comm, tp_layer_comm)
+    """The one list of what tensor parallelism sends (sends.py) is what apply_tp issues
+    (comm_stats), sequence parallel or not: counted, and priced by the CPU device with
+    every collective costing 1 s."""
+    from shardwise.planner.devices.cpu.device import CpuDevice
+    from shardwise.planner.sends import tp_calls_per_layer, tp_edge_calls
 
     calls = step_calls["tp sp" if sp else "tp"]
     got = sum(n for k, n in calls.items() if k not in ("stats", "clip_grad_norm"))
     ones = {k: {2: Fit(1.0, 0.0)} for k in ("all_gather", "reduce_scatter", "all_reduce")}
-    hw = _local(2).replace(cpu=CpuCosts({}, Fit(0.0, 0.0), ones))
-    predicted = 2 * tp_layer_comm(hw, 32, 256, 4, 2, sp, False) + tp_head_comm(
-        hw, 32, 256, 4, 2, sp, True, True) + (1 if sp else 0)  # + the norms' gradients
+    dev = CpuDevice(local_cpu(2).replace(cpu=CpuCosts({}, Fit(0.0, 0.0), ones)))
+    wl = Workload(seq_len=16, global_batch=2, compute_dtype="fp32")
+    predicted = 2 * dev.tp_seconds(wl, 32, 256, 2, sp, "none", 0.0, 0.0) + \
+        dev.tp_edge_seconds(wl, 32, 256, 2, sp, True, True) + (1 if sp else 0)  # + norms
     assert predicted == got, calls
     # the count collective_overhead is charged on ([Note: collectives between operators])
-    counted = 2 * tp_collectives_per_layer(sp, False) + tp_head_collectives(sp, True, True)
+    counted = 2 * tp_calls_per_layer(sp, False) + tp_edge_calls(sp, True, True)
     assert counted + (1 if sp else 0) == got
 
 
@@ -104,15 +105,16 @@ def test_engine_calls_are_the_engines_gathers_and_reductions(stage, step_calls):
     stage 0 its bucketed all-reduces, stages 1-2 a gather and a reduce-scatter per unit,
     stage 3 the root gathered once and every block twice; counted by comm_stats."""
     from shardwise.planner.catalogue import from_llama_config
-    from shardwise.planner.cpu_stage import engine_calls
+    from shardwise.planner.sends import engine_calls
     from shardwise.train.preflight import build_model_config
 
     calls = step_calls[f"stage {stage}"]
     got = sum(calls.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce"))
     spec = from_llama_config(build_model_config(_config({})), "debug-2")
-    cm = CostModel(spec, _local(2), Workload(seq_len=16, global_batch=4, compute_dtype="fp32"))
-    assert engine_calls(cm, Layout(dp_shard=2, zero=stage, microbatch=2), [0, 1], True,
-                        True) == got, calls
+    wl = Workload(seq_len=16, global_batch=4, compute_dtype="fp32")
+    L = Layout(dp_shard=2, zero=stage, microbatch=2)
+    units = CostModel(spec, local_cpu(2), wl).rank_units(L, [0, 1], True, True)
+    assert engine_calls(spec, wl, L, units, [0, 1], True, True) == got, calls
 
 
 def test_pipeline_sends_are_the_schedules(step_calls):
@@ -131,12 +133,12 @@ def test_collective_overhead_is_charged_per_collective_while_ranks_keep_a_core(a
     embedding, head and loss), the engine's gathers and reductions, the pipeline's sends;
     beyond the cores the crowded collectives price what a call meets and nothing is
     added."""
-    base = _local(cores=2)
+    base = local_cpu(cores=2)
     over = base.replace(cpu=replace(base.cpu, collective_overhead=1e-3))
 
     def extra(hw_a, hw_b, part, **layout):
-        return _estimate(hw_a, **layout).breakdown[part] - \
-            _estimate(hw_b, **layout).breakdown[part]
+        return estimate_debug(hw_a, **layout).breakdown[part] - \
+            estimate_debug(hw_b, **layout).breakdown[part]
 
     tp = {"tp": 2, "sp": True, "ac": ac}
     assert extra(over, base, "tp_comm", **tp) == pytest.approx(1e-3 * (4 * per_layer + 7))
@@ -146,8 +148,8 @@ def test_collective_overhead_is_charged_per_collective_while_ranks_keep_a_core(a
     pp = {"pp": 2, "pp_microbatches": 2, "pp_schedule": "1f1b"}
     assert extra(over, base, "pp_comm", **pp) == pytest.approx(1e-3 * 2 * 2)
     beyond = {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}  # 4 ranks on 2 cores
-    assert _estimate(over, **beyond).step_time == _estimate(base, **beyond).step_time
+    assert estimate_debug(over, **beyond).step_time == estimate_debug(base, **beyond).step_time
     wide = over.replace(cores=8)
-    assert _estimate(wide, **beyond).step_time > _estimate(base.replace(cores=8),
+    assert estimate_debug(wide, **beyond).step_time > estimate_debug(base.replace(cores=8),
                                                            **beyond).step_time
-    assert _estimate(over).step_time == _estimate(base).step_time  # one rank: no calls
+    assert estimate_debug(over).step_time == estimate_debug(base).step_time  # one rank: no calls

@@ -1,5 +1,5 @@
 """A pipeline on CPU cores that slow each other only while they compute at once ([Note:
-contention follows the schedule] in shardwise/planner/cpu_pipeline.py): the replay against
+contention follows the schedule] in shardwise/planner/devices/cpu/pipeline.py): the replay against
 hand-worked processor sharing, and the cost model pricing a 2-rank pipeline with it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from shardwise.planner.cpu_pipeline import contended_pipeline
+from shardwise.planner.devices.cpu.pipeline import contended_pipeline
 from shardwise.planner.pipeline import stage_costs
-from tests.test_planner_cpu import _estimate, _local
+from tests.planner_helpers import estimate_debug, local_cpu
 
 # two stages of one forward-length f = 1, backward b = 2 (no split backward)
 _STAGES = stage_costs("1f1b", 2, 1, [(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)])
@@ -58,18 +58,19 @@ def test_cost_model_slows_a_two_rank_pipeline_only_where_both_ranks_compute():
     stretched by less than 1.4 (its ranks overlap for part of the step) and more than 1,
     while 2 data-parallel ranks are stretched by 1.4 exactly; pp 2 x dp 2 on 2 cores keeps
     the time-shared price (every core is always computing)."""
-    base = _local(2)
+    base = local_cpu(2)
     hw = base.replace(cpu=dataclasses.replace(base.cpu, busy={2: 1.4}))
     pipe = dict(pp=2, zero=2, pp_microbatches=2, pp_schedule="1f1b", pp_virtual=1)
-    slow, alone = _estimate(hw, **pipe), _estimate(base, **pipe)
+    slow, alone = estimate_debug(hw, **pipe), estimate_debug(base, **pipe)
     stretch = slow.breakdown["compute"] / alone.breakdown["compute"]
     assert 1.05 < stretch < 1.35
     assert alone.step_time < slow.step_time < 1.4 * alone.step_time
     # the bubble is where one rank computes alone: no longer than it was unslowed x 1.4
     assert slow.breakdown["pp_bubble"] <= 1.4 * alone.breakdown["pp_bubble"] + 1e-9
-    dp_slow, dp_alone = _estimate(hw, dp_shard=2, zero=2), _estimate(base, dp_shard=2, zero=2)
+    dp_slow = estimate_debug(hw, dp_shard=2, zero=2)
+    dp_alone = estimate_debug(base, dp_shard=2, zero=2)
     assert dp_slow.breakdown["compute"] == pytest.approx(1.4 * dp_alone.breakdown["compute"])
     wide = dict(pipe, dp_shard=2, zero=3)
-    wide_slow, wide_alone = _estimate(hw, **wide), _estimate(base, **wide)
+    wide_slow, wide_alone = estimate_debug(hw, **wide), estimate_debug(base, **wide)
     assert wide_slow.breakdown["pp_bubble"] == pytest.approx(
         1.4 * wide_alone.breakdown["pp_bubble"])

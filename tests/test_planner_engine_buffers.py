@@ -9,19 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import shardwise
-from shardwise.models import TransformerBlock, build_model, get_model_config
+from shardwise.models import get_model_config
 from shardwise.planner.catalogue import from_llama_config
-from shardwise.planner.engine_buffers import (MAX_INFLIGHT, replay_peak, shard_calls,
-                                              unit_buffers)
+from shardwise.planner.devices.cpu.engine_buffers import (MAX_INFLIGHT, replay_peak,
+                                                          shard_calls, unit_buffers)
 from shardwise.shard.hooks import OrderedLauncher
 from shardwise.testing import run_ranks
+from tests.planner_helpers import ODD_SHAPE, lm_backward, sharded_odd_debug
 
-# Odd widths so that dim-0 sharding pads (rows not divisible by the world size).
-SHAPE = dict(dim=40, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=67, max_seq_len=16,
-             multiple_of=8)
 CASES = [(1, None), (2, None), (3, None), (2, "bf16"), (3, "bf16")]
 
 
@@ -29,16 +26,11 @@ def _steps(cases):
     rank = dist.get_rank()
     out = []
     for stage, dtype in cases:
-        cfg = get_model_config("debug", **SHAPE)
-        mp = shardwise.MixedPrecision(param_dtype=torch.bfloat16) if dtype else None
-        model = shardwise.shard(build_model(cfg, seed=0), stage=stage, wrap={TransformerBlock},
-                                mixed_precision=mp)
+        model = sharded_odd_debug(stage, bf16=dtype == "bf16")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(2):  # the second step is the steady state (forward prefetch)
-            tokens = torch.randint(0, 67, (2, 9), generator=gen)
-            logits = model(tokens[:, :-1]).float()
-            F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            lm_backward(model, torch.randint(0, 67, (2, 9), generator=gen))
             opt.step()
             opt.zero_grad()
         r = shardwise.memory_report(model, opt)
@@ -53,7 +45,7 @@ def test_launcher_default_is_what_the_replay_reads():
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_replayed_peak_equals_memory_report(world):
-    spec = from_llama_config(get_model_config("debug", **SHAPE))
+    spec = from_llama_config(get_model_config("debug", **ODD_SHAPE))
     for rank, reports in enumerate(run_ranks(_steps, world, args=(CASES,), timeout_s=120)):
         for (stage, dtype), (got, _) in zip(CASES, reports, strict=True):
             cb = 2 if dtype else 4

@@ -12,12 +12,14 @@ import pytest
 
 from shardwise.planner import comm_model, get_hardware, get_model_spec
 from shardwise.planner.cost_model import CostModel
+from shardwise.planner.devices.registry import device_model
 from shardwise.planner.dp_cost import dp_times
-from shardwise.planner.layout import Layout
+from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.recompute import check_selective, layer_ac, replayed_matmuls
 from shardwise.planner.stage_cost import StageCoster
 from shardwise.planner.work import layer_work
 from shardwise.planner.workload import Workload, parse_workload
+from tests.planner_helpers import train_config
 
 H100 = get_hardware("h100")
 LLAMA8 = get_model_spec("llama3-8b")
@@ -25,7 +27,7 @@ LLAMA70 = get_model_spec("llama3-70b")
 
 
 def _layer(wl: Workload, spec=LLAMA70, tp=8, sp=True, ac="full", mb=2):
-    return StageCoster(spec, H100, wl).layer(False, tp, 1, sp, 1, mb, ac)
+    return StageCoster(spec, device_model(H100), wl).layer(False, tp, 1, sp, 1, mb, ac)
 
 
 def test_sequence_parallel_moves_the_bytes_of_two_all_reduces():
@@ -107,12 +109,14 @@ def test_gradient_sync_after_the_last_backward_is_exposed():
     backward (behind no compute) and keeps parameters gathered between micro-batches."""
     cm, L = _pp_fsdp()
     after, L2 = _pp_fsdp(dp_sync_after_backward=True)
-    plan = cm._rank_plan(L, 0)
+    plan = cm.rank_plan(L, 0)
     gather, _, red, _ = dp_times(cm, L, *plan)
     overlapped = cm.estimate(L).breakdown["dp_comm"]
     exposed = after.estimate(L2).breakdown["dp_comm"]
     assert exposed >= red > overlapped
-    assert cm.dp_collective_seconds(L) > gather + red  # a gather per micro-batch there
+    # shardwise keeps a stage gathered through the step when it does not reshard after
+    # forward (UNSHARD ... RESHARD, [Note: engine actions]): one gather a step, as above
+    assert cm.dp_collective_seconds(L) == after.dp_collective_seconds(L2) == gather + red
     fp32, L3 = _pp_fsdp(dp_sync_after_backward=True, reduce_fp32=True)
     _, _, red32, _ = dp_times(fp32, L3, *plan)
     assert red32 == pytest.approx(2 * red, rel=0.01)  # fp32 instead of bf16 gradients
@@ -139,9 +143,9 @@ def test_gradient_accumulation_outside_the_multiplies_lengthens_every_slot():
                     attention="unfused", overlap_dp=False, overlap_pp=False)
     acc = dataclasses.replace(base, grad_accum_bytes=6)
     cm0, cm6 = CostModel(spec, a100, base), CostModel(spec, a100, acc)
-    layers, first, last = cm0._rank_plan(L, 0)
-    r0 = StageCoster(spec, a100, base).rank(L, layers, first, last)
-    r6 = StageCoster(spec, a100, acc).rank(L, layers, first, last)
+    layers, first, last = cm0.rank_plan(L, 0)
+    r0 = StageCoster(spec, device_model(a100), base).rank(L, layers, first, last)
+    r6 = StageCoster(spec, device_model(a100), acc).rank(L, layers, first, last)
     params = 3 * 12 * spec.dim ** 2 / 8  # three GPT blocks' weights over tp 8 ...
     params += spec.vocab_size * spec.dim / 8 + 2048 * spec.dim  # ... and the embeddings
     extra = a100.memory_time(6 * params)
@@ -171,8 +175,8 @@ def test_autograd_accumulation_is_shardwise_default_and_skips_the_first_micro_ba
 
     def extra(w, m: int, **kw) -> float:
         L = Layout(dp_shard=8, microbatch=1, pp_microbatches=m, **kw)
-        got = StageCoster(spec, h100, w).rank(L, layers, True, True)
-        bare = StageCoster(spec, h100, off).rank(L, layers, True, True)
+        got = StageCoster(spec, device_model(h100), w).rank(L, layers, True, True)
+        bare = StageCoster(spec, device_model(h100), off).rank(L, layers, True, True)
         assert got.wgrad - bare.wgrad == pytest.approx(got.bwd - bare.bwd)
         return got.bwd - bare.bwd
 
@@ -184,8 +188,8 @@ def test_autograd_accumulation_is_shardwise_default_and_skips_the_first_micro_ba
     fp32 = dataclasses.replace(wl, compute_dtype="fp32")
     fp32_off = dataclasses.replace(fp32, autograd_accum=False)
     L = Layout(dp_shard=8, microbatch=1, pp_microbatches=4)
-    got = StageCoster(spec, h100, fp32).rank(L, layers, True, True).bwd
-    bare = StageCoster(spec, h100, fp32_off).rank(L, layers, True, True).bwd
+    got = StageCoster(spec, device_model(h100), fp32).rank(L, layers, True, True).bwd
+    bare = StageCoster(spec, device_model(h100), fp32_off).rank(L, layers, True, True).bwd
     assert got - bare == pytest.approx(h100.memory_time(12 * params * 3 / 4), rel=1e-6)
     assert extra(wl, 1) == extra(own, 1) == 0.0
     # The search's cached ranks know the count: more micro-batches, more accumulation.
@@ -201,9 +205,8 @@ def test_the_trainer_prices_its_own_accumulation():
     (autograd's add, in the run's compute dtype)."""
     from shardwise.models.registry import get_model_config
     from shardwise.train import plan_layout
-    from shardwise.train.config import load_config, resolve_world
 
-    cfg = resolve_world(load_config(None, {"model.name": "debug", "train.grad_accum": "4"}), 2)
+    cfg = train_config(2, **{"model.name": "debug", "train.grad_accum": "4"})
     _, _, wl = plan_layout.planner_inputs(cfg, get_model_config("debug"), get_hardware("h100"))
     assert wl.autograd_accum and wl.grad_accum_bytes == 0
 
@@ -213,7 +216,7 @@ def test_engine_copies_around_gathers_and_reductions_on_gpus():
     for the blocks, once for the root) and packs the gradients into the fp32 reduction
     buffer once a step, at the memory bandwidth; stacks without copies and stage 0 pay
     nothing ([Note: the engine's copies on GPUs])."""
-    from shardwise.planner.dp_cost import dp_copy_seconds
+    from shardwise.planner.devices.gpu import dp_copy_seconds
 
     spec, a100 = get_model_spec("llama3-8b"), get_hardware("a100-80gb")
     wl = Workload(seq_len=8192, global_batch=64, reduce_fp32=True)
@@ -231,6 +234,14 @@ def test_engine_copies_around_gathers_and_reductions_on_gpus():
                                  rel=1e-3)
     assert dp_copy_seconds(cm, L.replace(zero=0), layers, True, True) == 0.0
     assert dp_copy_seconds(cm, L.replace(dp_shard=1), layers, True, True) == 0.0
+    # a pipeline stage kept gathered (no resharding after forward) gathers once a step,
+    # whatever its micro-batches; without a pipeline every micro-batch gathers
+    kept = CostModel(spec, a100, dataclasses.replace(wl, reshard_after_forward=False))
+    pipe = L.replace(pp=2, pp_schedule="1f1b", dp_shard=32)
+    assert dp_copy_seconds(kept, pipe.replace(pp_microbatches=4), layers, True, True) == \
+        dp_copy_seconds(kept, pipe, layers, True, True)
+    assert dp_copy_seconds(kept, L.replace(pp_microbatches=4), layers, True, True) > \
+        dp_copy_seconds(kept, L, layers, True, True)
     flat = CostModel(spec, a100, dataclasses.replace(wl, dp_copies=False))
     assert dp_copy_seconds(flat, L, layers, True, True) == 0.0
     # ... and they land on the step's data-parallel time.
@@ -273,7 +284,7 @@ def test_zero1_all_reduce_reduces_whole_gradients():
                pp_schedule="1f1b", ac="full", sp=False)
     rs, ar = CostModel(bloom, a100, base), \
         CostModel(bloom, a100, dataclasses.replace(base, zero1_all_reduce=True))
-    plan = rs._rank_plan(L, 5)  # six blocks, no embedding
+    plan = rs.rank_plan(L, 5)  # six blocks, no embedding
     g_rs, _, red_rs, _ = dp_times(rs, L, *plan)
     g_ar, _, red_ar, _ = dp_times(ar, L, *plan)
     grp = comm_model.place(8, 4, a100.gpus_per_node)

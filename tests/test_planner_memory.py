@@ -10,18 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import shardwise
 from shardwise.models import TransformerBlock, build_model, get_model_config, list_model_configs
 from shardwise.planner import comm_model, get_model_spec
 from shardwise.planner.catalogue import from_llama_config
-from shardwise.planner.memory import state_bytes
+from shardwise.planner.rank_memory import state_bytes
 from shardwise.testing import run_ranks
+from tests.planner_helpers import ODD_SHAPE, lm_backward, sharded_odd_debug
 
-# Odd widths so that dim-0 sharding pads (rows not divisible by the world size).
-SHAPE = dict(dim=40, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=67, max_seq_len=16,
-             multiple_of=8)
 CASES = [  # (stage, compute dtype, optimizer, tie embeddings)
     (0, None, "adamw", False), (1, None, "adamw", False), (2, None, "adamw", True),
     (3, None, "adamw", False), (1, "bf16", "adamw", False), (3, "bf16", "sgd", True),
@@ -39,15 +36,11 @@ def _run_cases(cases):
     rank = dist.get_rank()
     out = []
     for stage, dtype, opt_name, tie in cases:
-        cfg = get_model_config("debug", **SHAPE, tie_embeddings=tie)
-        mp = shardwise.MixedPrecision(param_dtype=dtype) if dtype else None
-        model = shardwise.shard(build_model(cfg, seed=0), stage=stage, wrap={TransformerBlock},
-                                mixed_precision=mp)
+        model = sharded_odd_debug(stage, bf16=dtype == "bf16", tie=tie)
         opt = _optimizer(opt_name, model.parameters())
         tokens = torch.randint(0, 67, (2, 9), generator=torch.Generator().manual_seed(rank))
         shardwise.reset_comm_stats()
-        logits = model(tokens[:, :-1]).float()
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        lm_backward(model, tokens)
         stats = shardwise.comm_stats().as_dict()
         opt.step()
         report = shardwise.memory_report(model, opt)
@@ -61,7 +54,7 @@ def test_model_state_bytes_equal_memory_report(world):
     for rank, reports in results:
         for case, (params, grads, opt, _) in zip(CASES, reports, strict=True):
             stage, dtype, opt_name, tie = case
-            spec = from_llama_config(get_model_config("debug", **SHAPE, tie_embeddings=tie))
+            spec = from_llama_config(get_model_config("debug", **ODD_SHAPE, tie_embeddings=tie))
             cb = 2 if dtype else 4
             want = state_bytes([tuple(u) for u in spec.unit_shapes()], world, zero=stage,
                                rank=rank, param_bytes=4, compute_bytes=cb, optimizer=opt_name)
@@ -74,7 +67,7 @@ def test_step_collective_bytes_equal_comm_stats():
     results = run_ranks(_run_cases, 2, args=(CASES,), timeout_s=120)
     for rank, reports in results:
         for (stage, dtype, _, tie), (*_, stats) in zip(CASES, reports, strict=True):
-            spec = from_llama_config(get_model_config("debug", **SHAPE, tie_embeddings=tie))
+            spec = from_llama_config(get_model_config("debug", **ODD_SHAPE, tie_embeddings=tie))
             want = comm_model.step_bytes(spec, world=2, zero=stage, param_bytes=4,
                                          compute_bytes=2 if dtype else 4, microbatches=1)
             got = {k: v["bytes_sent"] for k, v in stats.items()}
@@ -97,14 +90,12 @@ def _moe_worker(stage):
     model = shardwise.shard(build_model(cfg, seed=0), stage=stage, wrap={TransformerBlock})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(rank))
-    F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    lm_backward(model, tokens)
     opt.step()
     r = shardwise.memory_report(model, opt)
     return rank, cfg, (r.param_bytes, r.grad_bytes, r.optimizer_bytes)
 
 
-@pytest.mark.skipif("debug-moe" not in list_model_configs(),
-                    reason="the registry has no mixture-of-experts model on this branch yet")
 @pytest.mark.parametrize("stage", [1, 3])
 def test_moe_model_state_bytes_equal_memory_report(stage):
     """Grouped expert tensors, router and shared experts are laid out as the engine does."""

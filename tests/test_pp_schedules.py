@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.parallel import (SCHEDULE_NAMES, Action, DeadlockError, Kind, Schedule,
-                                build_schedule, validate_schedule)
-from shardwise.parallel.pipeline.p2p import add_communication, steps
+from shardwise.parallel import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind, Schedule,
+                                build_schedule, simulate, validate_schedule)
+from shardwise.parallel.pipeline.messages import add_communication, steps
+from shardwise.parallel.pipeline.action_lists import add_engine_actions, gather_rounds
 
 
 def grid():
@@ -40,7 +41,7 @@ def test_action_text_round_trip(kind):
     a = Action(12, kind, 305)
     assert str(a) == f"12{kind.value}305"
     assert Action.parse(f" {a} ") == a
-    assert a.is_compute != a.is_comm
+    assert [a.is_compute, a.is_comm, a.is_engine].count(True) == 1
 
 
 @pytest.mark.parametrize("text", ["F3", "0X3", "0F", "0SEND3", "0 F 3", "-1F2", ""])
@@ -98,6 +99,34 @@ def test_steps_group_consecutive_messages():
     row = build_schedule("1f1b", 2, 2).ranks[0]
     assert [" ".join(map(str, step)) for step in steps(row)] == [
         "0F0", "0SEND_F0", "0F1", "0SEND_F1 0RECV_B0", "0B0", "0RECV_B1", "0B1"]
+
+
+@pytest.mark.parametrize("name,pp,m,v", GRID[::2])
+@pytest.mark.parametrize("keep", [True, False])
+def test_engine_actions_follow_one_rule(name, pp, m, v, keep):
+    """[Note: engine actions]: each stage of a rank gets one REDUCE_GRAD right before its last
+    B or W and, kept gathered, one UNSHARD right before its first compute action and one
+    RESHARD right after its last; the gathers they imply are gather_rounds'. The lists still
+    validate and simulate to the same step (engine actions take no time)."""
+    s = build_schedule(name, pp, m, v)
+    ranks = tuple(add_engine_actions(acts, keep) for acts in s.ranks)
+    for acts, plain in zip(ranks, s.ranks):
+        assert [a for a in acts if not a.is_engine] == list(plain)
+        for stage in {a.stage for a in plain}:
+            mine = [a for a in acts if a.stage == stage and not a.is_comm]
+            grads = [i for i, a in enumerate(mine) if a.kind in (Kind.B, Kind.W)]
+            reduce = [i for i, a in enumerate(mine) if a.kind is Kind.REDUCE_GRAD]
+            assert reduce == [grads[-1] - 1]
+            kinds = [a.kind for a in mine]
+            unshards = kinds.count(Kind.UNSHARD)
+            assert unshards == kinds.count(Kind.RESHARD) == int(keep)
+            if keep:
+                assert kinds[0] is Kind.UNSHARD and kinds[-1] is Kind.RESHARD
+            forwards = kinds.count(Kind.F)
+            assert gather_rounds(keep, m) == (unshards or forwards)
+    engine = Schedule(s.name, s.pp, s.microbatches, s.virtual, s.placement, ranks).validate()
+    assert simulate(engine, Costs(f=1, b=2, i=1, w=1)).step_time == \
+        simulate(s, Costs(f=1, b=2, i=1, w=1)).step_time
 
 
 def test_v_bottom_hands_over_locally():

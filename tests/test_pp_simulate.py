@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from shardwise.parallel import (SCHEDULE_NAMES, Action, Costs, DeadlockError, Kind, Schedule,
                                 build_schedule, critical_path, draw_timeline, format_timeline,
                                 simulate)
-from shardwise.parallel.pipeline.formulas import reference_bubble
+from shardwise.parallel.pipeline.replay import replay_shared
+from shardwise.parallel.pipeline.schedules import schedule_spec
 
 UNIT = Costs(f=1, b=2, i=1, w=1, comm=0)
 PS = (1, 2, 3, 4, 5)
@@ -130,9 +131,31 @@ def test_reference_formulas_agree_with_the_simulator():
         for m in (1, p - 1, p, p + 1, 2 * p - 1, 2 * p, 3 * p):
             if name == "dualpipev" and m < 2 * p:
                 continue
-            known = reference_bubble(name, p, m, build_schedule(name, p, m).virtual)
+            known = schedule_spec(name).reference_bubble(p, m, build_schedule(name, p, m).virtual)
             if known is not None:
                 assert sim(name, p, m).bubble == known[1], (name, p, m, known[0])
+
+
+REGISTERED = [(name, v) for name in SCHEDULE_NAMES
+              for v in sorted({schedule_spec(name).default_virtual, schedule_spec(name).max_virtual
+                               or 4})]
+
+
+@pytest.mark.parametrize("name,v", REGISTERED)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_registered_closed_forms_equal_the_simulator(name, v, pp):
+    """Every schedule's closed forms in the registry are the simulator's results for equal
+    stage costs ([Note: pipeline closed forms]: exact for the looped schedules and ZB-H1,
+    within 10% for the V-shaped ones), and its placement is the one build_schedule uses."""
+    f, b, w, m = 1.0, 2.4, 1.1, 2 * pp
+    spec, sched = schedule_spec(name), build_schedule(name, pp, m, v)
+    assert spec.placement(pp, v) == sched.placement
+    run = simulate(sched, Costs(f=f / v, b=b / v, i=(b - w) / v, w=w / v))
+    rel = 0.10 if spec.v_shape else 1e-9
+    assert spec.bubble_time(pp, v, m, f, b, w) == pytest.approx(
+        float(run.step_time - max(run.busy)), rel=rel)
+    peak = max(run.peak_activations) / v if name not in ("gpipe", "looped_bfs") else m
+    assert spec.peak_inflight(pp, v, m) == pytest.approx(peak)
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -195,6 +218,19 @@ def test_simulating_a_deadlocked_schedule_names_the_ranks():
          Action(1, Kind.SEND_B, 0))))
     with pytest.raises(DeadlockError, match="rank 0 waits at action #1 0RECV_B0"):
         simulate(s)
+    with pytest.raises(DeadlockError, match="rank 0 waits at action #1 0RECV_B0"):
+        replay_shared(s.ranks, s.placement, UNIT.of, (1.0,))
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_shared_replay_without_slowdown_is_the_simulation(name):
+    """Processor sharing with no slowdown is the simulator's replay with free messages: the
+    same step, and each rank busy for its own compute."""
+    s = build_schedule(name, 3, 6)
+    run = simulate(s, Costs(f=1.0, b=2.5, i=1.25, w=1.25))
+    step, busy = replay_shared(s.ranks, s.placement, run.costs.of, (1.0,))
+    assert step == pytest.approx(float(run.step_time))
+    assert busy == pytest.approx([float(b) for b in run.busy])
 
 
 # ---- properties over grids -------------------------------------------------------------------

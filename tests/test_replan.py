@@ -16,7 +16,7 @@ from shardwise import checkpoint
 from shardwise.models import build_model
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.hardware import get_hardware
-from shardwise.planner.layout import Layout
+from shardwise.planner.parallel_layout import Layout
 from shardwise.testing.dist import run_ranks
 from shardwise.train import plan_layout
 from shardwise.train.config import load_config, resolve_world

@@ -11,7 +11,7 @@ rule against what ``shardwise.train`` refuses.
 
 from __future__ import annotations
 
-from shardwise.planner.layout import Layout
+from shardwise.planner.parallel_layout import Layout
 
 __all__ = ["not_buildable", "BUILDABLE_FIXED"]
 

@@ -119,7 +119,7 @@ def _table(result, spec, hw, wl, gpus: int, top: int) -> str:
 
 
 def _short(L) -> str:
-    from shardwise.planner.layout import Layout
+    from shardwise.planner.parallel_layout import Layout
     default = Layout()
     keep = ("tp", "pp", "dp_shard", "zero", "microbatch", "ac")
     return ",".join(f"{k}={str(v).lower()}" for k, v in L.as_dict().items()
@@ -137,7 +137,7 @@ def _plan(args) -> int:
     from shardwise.planner.buildable import BUILDABLE_FIXED, not_buildable
     from shardwise.planner.cost_model import CostModel
     from shardwise.planner.hardware import get_hardware
-    from shardwise.planner.layout import parse_layout
+    from shardwise.planner.parallel_layout import parse_layout
     from shardwise.planner.search import explain_empty, search
     from shardwise.planner.workload import Workload, parse_workload
     _need(args, "hardware", "gpus", "seq_len", "global_batch")

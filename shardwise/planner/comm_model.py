@@ -18,6 +18,8 @@ network, each GPU on its own NIC). Each phase moves the bytes the formulas of
 * send/receive between neighbouring pipeline stages: one message on the link joining them.
 
 Links carry the achievable bandwidth of the hardware entry (datasheet x fitted efficiency).
+This is the GPU device model's network (devices/gpu.py); a calibrated CPU device prices the
+collectives it measured from its own fits and falls back to it for the others.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 from shardwise.distributed import comm_bytes
 from shardwise.planner.hardware import Hardware, Link
-from shardwise.planner.memory import TAG_BYTES, unit_state
+from shardwise.planner.rank_memory import TAG_BYTES, unit_state
 
 __all__ = ["Group", "place", "all_gather_time", "reduce_scatter_time", "all_reduce_time",
            "all_to_all_time", "dispatch_time", "p2p_time", "step_bytes", "stage0_buckets",
@@ -61,19 +63,10 @@ def _phase(link: Link, steps: float, nbytes: float) -> float:
     return 0.0 if nbytes <= 0 else steps * link.latency + nbytes / link.bandwidth
 
 
-def _measured(hw: Hardware, kind: str, size: int, nbytes: float) -> float | None:
-    """The calibration's time for this collective on CPU ranks ([Note: CPU kernels] in
-    cpu_costs.py), or None (GPUs, or a kind it did not measure)."""
-    return None if hw.cpu is None else hw.cpu.collective(kind, size, nbytes)
-
-
 def all_gather_time(shard_bytes: float, g: Group, hw: Hardware) -> float:
     """Seconds for an all-gather of ``shard_bytes`` per rank over ``g``."""
     if g.size <= 1:
         return 0.0
-    t = _measured(hw, "all_gather", g.size, shard_bytes)
-    if t is not None:
-        return t
     m, k = g.nodes, g.per_node
     inter = comm_bytes.all_gather_bytes(m, int(shard_bytes))[0]
     intra = comm_bytes.all_gather_bytes(k, int(m * shard_bytes))[0]
@@ -83,11 +76,6 @@ def all_gather_time(shard_bytes: float, g: Group, hw: Hardware) -> float:
 def reduce_scatter_time(shard_bytes: float, g: Group, hw: Hardware) -> float:
     """Seconds for a reduce-scatter whose output is ``shard_bytes`` per rank over ``g``:
     an all-gather's steps and bytes in the other direction."""
-    if g.size <= 1:
-        return 0.0
-    t = _measured(hw, "reduce_scatter", g.size, shard_bytes)
-    if t is not None:
-        return t
     return all_gather_time(shard_bytes, g, hw)
 
 
@@ -95,9 +83,6 @@ def all_reduce_time(nbytes: float, g: Group, hw: Hardware) -> float:
     """Seconds for an all-reduce of ``nbytes`` over ``g`` (hierarchical, tree latency)."""
     if g.size <= 1:
         return 0.0
-    t = _measured(hw, "all_reduce", g.size, nbytes)
-    if t is not None:
-        return t
     m, k = g.nodes, g.per_node
     intra = comm_bytes.all_reduce_bytes(k, int(nbytes))[0]
     inter = comm_bytes.all_reduce_bytes(m, int(nbytes / k))[0]
@@ -138,9 +123,6 @@ def dispatch_time(token_bytes: float, tokens: float, top_k: int, g: Group, hw: H
 
 def p2p_time(nbytes: float, across_nodes: bool, hw: Hardware) -> float:
     """Seconds for one point-to-point message between neighbouring pipeline stages."""
-    t = _measured(hw, "send_recv", 2, nbytes)
-    if t is not None:
-        return t
     return _phase(hw.inter if across_nodes else hw.intra, 1, nbytes)
 
 

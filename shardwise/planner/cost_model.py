@@ -8,11 +8,11 @@
 
 [Note: step time] The busiest pipeline rank sets the pace. Per micro-batch it spends
 forward + backward (+ recomputation) seconds and the exposed tensor-, context- and expert-
-parallel communication of its layers (stage_cost.py, [Note: layer time]); a step runs
-``pp_microbatches`` of them, plus the schedule's bubble (pipeline.py), the exposed
+parallel communication of its layers (stage_cost.py, priced by the device model: devices/);
+a step runs ``pp_microbatches`` of them, plus the schedule's bubble (pipeline.py), the exposed
 pipeline sends, the exposed data-parallel collectives, and the optimizer step (HBM-bound
 on the device, or host-bound with the transfers over PCIe when offloaded). Data-parallel
-collectives are priced per unit with comm_model from the bytes of
+collectives are priced per unit by the device model from the bytes of
 :func:`shardwise.distributed.comm_bytes` (quantised payloads from the engine's
 ``packed_nbytes``) and hide behind compute as the engine schedules them: gradient
 reductions behind the last micro-batch's backward, stage-3 gathers behind the computing
@@ -32,7 +32,11 @@ V schedules) has nothing to reduce. With Megatron's 51200-word vocabularies it i
 milliseconds; with BLOOM's 250880 words, fp32 gradients and 6.25 GB/s a GPU, 0.7 s a step.
 
 Every component is reported; the largest one is the layout's ``bottleneck`` (compute
-includes the device optimizer step; context-parallel exchanges count as tp_comm).
+includes the device optimizer step; context-parallel exchanges count as tp_comm). The
+device model says how the parts combine (``DeviceModel.combine``: a GPU adds the
+engine's copies, CPU ranks their cores' contention and time-sharing), and whether one
+rank's own timeline must be priced apart (``crowded``: [Note: crowded collectives] in
+devices/cpu/step.py), the longer of the two winning.
 """
 
 from __future__ import annotations
@@ -42,14 +46,13 @@ from collections import Counter
 from dataclasses import dataclass
 
 from shardwise.planner import comm_model
-from shardwise.planner.cpu_stage import (cpu_step, optimizer_seconds, saturated,
-                                         tp_collectives_per_layer)
-from shardwise.planner.dp_cost import dp_copy_seconds, dp_exposed, dp_times, shard_numel
-from shardwise.planner.engine_buffers import rank_transient
-from shardwise.planner.layout import Layout
-from shardwise.planner.memory import MemoryBreakdown, state_bytes
-from shardwise.planner.pipeline import schedule_profile
-from shardwise.planner.stage_cost import RankTimes, StageCoster, stage_layers
+from shardwise.planner.devices.registry import device_model
+from shardwise.planner.dp_cost import dp_exposed, dp_times, shard_numel
+from shardwise.planner.parallel_layout import Layout
+from shardwise.planner.pipeline import gather_rounds, schedule_profile
+from shardwise.planner.rank_memory import MemoryBreakdown, state_bytes
+from shardwise.planner.sends import tp_calls_per_layer
+from shardwise.planner.stage_cost import RankTimes, StageCoster, fbw_seconds, stage_layers
 from shardwise.planner.workload import Workload
 
 __all__ = ["CostModel", "Estimate", "BOTTLENECKS", "FRAGMENTATION"]
@@ -60,6 +63,8 @@ FRAGMENTATION = 0.05
 """Allocator fragmentation allowance, a fraction of model states and activations."""
 _GIB = 2 ** 30
 _OPT_BYTES = {"adamw": 30, "adam": 30, "sgd": 18}  # HBM bytes per parameter per step
+
+Ranks = list[tuple[int, RankTimes, list[int]]]
 
 
 @dataclass(frozen=True)
@@ -106,73 +111,95 @@ class Estimate:
                 "fits": self.fits, "bottleneck": self.bottleneck}
 
 
-class CostModel:
-    """Prices layouts of one model on one device for one workload (see the notes)."""
 
-    def __init__(self, spec, hw, wl: Workload) -> None:
+class CostModel:
+    """Prices layouts of one model on one device for one workload (see the notes).
+
+    Args:
+        spec: the :class:`~shardwise.planner.spec.ModelSpec`.
+        hw: the :class:`~shardwise.planner.hardware.Hardware` entry.
+        wl: the :class:`~shardwise.planner.workload.Workload`.
+        device: the device model (default ``devices.registry.device_model(hw)``).
+
+    Attributes:
+        timeline_only: price one rank's own timeline, not the cores' time-sharing (the
+            crowded half of [Note: crowded collectives] in devices/cpu/step.py).
+    """
+
+    def __init__(self, spec, hw, wl: Workload, device=None) -> None:
         self.spec, self.hw, self.wl = spec, hw, wl
-        # CPU ranks: price one rank's own timeline, not the cores' time-sharing (the
-        # crowded half of [Note: crowded collectives] in cpu_stage.py)
+        self.device = device if device is not None else device_model(hw)
         self.timeline_only = False
-        self.stages = StageCoster(spec, hw, wl)
-        self._ranks: dict[tuple, list[tuple[int, RankTimes, list[int]]]] = {}
+        self.stages = StageCoster(spec, self.device, wl)
+        self._ranks: dict[tuple, Ranks] = {}
         self._flops: float | None = None
         self._cache: dict[tuple, object] = {}  # units, states, dp times, optimizer, recompute
 
-    def _for_ranks(self, L: Layout) -> "CostModel":
-        """The model pricing ``L``'s collectives on one rank's timeline: on CPU ranks
-        beyond the cores, one with the fits its groups meet amid the other ranks
-        ([Note: crowded collectives] in cpu_stage.py); otherwise this one."""
-        cpu = self.hw.cpu
-        if (cpu is None or not cpu.crowded or self.timeline_only
-                or cpu.in_world(L.gpus, self.hw.cores) is cpu):
-            return self
-        gap = self._tp_gap(L)
-        key = ("crowded", L.gpus, None if gap is None else round(gap, 6))
-        return self._cached(key, lambda: self._timeline_model(L.gpus, gap))
-
-    def _tp_gap(self, L: Layout) -> float | None:
-        """Seconds of compute between two of the busiest rank's tensor-parallel
-        collectives (None without tensor parallelism)."""
-        if L.tp <= 1:
-            return None
-        _, rt, layers = max(self._sample_ranks(L), key=lambda x: x[1].busy)
-        calls = len(layers) * tp_collectives_per_layer(L.sp, L.ac == "full")
-        return (rt.fwd + rt.bwd) / calls if calls else None
-
-    def _timeline_model(self, ranks: int, tp_gap: float | None) -> "CostModel":
-        hw, cores = self.hw, self.hw.cores
-        cm = CostModel(self.spec, hw.replace(cpu=hw.cpu.in_world(ranks, cores)), self.wl)
-        if tp_gap is not None:  # a fraction of a layer apart: the peers' turns are shorter
-            cm.stages = StageCoster(self.spec, hw.replace(
-                cpu=hw.cpu.in_world(ranks, cores, tp_gap)), self.wl)
-        cm.timeline_only = True
-        return cm
-
-    def _cached(self, key: tuple, make):
+    def cached(self, key: tuple, make):
+        """``make()``, computed once per ``key`` for this model (device models and dp_cost
+        keep their per-layout results here)."""
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
 
+    # ------------------------------------------------------------------ one rank's timeline
+    def _timeline_twin(self, L: Layout) -> "CostModel | None":
+        """The model pricing ``L``'s collectives on one rank's timeline when the device
+        meets them amid other ranks' work ([Note: crowded collectives] in
+        devices/cpu/step.py); None otherwise."""
+        if self.timeline_only or not self.device.crowded(L.gpus):
+            return None
+        gap = self.tp_gap(L)
+        key = ("crowded", L.gpus, None if gap is None else round(gap, 6))
+        return self.cached(key, lambda: self._make_twin(L.gpus, gap))
+
+    def tp_gap(self, L: Layout) -> float | None:
+        """Seconds of compute between two of the busiest rank's tensor-parallel
+        collectives (None without tensor parallelism)."""
+        if L.tp <= 1:
+            return None
+        _, rt, layers = max(self.sample_ranks(L), key=lambda x: x[1].busy)
+        calls = len(layers) * tp_calls_per_layer(L.sp, L.ac == "full")
+        return (rt.fwd + rt.bwd) / calls if calls else None
+
+    def _make_twin(self, ranks: int, tp_gap: float | None) -> "CostModel":
+        dev = self.device.in_world(ranks)
+        cm = CostModel(self.spec, dev.hw, self.wl, device=dev)
+        if tp_gap is not None:  # a fraction of a layer apart: the peers' turns are shorter
+            cm.stages = StageCoster(self.spec, self.device.in_world(ranks, tp_gap), self.wl)
+        cm.timeline_only = True
+        return cm
+
     # ------------------------------------------------------------------ ranks
-    def _sample_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
-        key = (L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch, L.ac,
-               self.stages.accum_bytes(L))
+    def sample_ranks(self, L: Layout) -> Ranks:
+        """(rank, per-micro-batch times, layers) of the pipeline ranks the closed forms
+        price: the first (the most layers, uneven splits giving the first stages one more,
+        and the embedding), the last (the head; rank 0 in a V) and, for a MoE model, the
+        second (no dense-first layers)."""
+        picks = sorted({0, L.pp - 1} | ({1} if self.spec.is_moe and L.pp > 2 else set()))
+        return self._priced_ranks(L, "sample", picks)
+
+    def all_ranks(self, L: Layout) -> Ranks:
+        """(rank, per-micro-batch times, layers) of every pipeline rank."""
+        return self._priced_ranks(L, "all", range(L.pp))
+
+    def _priced_ranks(self, L: Layout, which: str, picks) -> Ranks:
+        key = (which, L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch,
+               L.ac, self.stages.accum_bytes(L))
         if key not in self._ranks:
             plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
-            # Rank 0 holds the most layers (uneven splits give the first stages one more)
-            # and the embedding; the head sits on the last rank (rank 0 in a V); rank 1 has
-            # no dense-first layers.
-            picks = sorted({0, L.pp - 1} | ({1} if self.spec.is_moe and L.pp > 2 else set()))
             self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0]) for r in picks]
         return self._ranks[key]
 
-    def _rank_plan(self, L: Layout, r: int) -> tuple[list[int], bool, bool]:
+    def rank_plan(self, L: Layout, r: int) -> tuple[list[int], bool, bool]:
+        """(layers, holds the embedding, holds the head) of pipeline rank ``r``."""
         return stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)[r]
 
-    def _units(self, L: Layout, layers: list[int], first: bool, last: bool):
+    def units(self, L: Layout, layers: list[int], first: bool, last: bool):
+        """(root unit's shapes, Counter of dense units' shapes, Counter of expert units'
+        shapes) of the rank holding ``layers`` (cached)."""
         key = ("units", L.tp, L.ep, tuple(layers), first, last)
-        return self._cached(key, lambda: self._make_units(L, layers, first, last))
+        return self.cached(key, lambda: self._make_units(L, layers, first, last))
 
     def _make_units(self, L: Layout, layers: list[int], first: bool, last: bool):
         root = tuple(self.spec.root_shapes(L.tp, first, last))
@@ -182,39 +209,37 @@ class CostModel:
                           if self.spec.is_moe_layer(i))
         return root, dense, experts
 
+    def rank_units(self, L: Layout, layers: list[int], first: bool, last: bool) -> list:
+        """Every unit's shapes on the rank holding ``layers``: the root, the dense units,
+        the expert units."""
+        root, dense, experts = self.units(L, layers, first, last)
+        return ([root] + [u for u, n in dense.items() for _ in range(n)]
+                + [u for u, n in experts.items() for _ in range(n)])
+
     # ------------------------------------------------------------------ memory
     def _memory(self, L: Layout, r: int, rt: RankTimes, layers, inflight: float
                 ) -> MemoryBreakdown:
-        wl, hw = self.wl, self.hw
-        _, first, last = self._rank_plan(L, r)
+        _, first, last = self.rank_plan(L, r)
         st = self.states(L, layers, first, last)
         optimizer = 0.0 if L.offload == "cpu" else st.optimizer
-        tokens = L.microbatch * wl.seq_len / L.cp
-        if hw.cores:  # CPU ranks: the engine's schedule replayed ([Note: buffer replay])
-            unsharded, comm, full_grads = self._cached(
-                ("replay", L.tp, L.ep, L.dp_shard, L.cp, L.zero, L.pp, L.pp_microbatches,
-                 L.comm_weights, L.comm_grads, tuple(layers), first, last),
-                lambda: rank_transient(self.spec, wl, L, layers, first, last))
-            # apply_tp tracks one gathered sequence-parallel input at a time (tp_comm)
-            comm += tokens * self.spec.dim * wl.act_bytes if L.tp > 1 and L.sp else 0.0
-        else:
-            unsharded, full_grads = st.unsharded, st.full_grads
-            comm = st.comm + (2 * tokens * self.spec.dim * wl.act_bytes if L.tp > 1 else 0.0)
+        tokens = L.microbatch * self.wl.seq_len / L.cp
+        unsharded, comm, full_grads = self.device.transient_bytes(self, L, layers, first,
+                                                                  last, st, tokens)
         acts = inflight * rt.saved + rt.working
         frag = FRAGMENTATION * (st.params + st.grads + optimizer + unsharded + full_grads
                                 + acts)
         return MemoryBreakdown(st.params, st.grads, optimizer, unsharded, full_grads, comm,
-                               acts, rt.logits, hw.reserved_bytes, frag, r)
+                               acts, rt.logits, self.hw.reserved_bytes, frag, r)
 
     def states(self, L: Layout, layers: list[int], first: bool, last: bool):
         """Model-state bytes of the rank holding ``layers`` (cached)."""
         key = ("states", L.tp, L.ep, L.dp_shard, L.cp, L.zero, L.pp_microbatches > 1,
                tuple(layers), first, last)
-        return self._cached(key, lambda: self._make_states(L, layers, first, last))
+        return self.cached(key, lambda: self._make_states(L, layers, first, last))
 
     def _make_states(self, L: Layout, layers: list[int], first: bool, last: bool):
         wl = self.wl
-        root, dense, experts = self._units(L, layers, first, last)
+        root, dense, experts = self.units(L, layers, first, last)
         units = [root] + [u for u, n in dense.items() for _ in range(n)]
         kw = dict(zero=L.zero, param_bytes=wl.param_bytes, compute_bytes=wl.act_bytes,
                   optimizer=wl.optimizer, prefetch=wl.prefetch,
@@ -230,49 +255,36 @@ class CostModel:
     def dp_collective_seconds(self, L: Layout) -> float:
         """Seconds of one step's data-parallel collectives on the first pipeline rank,
         overlapped or not (what a profile of its gathers and reductions adds up to)."""
-        if (cm := self._for_ranks(L)) is not self:
-            return cm.dp_collective_seconds(L)
-        gather, _, red, _ = dp_times(self, L, *self._rank_plan(L, 0))
+        if (twin := self._timeline_twin(L)) is not None:
+            return twin.dp_collective_seconds(L)
+        gather, _, red, _ = dp_times(self, L, *self.rank_plan(L, 0))
         if L.zero == 3:
-            gather *= L.pp_microbatches * (2 if self.wl.reshard_after_forward else 1)
+            gather *= gather_rounds(L, self.wl) * (2 if self.wl.reshard_after_forward else 1)
         return gather + red
 
     # ------------------------------------------------------------------ the step
-    def _all_ranks(self, L: Layout) -> list[tuple[int, RankTimes, list[int]]]:
-        key = ("all", L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch,
-               L.ac, self.stages.accum_bytes(L))
-        if key not in self._ranks:
-            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
-            self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0])
-                                for r in range(L.pp)]
-        return self._ranks[key]
-
     def lower_bound(self, L: Layout) -> float:
         """A lower bound of ``estimate(L).step_time`` (closed forms): the busiest sampled
         rank's micro-batches and the schedule's bubble, without data-parallel, pipeline-send
         and optimizer time."""
-        rt = max(self._sample_ranks(L), key=lambda x: x[1].busy)[1]
+        rt = max(self.sample_ranks(L), key=lambda x: x[1].busy)[1]
         prof = schedule_profile(L.pp_schedule, L.pp, L.pp_virtual, L.pp_microbatches,
-                                *self._fbw(rt))
+                                *fbw_seconds(rt))
         return L.pp_microbatches * rt.busy + prof.bubble_time
 
-    @staticmethod
-    def _fbw(rt: RankTimes) -> tuple[float, float, float]:
-        """Forward, backward and weight-gradient seconds with exposed comm folded in."""
-        comm = rt.tp_comm + rt.cp_comm + rt.ep_comm
-        share = rt.fwd / (rt.fwd + rt.bwd) if rt.fwd + rt.bwd else 0.5
-        return rt.fwd + comm * share, rt.bwd + comm * (1 - share), rt.wgrad
-
     def estimate(self, L: Layout, exact: bool = False) -> Estimate:
-        """Price one resolved layout (assumed valid: see ``layout.check_layout``).
+        """Price one resolved layout (assumed valid: see ``parallel_layout.check_layout``).
 
         Args:
             L: the layout.
             exact: price every pipeline rank and simulate the schedule the executor runs
                 (see [Note: pipeline profile]); default: sampled ranks and closed forms.
+
+        Returns:
+            The :class:`Estimate`: step time and its components, memory, utilisation.
         """
-        if (cm := self._for_ranks(L)) is not self:  # [Note: crowded collectives]
-            own, shared = cm.estimate(L, exact), self._estimate(L, exact)
+        if (twin := self._timeline_twin(L)) is not None:  # [Note: crowded collectives]
+            own, shared = twin.estimate(L, exact), self._estimate(L, exact)
             extra = max(0.0, shared.step_time - own.step_time)
             breakdown = {**own.breakdown, "compute": own.breakdown["compute"] + extra}
             return dataclasses.replace(own, step_time=own.step_time + extra,
@@ -282,31 +294,28 @@ class CostModel:
     def _estimate(self, L: Layout, exact: bool) -> Estimate:
         wl, hw, spec = self.wl, self.hw, self.spec
         m = L.pp_microbatches
-        ranks = self._all_ranks(L) if exact else self._sample_ranks(L)
+        ranks = self.all_ranks(L) if exact else self.sample_ranks(L)
         r_star, rt, layers = max(ranks, key=lambda x: x[1].busy)
-        prof = schedule_profile(L.pp_schedule, L.pp, L.pp_virtual, m, *self._fbw(rt),
+        prof = schedule_profile(L.pp_schedule, L.pp, L.pp_virtual, m, *fbw_seconds(rt),
                                 exact=exact and L.pp > 1,
-                                rank_costs=[self._fbw(x[1]) for x in ranks] if exact else None)
+                                rank_costs=[fbw_seconds(x[1]) for x in ranks] if exact else None)
         tokens = L.microbatch * wl.seq_len / L.cp
         split = L.tp if (L.sp or wl.p2p_scatter_gather) else 1
         p2p_bytes = tokens * spec.dim * wl.act_bytes / split
         across = L.dp * L.cp * L.tp >= hw.gpus_per_node
-        t_p2p = comm_model.p2p_time(p2p_bytes, across, hw) if L.pp > 1 else 0.0
-        overlap = not saturated(hw, L.gpus)  # [Note: CPU ranks share the cores]
+        t_p2p = self.device.p2p(p2p_bytes, across) if L.pp > 1 else 0.0
+        overlap = self.device.overlaps(L.gpus)
         pp_comm = 2 * (L.pp - 1) * t_p2p + (0.0 if wl.overlap_pp and overlap
                                              else 2 * L.pp_virtual * m * t_p2p)
         pp_comm += self._tied_embedding_time(L)
-        _, first, last = self._rank_plan(L, r_star)
+        _, first, last = self.rank_plan(L, r_star)
         dp = dp_exposed(self, L, rt, layers, first, last, overlap)
-        if hw.cpu is None:  # CPU ranks price the copies as kernels (cpu_stage)
-            dp += dp_copy_seconds(self, L, layers, first, last)
-        opt, offload = self._optimizer(L, layers, first, last)
+        opt, offload = self.optimizer_seconds(L, layers, first, last)
         breakdown = {"compute": m * (rt.fwd + rt.bwd), "tp_comm": m * rt.tp_comm,
                      "cp_comm": m * rt.cp_comm, "ep_all_to_all": m * rt.ep_comm,
                      "pp_bubble": prof.bubble_time, "pp_comm": pp_comm, "dp_comm": dp,
                      "optimizer": opt, "offload": offload}
-        if hw.cpu is not None:
-            cpu_step(self, L, breakdown, layers, first, last)
+        breakdown = self.device.combine(self, L, breakdown, layers, first, last)
         step = sum(breakdown.values())
         mems = []
         for r, rtr, lay in ranks:
@@ -314,11 +323,10 @@ class CostModel:
                 self._inflight(L, prof.peak_inflight, r)
             mems.append(self._memory(L, r, rtr, lay, inflight))
         mem = max(mems, key=lambda x: x.total)
-        gpus = L.gpus
         model_flops = self._model_flops()
         hw_flops = model_flops + self._recompute_flops(L)
         return Estimate(L, step, breakdown, mem, mem.total <= hw.hbm_bytes, model_flops,
-                        hw_flops, gpus, wl.tokens, hw.peak("bf16"))
+                        hw_flops, L.gpus, wl.tokens, hw.peak("bf16"))
 
     def _inflight(self, L: Layout, peak: float, r: int) -> float:
         if L.pp == 1:
@@ -339,19 +347,18 @@ class CostModel:
         grad_bytes = 4 if self.wl.reduce_fp32 else self.wl.act_bytes
         nbytes = -(-spec.vocab_size // L.tp) * spec.dim * grad_bytes
         pair = comm_model.place(2, L.dp * L.cp * L.tp * (L.pp - 1), self.hw.gpus_per_node)
-        return comm_model.all_reduce_time(nbytes, pair, self.hw)
+        return self.device.all_reduce(nbytes, pair)
 
-    def _optimizer(self, L: Layout, layers, first, last) -> tuple[float, float]:
+    def optimizer_seconds(self, L: Layout, layers, first, last) -> tuple[float, float]:
+        """(optimizer step on the device, offloaded step on the host) seconds of the rank
+        holding ``layers`` (cached)."""
         key = ("opt", L.tp, L.ep, L.dp_shard, L.cp, L.zero, L.offload, tuple(layers), first,
                last)
-        return self._cached(key, lambda: self._make_optimizer(L, layers, first, last))
+        return self.cached(key, lambda: self._make_optimizer(L, layers, first, last))
 
     def _make_optimizer(self, L: Layout, layers, first, last) -> tuple[float, float]:
-        root, dense, experts = self._units(L, layers, first, last)
+        root, dense, experts = self.units(L, layers, first, last)
         world = 1 if L.zero == 0 else L.dp_shard * L.cp
-        if self.hw.cpu is not None and L.offload != "cpu" and not experts:
-            units = [root] + [u for u, c in dense.items() for _ in range(c)]
-            return optimizer_seconds(self.hw, units, world), 0.0
         n = shard_numel(root, world) if root else 0
         n += sum(c * shard_numel(u, world) for u, c in dense.items())
         ew = 1 if L.zero == 0 else max(1, L.dp_shard * L.cp // L.ep)
@@ -361,7 +368,8 @@ class CostModel:
             host = nbytes / self.hw.host_bandwidth
             pcie = n * 2 * self.wl.param_bytes / self.hw.pcie_bandwidth
             return 0.0, max(host, pcie)
-        return self.hw.memory_time(nbytes), 0.0
+        units = [root] + [u for u, c in dense.items() for _ in range(c)]
+        return self.device.optimizer_seconds(units, world, bool(experts), nbytes), 0.0
 
     def _model_flops(self) -> float:
         """FLOPs per step as MFU counts them: 3x forward (backward = 2x), no recompute."""
@@ -371,10 +379,9 @@ class CostModel:
         return self._flops
 
     def _recompute_flops(self, L: Layout) -> float:
-        return self._cached(("recompute", L.ac), lambda: self._make_recompute(L))
+        return self.cached(("recompute", L.ac), lambda: self._make_recompute(L))
 
     def _make_recompute(self, L: Layout) -> float:
         rt = self.stages.rank(L.replace(tp=1, cp=1, sp=False, ep=1, microbatch=1),
                               list(range(self.spec.n_layers)), False, False)
         return rt.recompute_flops * self.wl.global_batch
-

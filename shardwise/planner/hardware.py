@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from shardwise.planner.cpu_costs import CpuCosts
+from shardwise.planner.devices.cpu.costs import CpuCosts
 
 __all__ = ["Hardware", "Link", "get_hardware", "list_hardware", "load_catalogue",
            "default_calibration_path"]
@@ -76,7 +76,7 @@ class Hardware:
     """The collective backend the engine uses on this device (``gloo`` on CPU ranks)."""
     cpu: CpuCosts | None = None
     """CPU ranks: the measured costs of the kernels the trainer runs and of the Gloo
-    collectives (cpu_costs.py); None on GPUs."""
+    collectives (devices/cpu/costs.py), priced by the CPU device model; None on GPUs."""
     intra: Link = field(init=False, repr=False, compare=False)
     """Achievable intra-node link: datasheet bandwidth x ``intra_efficiency``."""
     inter: Link = field(init=False, repr=False, compare=False)

@@ -7,23 +7,10 @@ executor runs. With ``exact=True`` this module builds that very schedule
 (``shardwise.parallel.build_schedule``) and replays it in the pipeline simulator
 (``shardwise.parallel.simulate``) with the cost model's per-stage forward, backward and
 weight-gradient seconds and the send latency. The search prices tens of thousands of
-layouts, too many to simulate each, so it ranks them with closed forms and re-prices its
-best ones exactly. The closed forms, with per-rank costs ``f`` (forward of one micro-batch
-over a rank's layers), ``b`` (its backward, recomputation included), ``w`` (the weight-
-gradient part of ``b``) and ``i = b - w``, are read off the simulator's results for equal
-stage costs and ``m >= 2p``; the first four are exact there, the V-shaped two are close
-approximations (tests/test_planner_cost.py checks each against ``simulate``):
-
-================  =====================================  ================================
-schedule          bubble (step - busy time)              peak micro-batches of activations
-================  =====================================  ================================
-gpipe             (p - 1)(f + b)                         m
-1f1b              (p - 1)(f + b)                         min(m, p)
-interleaved_1f1b  (p - 1)(f + b) / v                     min(m, p) + (p - 1) / v
-zb1 (ZB-H1)       (p - 1) max(f, i, f + i - w)           min(m, p)
-zbv (ZB-V)        (p - 1) max(f, i, f + i - w) / 2       p
-dualpipev         (p - 1) max(f, (f + i) / 2)            p + 1/2
-================  =====================================  ================================
+layouts, too many to simulate each, so it ranks them with the closed forms the schedule
+registry carries (``ScheduleSpec.bubble_time`` and ``peak_inflight``, [Note: pipeline
+closed forms] in shardwise/parallel/pipeline/formulas.py) and re-prices its best ones
+exactly.
 
 Beyond ``m >= 2p`` the bubble depends on ``m`` only through ``m mod p`` (interleaved 1F1B
 runs whole rounds of ``p`` micro-batches), so the exact profile simulates
@@ -37,11 +24,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.parallel.pipeline import Costs, build_schedule, simulate
-from shardwise.parallel.pipeline.schedule import looped_placement, v_placement
+from shardwise.parallel.pipeline.action_lists import gather_rounds as stage_gather_rounds
 from shardwise.parallel.pipeline.schedules import schedule_spec
 
 __all__ = ["PipelineProfile", "schedule_profile", "min_microbatches", "stage_costs",
-           "placement", "simulated_microbatches", "rounded"]
+           "placement", "simulated_microbatches", "rounded", "gather_rounds"]
 
 
 @dataclass(frozen=True)
@@ -58,24 +45,6 @@ class PipelineProfile:
 def min_microbatches(schedule: str, pp: int) -> int:
     """The fewest micro-batches the schedule's generator accepts at ``pp`` ranks."""
     return 1 if schedule == "none" else schedule_spec(schedule).min_microbatches(pp)
-
-
-def _closed(schedule: str, p: int, v: int, m: int, f: float, b: float, w: float
-            ) -> PipelineProfile:
-    if schedule == "gpipe":
-        return PipelineProfile((p - 1) * (f + b), float(m))
-    if schedule == "1f1b":
-        return PipelineProfile((p - 1) * (f + b), float(min(m, p)))
-    if schedule == "interleaved_1f1b":
-        return PipelineProfile((p - 1) * (f + b) / v, min(m, p) + (p - 1) / v)
-    i = b - w
-    if schedule == "zb1":
-        return PipelineProfile((p - 1) * max(f, i, f + i - w), float(min(m, p)))
-    if schedule == "zbv":
-        return PipelineProfile((p - 1) * max(f, i, f + i - w) / 2, float(p))
-    if schedule == "dualpipev":
-        return PipelineProfile((p - 1) * max(f, (f + i) / 2), p + 0.5)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}")
 
 
 @lru_cache(maxsize=512)
@@ -111,7 +80,8 @@ def schedule_profile(schedule: str, pp: int, virtual: int, microbatches: int, f:
     if p == 1 or schedule == "none":
         return PipelineProfile(0.0, 1.0, (1.0,))
     if not exact:
-        return _closed(schedule, p, v, m, f, b, w)
+        spec = schedule_spec(schedule)
+        return PipelineProfile(spec.bubble_time(p, v, m, f, b, w), spec.peak_inflight(p, v, m))
     per_stage = stage_costs(schedule, p, v, rank_costs or [(f, b, w)] * p)
     stages = tuple(zip(*per_stage, strict=True))
     m_sim = simulated_microbatches(schedule, p, m)
@@ -134,9 +104,7 @@ def placement(schedule: str, pp: int, virtual: int) -> tuple[int, ...]:
     dualpipev: rank 0 then holds both the first and the last stage)."""
     if schedule == "none" or pp == 1:
         return (0,) * max(1, virtual)
-    if schedule_spec(schedule).v_shape:
-        return v_placement(pp)
-    return looped_placement(pp, max(1, virtual))
+    return schedule_spec(schedule).placement(pp, max(1, virtual))
 
 
 def stage_costs(schedule: str, pp: int, virtual: int,
@@ -156,3 +124,17 @@ def rounded(stages: tuple) -> tuple:
     def r(x: float) -> float:
         return float(f"{x:.4g}")
     return tuple(tuple(r(x) for x in s) for s in stages)
+
+
+def gather_rounds(L, wl) -> int:
+    """How many times a step gathers a ZeRO-3 rank's parameters for its forwards (each unit
+    again for its backward when ``wl.reshard_after_forward``): once per step when the
+    stack keeps them gathered between micro-batches (``dp_sync_after_backward``), in a
+    pipeline the count of the schedule's engine actions ([Note: engine actions] in
+    shardwise/parallel/pipeline/action_lists.py: the trainer keeps a stage gathered exactly
+    when it does not reshard after forward), else once per micro-batch."""
+    if wl.dp_sync_after_backward:
+        return 1
+    if L.pp > 1:
+        return stage_gather_rounds(not wl.reshard_after_forward, L.pp_microbatches)
+    return L.pp_microbatches

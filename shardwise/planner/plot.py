@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shardwise.parallel.pipeline import Costs, build_schedule, simulate
 from shardwise.planner.pipeline import min_microbatches, stage_costs
+from shardwise.planner.stage_cost import fbw_seconds
 
 __all__ = ["plot_estimate"]
 
@@ -42,8 +43,8 @@ def _timeline_panel(ax, est, cost_model) -> str:
         ax.text(0.5, 0.5, "no pipeline (pp = 1)", ha="center", va="center")
         ax.set_axis_off()
         return ""
-    ranks = cost_model._all_ranks(L)
-    costs = [cost_model._fbw(rt) for _, rt, _ in ranks]
+    ranks = cost_model.all_ranks(L)
+    costs = [fbw_seconds(rt) for _, rt, _ in ranks]
     m = max(min_microbatches(L.pp_schedule, L.pp), min(L.pp_microbatches, _MAX_DRAWN))
     f, b, i, w = stage_costs(L.pp_schedule, L.pp, L.pp_virtual, costs)
     sim = simulate(build_schedule(L.pp_schedule, L.pp, m, L.pp_virtual),

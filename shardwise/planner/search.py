@@ -45,8 +45,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardwise.planner.cost_model import CostModel, Estimate
-from shardwise.planner.layout import Layout, check_layout
-from shardwise.planner.memory import state_bytes
+from shardwise.planner.parallel_layout import Layout, check_layout
+from shardwise.planner.rank_memory import state_bytes
 from shardwise.planner.pipeline import min_microbatches
 from shardwise.planner.stage_cost import stage_layers
 from shardwise.planner.workload import Workload
@@ -139,7 +139,7 @@ class _Searcher:
                L.pp_microbatches > 1, L.offload)
         if key not in self._states:
             plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)[0]
-            root, dense, experts = self.cm._units(L, *plan)
+            root, dense, experts = self.cm.units(L, *plan)
             units = [root] + [u for u, n in dense.items() for _ in range(n)]
             st = state_bytes(units, L.dp_shard * L.cp, zero=L.zero,
                              param_bytes=self.wl.param_bytes, compute_bytes=self.wl.act_bytes,

@@ -95,7 +95,7 @@ class Workload:
         dp_copies: the engine copies each gathered parameter out of the gather's flat
             buffer and packs the gradients into the reduction's (True, the default:
             shardwise, FSDP2), priced at the memory bandwidth ([Note: the engine's copies
-            on GPUs] in dp_cost.py); False: parameters and gradients live in the
+            on GPUs] in devices/gpu.py); False: parameters and gradients live in the
             collectives' buffers (Megatron-LM, DeepSpeed, FSDP1's flat parameters).
         zero1_all_reduce: at ZeRO stage 1, gradients are reduced with a whole all-reduce
             (each rank then updates its own shard and the parameters are all-gathered),

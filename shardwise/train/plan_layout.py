@@ -28,7 +28,7 @@ from typing import Any
 from shardwise.planner.catalogue import from_llama_config
 from shardwise.planner.cost_model import CostModel, Estimate
 from shardwise.planner.hardware import get_hardware
-from shardwise.planner.layout import Layout
+from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.search import search
 from shardwise.planner.workload import Workload
 from shardwise.train.config import Config, resolve_world, validate

@@ -37,7 +37,7 @@ from typing import Any
 from shardwise.distributed import comm, comm_objects
 from shardwise.planner.calibrate import StepMeasurement, calibrate, constant
 from shardwise.planner.cost_model import CostModel
-from shardwise.planner.layout import Layout
+from shardwise.planner.parallel_layout import Layout
 from shardwise.train import plan_layout
 from shardwise.train.config import Config
 from shardwise.train.preflight import build_model_config

@@ -13,9 +13,9 @@ The same :class:`Schedule` drives the executor on real ranks and the planner's s
 """
 
 from shardwise.parallel.pipeline.actions import Action, Kind
-from shardwise.parallel.pipeline.p2p import steps
+from shardwise.parallel.pipeline.messages import steps
 from shardwise.parallel.pipeline.replay import DeadlockError
-from shardwise.parallel.pipeline.schedule import Schedule, looped_placement, v_placement
+from shardwise.parallel.pipeline.action_lists import Schedule, looped_placement, v_placement
 from shardwise.parallel.pipeline.schedules import (SCHEDULE_NAMES, ScheduleSpec, build_schedule,
                                                    schedule_spec)
 from shardwise.parallel.pipeline.simulate import (Costs, Simulation, TimedAction, critical_path,

@@ -10,6 +10,9 @@ form is ``{stage}{KIND}{microbatch}``, the format ``torch.distributed.pipelining
     2RECV_F3   stage 2 receives its input of micro-batch 3 from stage 1
     2SEND_B0   stage 2 sends the gradient of its input (micro-batch 0) to stage 1
     1RECV_B0   stage 1 receives the gradient of its output (micro-batch 0) from stage 2
+    0UNSHARD0 / 0RESHARD7 / 0REDUCE_GRAD7   the data-parallel engine's actions on stage 0
+               ([Note: engine actions] in action_lists.py), at micro-batch 0's forward and
+               micro-batch 7's backward
 
 Communication actions always carry the stage that owns the action's rank, so a SEND and its
 RECV name neighbouring stages (``1SEND_F3`` pairs with ``2RECV_F3``).
@@ -21,7 +24,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-__all__ = ["Kind", "Action", "COMPUTE_KINDS", "COMM_KINDS"]
+__all__ = ["Kind", "Action", "COMPUTE_KINDS", "COMM_KINDS", "ENGINE_KINDS"]
 
 
 class Kind(enum.Enum):
@@ -35,10 +38,14 @@ class Kind(enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
 
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+ENGINE_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD})
 
 _DESCRIPTIONS = {
     Kind.F: "forward",
@@ -49,9 +56,13 @@ _DESCRIPTIONS = {
     Kind.RECV_F: "receive of the activation",
     Kind.SEND_B: "send of the input gradient",
     Kind.RECV_B: "receive of the output gradient",
+    Kind.UNSHARD: "parameters kept gathered from here",
+    Kind.RESHARD: "parameters freed",
+    Kind.REDUCE_GRAD: "gradients reduced by the next backward",
 }
 # Longest names first so that "SEND_F" is not read as "S" + ...; "F" must come last.
-_PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)")
+_PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD|F|B|I|W)"
+                      r"(\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +89,11 @@ class Action:
         """True for SEND_F, RECV_F, SEND_B and RECV_B."""
         return self.kind in COMM_KINDS
 
+    @property
+    def is_engine(self) -> bool:
+        """True for UNSHARD, RESHARD and REDUCE_GRAD."""
+        return self.kind in ENGINE_KINDS
+
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
@@ -97,6 +113,7 @@ class Action:
         if match is None:
             raise ValueError(
                 f"cannot read action {text!r}: expected {{stage}}{{KIND}}{{microbatch}} with KIND "
-                f"one of F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B (e.g. 0F3, 1I2, 2RECV_F0)")
+                f"one of F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD, "
+                f"REDUCE_GRAD (e.g. 0F3, 1I2, 2RECV_F0)")
         stage, kind, microbatch = match.groups()
         return cls(int(stage), Kind(kind), int(microbatch))

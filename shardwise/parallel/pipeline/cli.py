@@ -17,7 +17,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from shardwise.parallel.pipeline.formulas import reference_bubble
-from shardwise.parallel.pipeline.schedule import Schedule
+from shardwise.parallel.pipeline.action_lists import Schedule
 from shardwise.parallel.pipeline.schedules import (SCHEDULE_NAMES, build_schedule,
                                                    schedule_spec)
 from shardwise.parallel.pipeline.simulate import Costs, simulate

@@ -8,9 +8,9 @@
     clip_grad_norm_(part, 1.0); optimizer.step(); optimizer.zero_grad()
 
 Each rank runs its own action list of the very schedule the simulator reads, step by step
-(``p2p.steps``): a compute action alone, a run of communication actions as one batch posted
+(``messages.steps``): a compute action alone, a run of communication actions as one batch posted
 together, sends eager and waited at the end of the step ([Note: communication semantics] in
-p2p.py, [Note: agreed shapes] in mailbox.py). The batch of ``B`` sequences is cut into the
+messages.py, [Note: agreed shapes] in mailbox.py). The batch of ``B`` sequences is cut into the
 schedule's ``microbatches`` equal micro-batches; the last stage's loss of each is divided by
 their number, so the step's gradients and loss are the whole batch's mean, as with pp 1.
 A stage with MoE layers adds the balance losses of each forward to that micro-batch's
@@ -18,24 +18,26 @@ backward ([Note: balance losses in a pipeline] in moe.py); the returned loss sta
 loss.
 
 [Note: pipeline engine controls] The executor drives the ZeRO engine of each stage only
-through its per-micro-batch controls ([Note: per-micro-batch controls] in controls.py):
+through its per-micro-batch controls ([Note: per-micro-batch controls] in controls.py), at
+the engine actions of its training list ([Note: engine actions] in action_lists.py):
 
-* gradient sync is off for every backward pass of a stage but its last (the last ``B`` or
-  ``W`` of the stage in this rank's list), so gradients are reduced once per step, after
-  the last micro-batch, however many passes ran. An ``I`` pass computes the stage input's
-  gradient and defers the weight-gradient work, which its ``W`` pass does later and
-  accumulates into ``graph_parameters`` in one backward call ([Note: split backward] in
-  split_backward.py; the ``grad`` calls before it run under ``paused_backward_hooks``);
-* stage 3 (``keep_gathered=True``, the default): a stage's parameters are gathered at its
-  first action and kept (``set_reshard_after_forward/backward(False)``) until its last
-  action of the step, then freed (``reshard``): one all-gather per piece per step, and the
-  stage's full parameters (1/pp of the model's, or 1/(pp v) per stage) in memory through
-  the step. ``keep_gathered=False`` frees them after each backward pass (the engine's
-  defaults): memory between actions drops to the shards, at the price of re-gathering for
-  every micro-batch's forward (its ``I`` or ``B`` reads the weights gathered in the pass's
-  hooks; a split ``W`` reads only saved activations and gathers nothing, the ``W`` of an
-  activation-checkpointed stage re-gathers): about M (2M with checkpointing and a
-  zero-bubble schedule) all-gathers per piece per step instead of 1.
+* gradient sync is off from the start of the step; ``REDUCE_GRAD`` turns it on before the
+  stage's last ``B`` or ``W``, so gradients are reduced once per step, after the last
+  micro-batch, however many passes ran. An ``I`` pass computes the stage input's gradient
+  and defers the weight-gradient work, which its ``W`` pass does later and accumulates into
+  ``graph_parameters`` in one backward call ([Note: split backward] in split_backward.py;
+  the ``grad`` calls before it run under ``paused_backward_hooks``);
+* stage 3 (``keep_gathered=True``, the default): ``UNSHARD`` keeps a stage's parameters
+  gathered from its first action (``set_reshard_after_forward/backward(False)``) and
+  ``RESHARD`` frees them after its last (``reshard``): one all-gather per piece per step,
+  and the stage's full parameters (1/pp of the model's, or 1/(pp v) per stage) in memory
+  through the step. ``keep_gathered=False`` inserts neither and leaves the engine's
+  defaults, which free them after each pass: memory between actions drops to the shards,
+  at the price of re-gathering for every micro-batch's forward (its ``I`` or ``B`` reads
+  the weights gathered in the pass's hooks; a split ``W`` reads only saved activations and
+  gathers nothing, the ``W`` of an activation-checkpointed stage re-gathers): about M (2M
+  with checkpointing and a zero-bubble schedule) all-gathers per piece per step instead
+  of 1.
 
 A rank's watchdog context (``watchdog.active().context["pp action"]``) names the action it
 is on, so a rank that fails or hangs inside a schedule is reported with it.
@@ -55,8 +57,8 @@ from shardwise.distributed import comm, watchdog
 from shardwise.parallel.pipeline.actions import Action, Kind
 from shardwise.parallel.pipeline.mailbox import Mailbox
 from shardwise.parallel.pipeline.moe import stage_balance_roots
-from shardwise.parallel.pipeline.p2p import steps
-from shardwise.parallel.pipeline.schedule import Schedule
+from shardwise.parallel.pipeline.messages import steps
+from shardwise.parallel.pipeline.action_lists import Schedule, add_engine_actions
 from shardwise.parallel.checkpointing import checkpointed_blocks
 from shardwise.parallel.pipeline.split import PipelinePart, StageModule
 from shardwise.parallel.pipeline.split_backward import DeferredWeights, input_pass, weight_pass
@@ -125,12 +127,9 @@ class ActionTime:
 
 @dataclass
 class _Program:
-    """One action list, prepared: its steps, and per stage the step index of its last
-    weight-gradient pass and of its last compute action."""
+    """One action list, prepared: its steps (engine actions included, for training)."""
 
     steps: list[tuple[Action, ...]]
-    last_grad: dict[int, int] = field(default_factory=dict)
-    last_action: dict[int, int] = field(default_factory=dict)
     next_comm: dict[int, int] = field(default_factory=dict)
     """Communication step index -> index of the next communication step."""
 
@@ -139,12 +138,6 @@ class _Program:
         prog = cls(steps(actions))
         comm_steps = [i for i, step in enumerate(prog.steps) if step[0].is_comm]
         prog.next_comm = dict(zip(comm_steps, comm_steps[1:]))
-        for i, step in enumerate(prog.steps):
-            a = step[0]
-            if a.is_compute:
-                prog.last_action[a.stage] = i
-                if a.kind in (Kind.B, Kind.W):
-                    prog.last_grad[a.stage] = i
         return prog
 
 
@@ -176,7 +169,8 @@ class PipelineExecutor:
         self.part, self.schedule, self.groups = part, schedule, groups
         self.loss_fn = loss_fn or default_loss(part)
         self.keep_gathered, self.record_times = keep_gathered, record_times
-        self.train_program = _Program.of(schedule.ranks[groups.pp_rank])
+        self.train_program = _Program.of(add_engine_actions(schedule.ranks[groups.pp_rank],
+                                                            keep_gathered))
         self.eval_program = _Program.of(forward_schedule(schedule).ranks[groups.pp_rank])
         self.sharded = {st.index: bool(engine_states(st)) for st in part.stages}
         # [Note: split backward]: checkpointed stages recompute once per autograd call.
@@ -238,8 +232,10 @@ class PipelineExecutor:
                 self.mailbox.run_batch(step)
                 if i in prog.next_comm:  # [Note: early receives] in mailbox.py
                     self.mailbox.prepost(prog.steps[prog.next_comm[i]])
+            elif step[0].is_engine:
+                self._engine(step[0])
             else:
-                self._compute(step[0], run, prog, i)
+                self._compute(step[0], run)
             if self.record_times:
                 times.append(ActionTime(text, step[0].is_compute, start, time.perf_counter()))
         if wd is not None:
@@ -256,27 +252,28 @@ class PipelineExecutor:
         for st in self.part.stages:
             if self.sharded[st.index]:
                 controls.set_gradient_sync(st, False)
-                if self.keep_gathered:
-                    controls.set_reshard_after_forward(st, False)
-                    controls.set_reshard_after_backward(st, False)
 
-    def _end_stage(self, st: StageModule, train: bool) -> None:
-        """The stage's last action of the step ran: free what was kept gathered."""
-        if self.sharded[st.index] and self.keep_gathered and train:
+    def _engine(self, a: Action) -> None:
+        """An engine action ([Note: pipeline engine controls]); nothing for an unsharded
+        stage."""
+        st = self.part.stage(a.stage)
+        if not self.sharded[st.index]:
+            return
+        if a.kind is Kind.REDUCE_GRAD:
+            controls.set_gradient_sync(st, True)
+            return
+        if a.kind is Kind.RESHARD:
             controls.reshard(st)
-            controls.set_reshard_after_forward(st, True)
-            controls.set_reshard_after_backward(st, True)
+        keep = a.kind is Kind.UNSHARD  # RESHARD restores the engine's defaults
+        controls.set_reshard_after_forward(st, not keep)
+        controls.set_reshard_after_backward(st, not keep)
 
-    def _compute(self, a: Action, run: _Run, prog: _Program, index: int) -> None:
+    def _compute(self, a: Action, run: _Run) -> None:
         st = self.part.stage(a.stage)
         if a.kind is Kind.F:
             self._forward(a, st, run)
         else:
-            if index == prog.last_grad.get(a.stage) and self.sharded[st.index]:
-                controls.set_gradient_sync(st, True)  # [Note: pipeline engine controls]
             self._backward(a, st, run)
-        if index == prog.last_action[a.stage]:
-            self._end_stage(st, run.train)
 
     def _forward(self, a: Action, st: StageModule, run: _Run) -> None:
         s, mb = a.stage, a.microbatch

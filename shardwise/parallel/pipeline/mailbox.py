@@ -1,6 +1,6 @@
 """The executor's messages: batches of sends and receives, local hand-overs, agreed shapes.
 
-A message is keyed by what travels (``p2p.message_key``: ``("F", stage, mb)`` for the output
+A message is keyed by what travels (``messages.message_key``: ``("F", stage, mb)`` for the output
 of ``stage``, ``("B", stage, mb)`` for the gradient of its input). A compute action *posts*
 what it produced and *takes* what it consumes; a batch of communication actions moves posted
 tensors to the peer ranks and fills the receive buffers. Between two stages on one rank (the
@@ -14,7 +14,7 @@ when that shape changes) is preceded by a small int64 message carrying its shape
 the receiver takes it, allocates the buffer and then posts the receive of the data. After
 that the shape is agreed and activations travel alone. Sends are eager and sent in order, so
 waiting for the shape message before posting the data receive never waits longer than
-waiting for the data itself ([Note: communication semantics] in p2p.py); later receives from
+waiting for the data itself ([Note: communication semantics] in messages.py); later receives from
 the same peer are posted after it, keeping each link in order.
 
 [Note: early receives] On Gloo (CPU ranks) the executor posts the receives of a rank's next
@@ -22,14 +22,14 @@ communication batch as soon as the current batch is done (``prepost``), before t
 actions between them, so the data crosses while this rank computes and the batch, when
 reached, only waits. Without it, a message sent while its receiver computes crosses only
 after the receiver posts the receive (Gloo's sender and receiver meet in their transport
-threads, which on a busy CPU costs a few milliseconds per message: measured 1-5 ms at pp 2
-on 2 cores against 0.7 ms for a ping between idle ranks). The simulator already assumes
-this: a receive completes ``latency`` after its send was posted. Receives are still posted
-in list order, so each link stays in order; a batch whose buffers need a shape message is
-posted when reached. NCCL posts receives when reached: its sends and receives between two
-ranks share one communicator and stream, where a receive posted early holds back this
-rank's later sends on that link until it completes (some schedules would deadlock), and its
-waits do not block the host anyway (the compute stream waits on the communication stream).
+threads, which on a busy CPU costs milliseconds per message, several times a ping between
+idle ranks). The simulator already assumes this: a receive completes ``latency`` after its
+send was posted. Receives are still posted in list order, so each link stays in order; a
+batch whose buffers need a shape message is posted when reached. NCCL posts receives when
+reached: its sends and receives between two ranks share one communicator and stream, where
+a receive posted early holds back this rank's later sends on that link until it completes
+(some schedules would deadlock), and its waits do not block the host anyway (the compute
+stream waits on the communication stream).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 
 from shardwise.distributed import p2p as p2p_comm
 from shardwise.parallel.pipeline.actions import Action, Kind
-from shardwise.parallel.pipeline.p2p import message_key, peer_rank
+from shardwise.parallel.pipeline.messages import message_key, peer_rank
 
 __all__ = ["Mailbox"]
 

@@ -1,11 +1,16 @@
 """Replay per-rank action lists as the executor runs them: times, or the deadlock.
 
-The one model of execution shared by the validator (zero costs: does every rank finish?) and
-the simulator (real costs: when does each action start and end?). See [Note: communication
-semantics] in p2p.py: compute actions run one after another on their rank; consecutive
-communication actions are one batch, reached when the rank gets there; its sends are posted
-then and never waited for; its receives complete ``latency`` after their sends were posted, and
-the rank resumes when all of them have.
+The one model of execution shared by the validator (zero costs: does every rank finish?), the
+simulator (real costs: when does each action start and end?) and the planner (a cost callback
+per action, and ranks that slow each other while they compute at once). See [Note:
+communication semantics] in messages.py: compute actions run one after another on their rank
+(the engine's actions take no time); consecutive communication actions are one batch,
+reached when the rank gets there; its sends are posted then and never waited for; its
+receives complete ``latency`` after their sends were posted, and the rank resumes when all
+of them have.
+
+    times = replay(ranks, placement, cost)                    # every rank at its own speed
+    step, busy = replay_shared(ranks, placement, cost, (1.0, 1.3))  # 2 ranks computing: 1.3x
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise.parallel.pipeline.actions import Action, Kind
-from shardwise.parallel.pipeline.p2p import batch_end, message_key, peer_rank
+from shardwise.parallel.pipeline.messages import batch_end, message_key, peer_rank
 
-__all__ = ["DeadlockError", "replay"]
+__all__ = ["DeadlockError", "replay", "replay_shared"]
 
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
 
@@ -36,6 +41,24 @@ class _Rank:
 
 def _side(action: Action) -> tuple[tuple[str, int, int], bool]:
     return message_key(action), action.kind in _SENDS
+
+
+def _post_batch(actions: Sequence[Action], pos: int, posted: dict, now, placement
+                ) -> tuple[int, set[int], list]:
+    """Reach the batch of communication actions at ``pos``: post its sends not posted yet
+    (at ``now``). Returns (the index past the batch, the ranks the new sends go to, the
+    messages its receives wait for)."""
+    end = batch_end(actions, pos)
+    woken: set[int] = set()
+    receives = []
+    for op in actions[pos:end]:
+        key, is_send = _side(op)
+        if not is_send:
+            receives.append(key)
+        elif key not in posted:
+            posted[key] = now
+            woken.add(peer_rank(op, placement))
+    return end, woken, receives
 
 
 def replay(ranks: Sequence[Sequence[Action]], placement: Sequence[int],
@@ -82,20 +105,14 @@ def _advance(rank: int, state: list[_Rank], times, posted, placement, cost, late
     woken: set[int] = set()
     while me.pos < len(me.actions):
         action = me.actions[me.pos]
-        if action.is_compute:
-            end = me.now + cost(action)
+        if action.is_compute or action.is_engine:  # engine actions take no time
+            end = me.now + cost(action) if action.is_compute else me.now
             times[rank][me.pos] = (me.now, end)
             me.now = end
             me.pos += 1
             continue
-        end_index = batch_end(me.actions, me.pos)
-        batch = me.actions[me.pos:end_index]
-        for op in batch:
-            key, is_send = _side(op)
-            if is_send and key not in posted:
-                posted[key] = me.now
-                woken.add(peer_rank(op, placement))
-        keys = [_side(op)[0] for op in batch if not _side(op)[1]]
+        end_index, sent_to, keys = _post_batch(me.actions, me.pos, posted, me.now, placement)
+        woken |= sent_to
         if not all(key in posted for key in keys):
             return woken
         done = max([me.now] + [posted[key] + latency for key in keys])
@@ -105,6 +122,66 @@ def _advance(rank: int, state: list[_Rank], times, posted, placement, cost, late
         me.now = done
         me.pos = end_index
     return woken
+
+
+def replay_shared(ranks: Sequence[Sequence[Action]], placement: Sequence[int],
+                  cost: Callable[[Action], float], slowdown: Sequence[float]
+                  ) -> tuple[float, tuple[float, ...]]:
+    """Replay the lists as processor sharing: between two events (an action starting or
+    ending) each of the ``n`` ranks computing works at ``1 / slowdown[n - 1]`` of its own
+    speed (the last factor holds for more); messages are free.
+
+    Args:
+        ranks, placement: as :func:`replay`.
+        cost: seconds of a compute action at a rank's own speed.
+        slowdown: per count of ranks computing at once, each one's slowdown (>= 1).
+
+    Returns:
+        (seconds from the first compute action's start to the last one's end, per rank its
+        compute seconds as stretched by the ranks computing beside it).
+
+    Raises:
+        DeadlockError: when no rank can move and some have not finished.
+    """
+    state = [_Rank(list(actions)) for actions in ranks]
+    work: list[float | None] = [None] * len(state)  # own-speed seconds left of the action
+    busy, posted, now = [0.0] * len(state), {}, 0.0
+
+    def advance(r: int) -> bool:  # to its next compute action, starting now; moved?
+        me, moved = state[r], False
+        while work[r] is None and me.pos < len(me.actions):
+            action = me.actions[me.pos]
+            if action.is_compute:
+                work[r], me.now = float(cost(action)), now
+                return True
+            if action.is_engine:
+                me.pos, moved = me.pos + 1, True
+                continue
+            end, sent_to, keys = _post_batch(me.actions, me.pos, posted, now, placement)
+            moved = moved or bool(sent_to)
+            if not all(key in posted for key in keys):
+                return moved
+            me.pos, moved = end, True
+        return moved
+
+    while True:
+        while any([advance(r) for r in range(len(state)) if work[r] is None]):
+            pass  # a send may let a rank already passed over move on
+        running = [r for r in range(len(state)) if work[r] is not None]
+        if not running:
+            break
+        slow = slowdown[min(len(running), len(slowdown)) - 1]
+        dt = min(work[r] for r in running) * slow  # until the next action ends
+        now += dt
+        for r in running:
+            work[r] -= dt / slow
+            if work[r] <= 1e-12 * max(1.0, now):
+                busy[r] += now - state[r].now
+                state[r].pos, work[r] = state[r].pos + 1, None
+    blocked = [r for r, s in enumerate(state) if s.pos < len(s.actions)]
+    if blocked:
+        raise DeadlockError(_deadlock_message(blocked, state, posted, placement))
+    return now, tuple(busy)
 
 
 def _deadlock_message(blocked: list[int], state: list[_Rank], posted, placement) -> str:

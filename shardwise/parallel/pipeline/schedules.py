@@ -22,8 +22,8 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardwise.parallel.pipeline import gen_classic, gen_dualpipe, gen_zero_bubble
-from shardwise.parallel.pipeline.schedule import Schedule, looped_placement, v_placement
+from shardwise.parallel.pipeline import formulas, gen_classic, gen_dualpipe, gen_zero_bubble
+from shardwise.parallel.pipeline.action_lists import Schedule, looped_placement, v_placement
 
 __all__ = ["build_schedule", "SCHEDULE_NAMES", "ScheduleSpec", "schedule_spec",
            "expected_bubble", "default_microbatches", "TARGET_BUBBLE"]
@@ -34,13 +34,20 @@ TARGET_BUBBLE = 0.25
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """What a named schedule accepts.
+    """Everything known of a named schedule: what it accepts, where its stages sit, and its
+    closed forms (formulas.py).
 
     Attributes:
         name: the name build_schedule takes.
         summary: one line for help texts.
+        generate: ``(pp, microbatches, virtual) -> per-rank action lists``.
         default_virtual: stages per rank when ``virtual=0``.
         min_virtual / max_virtual: accepted stages per rank (max None = no limit).
+        bubble_time: ``(p, v, m, f, b, w) -> seconds`` the busiest rank idles in a step,
+            from its per-micro-batch forward, backward and weight-gradient seconds over all
+            of its layers ([Note: pipeline closed forms] in formulas.py).
+        peak_inflight: ``(p, v, m) -> micro-batches`` of activations a rank holds at its
+            peak, in units of one micro-batch over all of its layers.
         v_shape: stages placed in a V (else looped).
         with_comm: the generator places its own messages (else they are inserted).
         microbatches_per_pp: the schedule needs m >= this x pp (0: any m >= 1).
@@ -52,6 +59,8 @@ class ScheduleSpec:
     default_virtual: int
     min_virtual: int
     max_virtual: int | None
+    bubble_time: Callable[[int, int, int, float, float, float], float]
+    peak_inflight: Callable[[int, int, int], float]
     v_shape: bool = False
     with_comm: bool = False
     microbatches_per_pp: int = 0
@@ -60,22 +69,36 @@ class ScheduleSpec:
         """The fewest micro-batches the schedule runs with at ``pp`` ranks."""
         return max(1, self.microbatches_per_pp * pp)
 
+    def placement(self, pp: int, virtual: int) -> tuple[int, ...]:
+        """The rank holding each of the ``pp x virtual`` stages (a V, or looped)."""
+        return v_placement(pp) if self.v_shape else looped_placement(pp, virtual)
+
+    def reference_bubble(self, pp: int, microbatches: int, virtual: int):
+        """The published bubble share under unit costs, ``(formula, value)``, or None
+        ([Note: published bubbles] in formulas.py)."""
+        return formulas.reference_bubble(self.name, pp, microbatches, virtual)
+
 
 _SPECS = (
-    ScheduleSpec("gpipe", "all forwards, then all backwards", gen_classic.gpipe, 1, 1, 1),
+    ScheduleSpec("gpipe", "all forwards, then all backwards", gen_classic.gpipe, 1, 1, 1,
+                 formulas.one_pass_bubble, lambda p, v, m: float(m)),
     ScheduleSpec("1f1b", "one forward, one backward (PipeDream-flush)", gen_classic.one_f_one_b,
-                 1, 1, 1),
+                 1, 1, 1, formulas.one_pass_bubble, lambda p, v, m: float(min(m, p))),
     ScheduleSpec("interleaved_1f1b", "1F1B over several looped stages per rank (Megatron-LM)",
-                 gen_classic.interleaved_1f1b, 2, 2, None),
+                 gen_classic.interleaved_1f1b, 2, 2, None, formulas.looped_bubble,
+                 lambda p, v, m: min(m, p) + (p - 1) / v),
     ScheduleSpec("zb1", "zero bubble ZB-H1: split backward, 1F1B memory (Qi et al. 2024)",
-                 gen_zero_bubble.zb1, 1, 1, 1),
+                 gen_zero_bubble.zb1, 1, 1, 1, formulas.zero_bubble,
+                 lambda p, v, m: float(min(m, p))),
     ScheduleSpec("zbv", "zero bubble ZB-V: split backward over a V of 2 stages per rank",
-                 gen_zero_bubble.zbv, 2, 2, 2, v_shape=True),
+                 gen_zero_bubble.zbv, 2, 2, 2, formulas.zero_bubble, lambda p, v, m: float(p),
+                 v_shape=True),
     ScheduleSpec("dualpipev", "DualPipeV (DeepSeek): V of 2 stages per rank, paired F&B",
-                 gen_dualpipe.dualpipev, 2, 2, 2, v_shape=True, with_comm=True,
-                 microbatches_per_pp=2),
+                 gen_dualpipe.dualpipev, 2, 2, 2, formulas.dualpipev_bubble,
+                 lambda p, v, m: p + 0.5, v_shape=True, with_comm=True, microbatches_per_pp=2),
     ScheduleSpec("looped_bfs", "breadth-first over looped stages: each chunk for all "
-                 "micro-batches in turn", gen_classic.looped_bfs, 2, 1, None),
+                 "micro-batches in turn", gen_classic.looped_bfs, 2, 1, None,
+                 formulas.looped_bubble, lambda p, v, m: float(m)),
 )
 _BY_NAME = {spec.name: spec for spec in _SPECS}
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
@@ -146,7 +169,7 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 0) -> S
     if microbatches < need:
         raise ValueError(f"schedule {name!r} with pp={pp} needs microbatches >= {need}; got "
                          f"microbatches={microbatches}")
-    placement = v_placement(pp) if spec.v_shape else looped_placement(pp, v)
+    placement = spec.placement(pp, v)
     ranks = spec.generate(pp, microbatches, v)
     if spec.with_comm:
         schedule = Schedule(name, pp, microbatches, v, placement, tuple(map(tuple, ranks)))

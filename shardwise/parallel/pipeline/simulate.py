@@ -1,7 +1,7 @@
 """Simulate a schedule with per-action costs: step time, bubble, peak in-flight activations.
 
 Reads the very :class:`Schedule` the executor runs and replays it under the executor's
-communication semantics (replay.py; [Note: communication semantics] in p2p.py). With integer
+communication semantics (replay.py; [Note: communication semantics] in messages.py). With integer
 or ``fractions.Fraction`` costs every time and the bubble are exact rationals.
 
     from fractions import Fraction
@@ -33,7 +33,7 @@ from typing import Any, Union
 
 from shardwise.parallel.pipeline.actions import Action, Kind
 from shardwise.parallel.pipeline.replay import replay
-from shardwise.parallel.pipeline.schedule import Schedule
+from shardwise.parallel.pipeline.action_lists import Schedule
 
 __all__ = ["Costs", "Simulation", "TimedAction", "simulate", "critical_path"]
 

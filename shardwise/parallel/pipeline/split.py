@@ -65,7 +65,7 @@ from shardwise.models.llama import TiedOutput
 from shardwise.models.moe import moe_layers
 from shardwise.parallel.expert import share_ep_context
 from shardwise.parallel.pipeline.groups import PipelineGroups, resolve_pipeline_groups
-from shardwise.parallel.pipeline.schedule import looped_placement
+from shardwise.parallel.pipeline.action_lists import looped_placement
 from shardwise.parallel.tensor import copy_style, share_tp_context, tp_context
 
 __all__ = ["split_stages", "stage_layer_counts", "PipelinePart", "StageModule", "TiedHead"]

@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from shardwise.parallel.pipeline.actions import Action, Kind
-from shardwise.parallel.pipeline.p2p import message_key, needs_message, peer_rank
+from shardwise.parallel.pipeline.messages import message_key, needs_message, peer_rank
 from shardwise.parallel.pipeline.replay import DeadlockError, replay
 
 __all__ = ["validate_schedule", "ScheduleData"]
 
 
 class ScheduleData(Protocol):
-    """What the checks read of a schedule: ``schedule.Schedule`` is one (it validates
+    """What the checks read of a schedule: ``action_lists.Schedule`` is one (it validates
     itself with :func:`validate_schedule`, so this module sits below it). Read-only, as a
     frozen dataclass's fields are."""
 

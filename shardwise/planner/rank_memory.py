@@ -136,7 +136,7 @@ def state_bytes(units: list[tuple[tuple[int, ...], ...]], world: int, *, zero: i
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Peak bytes of one rank, by kind (the largest pipeline stage's rank)."""
+    """Peak bytes of one rank, by kind (the pipeline rank holding the most)."""
 
     params: float
     grads: float
@@ -148,9 +148,10 @@ class MemoryBreakdown:
     logits: float
     reserved: float
     fragmentation: float
-    stage: int = 0
+    pp_rank: int = 0
+    """The pipeline rank these bytes are of."""
     total: float = field(init=False)
-    """Sum of every kind (the stage index aside)."""
+    """Sum of every kind (the rank aside)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "total", self.params + self.grads + self.optimizer

@@ -8,25 +8,24 @@ kernels, its optimizer update and the Gloo collectives, each fitted to its size.
 
 [Note: CPU kernels] On a GPU the bandwidth-bound kernels cost the bytes they move over HBM
 (work.py). A CPU rank (one thread) runs the same eager PyTorch operators far from any
-bandwidth limit: an RMSNorm's six operators on a cache-resident ``(512, 256)`` tensor cost
-their dispatch (a few microseconds each, with autograd) and per-element arithmetic (the
-exp of SiLU, the rsqrt), and its flash-attention kernel reaches a fifth of the matrix
-multiplies' FLOP/s. So ``--calibrate`` times each kernel the trainer's Llama block runs,
-forward and forward + backward with autograd, exactly as shardwise.models calls it
-(``RMSNorm``, ``apply_rotary``, ``repeat_kv``, SiLU-gated product, residual add,
-``scaled_dot_product_attention``, the embedding, the fp32 cross-entropy) at a few sizes,
-and fits ``seconds = latency + per_unit * size`` per kernel and pass (cpu_bench.py). The
-size is elements, except attention (its executed forward FLOPs, work.py's
-``attn_exec_flops``, plus a ``softmax`` term per causal score: fitted jointly over head
-widths, as a narrow head spends more of its time in the softmax), the embedding's
-backward (``vocab x dim + tokens x dim``: it zeroes the whole table) and ``copy`` (bytes:
-the engine's gather copy-out, gradient packing and averaging). A backward is timed as one
-``autograd.grad`` call, whose own fixed cost (a training step pays it once) is
-subtracted. The optimizer update (the
-engine's foreach norm, the clip and ``torch.optim.AdamW.step`` over per-parameter
-tensors) is fitted per tensor and per element. Matrix multiplies keep the device's
-efficiency curve (hardware.py), fitted on ``F.linear`` forward and backward at linear
-shapes (``cpu_bench.measure_linear``), as the trainer multiplies.
+bandwidth limit: a norm's operators on a cache-resident tensor cost their dispatch (with
+autograd) and per-element arithmetic (the exp of SiLU, the rsqrt), and the flash-attention
+kernel reaches a fraction of the matrix multiplies' FLOP/s. So ``--calibrate`` times each
+kernel the trainer's Llama block runs, forward and forward + backward with autograd,
+exactly as shardwise.models calls it (``RMSNorm``, ``apply_rotary``, ``repeat_kv``,
+SiLU-gated product, residual add, ``scaled_dot_product_attention``, the embedding, the fp32
+cross-entropy) at a few sizes, and fits ``seconds = latency + per_unit * size`` per kernel
+and pass (calibrate/kernels.py). The size is elements, except attention (its executed
+forward FLOPs, work.py's ``attn_exec_flops``, plus a ``softmax`` term per causal score:
+fitted jointly over head widths, as a narrow head spends more of its time in the softmax),
+the embedding's backward (``vocab x dim + tokens x dim``: it zeroes the whole table) and
+``copy`` (bytes: the engine's gather copy-out, gradient packing and averaging). A backward
+is timed as one ``autograd.grad`` call, whose own fixed cost (a training step pays it
+once) is subtracted. The optimizer update (the engine's foreach norm, the clip and
+``torch.optim.AdamW.step`` over per-parameter tensors) is fitted per tensor and per
+element. Matrix multiplies keep the device's efficiency curve (hardware.py), fitted on
+``F.linear`` forward and backward at linear shapes (``calibrate.kernels.measure_linear``),
+as the trainer multiplies.
 
 Collectives are timed per kind as the engine issues them on Gloo (all-gather into a flat
 buffer, the reduce-scatter as an all-to-all plus a local sum, all-reduce, a send/receive
@@ -39,34 +38,27 @@ a few calls on warm caches: what they cost at best. A training step is priced fr
 sum, but it runs them one after another on cold caches (each operator evicts the last
 one's operands), and it is measured as the median step, on a machine whose speed drifts
 with its neighbours. So ``--calibrate`` also runs whole Llama blocks (shardwise.models'
-``TransformerBlock``, forward and backward, widths 192, 384 and 640: not the registry
-models' own) for a second each, three times (before the kernels, between them and the
-collectives, after), and keeps the median call of each pass and the median of the three
-passes, prices the same blocks from the fits, and stores their ratio as ``compose``: the
-trainer's layers and head are priced at ``compose`` times their parts. Where the blocks
-tell the multiplies from the other kernels (their mixes of the two differ enough), the
-two get factors of their own, ``compose`` and ``compose_kernels`` ([Note: two
-composition factors] in cpu_blocks.py); otherwise one factor, the geometric mean of the
-blocks' ratios. The same blocks split 2 ways over tensor-parallel ranks give
-``collective_overhead``, charged on every collective ([Note: tensor-parallel pairs] and
-[Note: collectives between operators] in cpu_blocks.py). Measured here: 0.98-1.29
-on single blocks across runs minutes apart, the median call 5-30% above the fastest; one
-pass of two seconds made the whole calibration (the width-640 block at 0.187 s in one
-calibration, 0.232-0.249 s in four passes minutes later: compose 1.01 against 1.15, every
-prediction 13% fast).
+``TransformerBlock``, forward and backward, at widths that are not the registry models'
+own) for a second each, three times (before the kernels, between them and the
+collectives, after: one pass alone lets a fast minute decide), keeps the median call of
+each pass and the median of the three passes, prices the same blocks from the fits, and
+stores their ratio as ``compose``: the trainer's layers and head are priced at ``compose``
+times their parts. Where the blocks tell the multiplies from the other kernels (their
+mixes of the two differ enough), the two get factors of their own, ``compose`` and
+``compose_kernels`` ([Note: two composition factors] in calibrate/blocks.py); otherwise
+one factor, the geometric mean of the blocks' ratios. The same blocks split 2 ways over
+tensor-parallel ranks give ``collective_overhead``, charged on every collective ([Note:
+tensor-parallel pairs] and [Note: collectives between operators] in calibrate/blocks.py).
 
-[Note: undisturbed steps] This machine's speed is not its own: the same width-640 block,
-timed back to back in one-second windows, has a median call of 181-282 ms from one second
-to the next (the hypervisor's steal time stays at 0-4%, and the thread's CPU time moves
-with the wall clock, so it is the shared cores' caches, memory bandwidth and clock, not
-lost time slices), while its fastest call stayed within 172-186 ms over six timings in a
-day. The calibration therefore keeps both: ``compose`` and ``busy`` from the median calls
-(what a step typically takes, the prediction ``--parallel.plan auto`` starts from), and
-``compose_best`` and ``busy_best`` from the fastest calls. ``CpuCosts.undisturbed()``
-prices the layers and head with the latter: the step the ranks take while nothing else
-slows the machine, which planner_bench compares with the trainer's fastest step (16 timed
-steps of the debug model: 162-166 ms in three runs one after another, where the median
-step moved over 177-195 ms).
+[Note: undisturbed steps] A shared machine's speed is not its own: the same block timed
+back to back in one-second windows has a median call that moves from one second to the
+next (the shared cores' caches, memory bandwidth and clock, not lost time slices), while
+its fastest call stays steady. The calibration therefore keeps both: ``compose`` and
+``busy`` from the median calls (what a step typically takes, the prediction
+``--parallel.plan auto`` starts from), and ``compose_best`` and ``busy_best`` from the
+fastest calls. ``CpuCosts.undisturbed()`` prices the layers and head with the latter: the
+step the ranks take while nothing else slows the machine, which planner_bench compares
+with the trainer's fastest step (the figures: bench/results/planner_bench.md).
 """
 
 from __future__ import annotations
@@ -74,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from shardwise.planner.cpu_fits import Crowd, Fit, Kernel, fit_terms
+from shardwise.planner.devices.cpu.fits import Crowd, Fit, Kernel, fit_terms
 
 __all__ = ["Fit", "Kernel", "Crowd", "CpuCosts", "KERNELS", "COLLECTIVES", "fit_terms"]
 
@@ -115,7 +107,7 @@ class CpuCosts:
     comm_cpu: dict[int, float] = field(default_factory=dict)
     """Measured: group size -> the fraction of a collective's seconds its callers spend on
     a core (process CPU time over wall time, median over kinds and payloads); the rest is
-    waiting ([Note: CPU ranks share the cores] in cpu_stage.py). Empty: not measured (0)."""
+    waiting ([Note: CPU ranks share the cores] in step.py). Empty: not measured (0)."""
     busy_best: dict[int, float] = field(default_factory=dict)
     """Measured: ``busy`` from the fastest calls instead of the median ones, the slowdown
     of :meth:`undisturbed` (empty: not measured, ``busy`` stands in)."""
@@ -151,7 +143,7 @@ class CpuCosts:
 
     def in_world(self, ranks: int, cores: int, gap_s: float | None = None) -> "CpuCosts":
         """These costs as a job of ``ranks`` ranks on ``cores`` cores meets its
-        collectives ([Note: crowded collectives] in cpu_stage.py): beyond the cores, the
+        collectives ([Note: crowded collectives] in step.py): beyond the cores, the
         group sizes measured crowded in the nearest measured world (the larger on a tie)
         replace their lone fits and CPU fractions, interpolated between the measured gaps
         at ``gap_s``, the compute between the job's collectives (None: the longest
@@ -195,7 +187,7 @@ class CpuCosts:
         """The slowdown of each rank's compute with ``ranks`` ranks on ``cores`` cores: 1
         for one rank, the measured ratios up to every core busy (linear between), and the
         every-core ratio beyond (time-slicing more ranks over the cores adds nothing
-        measurable to a rank's CPU time: 1.00-1.04 here on 4 processes over 2 cores)."""
+        measurable to a rank's CPU time)."""
         pts = sorted({1: 1.0, **{k: v for k, v in self.busy.items() if k <= cores}}.items())
         ranks = min(ranks, cores)
         if ranks <= 1 or len(pts) == 1:

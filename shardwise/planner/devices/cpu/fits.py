@@ -1,6 +1,6 @@
 """The fitted pieces of a CPU calibration: ``latency + per_unit * size`` fits, a kernel's
 forward and backward fits, the crowded collectives of a world beyond the cores, and the
-least-squares fit they come from ([Note: CPU kernels] in cpu_costs.py).
+least-squares fit they come from ([Note: CPU kernels] in costs.py).
 
     fit = Fit(*fit_terms([((1.0, n), seconds) for n, seconds in rows]))
     fit(4096)   # seconds at size 4096
@@ -37,7 +37,7 @@ class Kernel:
 class Crowd:
     """Collectives of groups smaller than a world of more ranks than cores, measured with
     every rank of the world running, each call after ``gap_s`` seconds of compute ([Note:
-    crowded collectives] in cpu_stage.py).
+    crowded collectives] in step.py).
 
     Attributes:
         collectives: kind -> group size -> fit of seconds against payload bytes.

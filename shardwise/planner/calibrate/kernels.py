@@ -1,14 +1,14 @@
 """Micro-benchmarks of what a CPU rank runs, for ``--calibrate`` ([Note: CPU kernels] in
-cpu_costs.py): the trainer's eager kernels, its optimizer update and the engine's Gloo
-collectives, each timed at a few sizes and fitted.
+devices/cpu/costs.py): the trainer's eager kernels, its optimizer update and the engine's
+Gloo collectives, each timed at a few sizes and fitted.
 
-    costs = measure_cpu(ranks=4)   # -> CpuCosts, about 20 s on 2 cores
+    costs = measure_cpu(ranks=4)   # -> CpuCosts
 
 Kernels are timed on one thread (what a training rank runs), each the least CPU time of
 this thread over several calls (``time.thread_time``: the time slices other processes take
 on a shared machine are not counted, and the minimum filters out their cache pollution).
-The engine's collectives are measured by cpu_gloo.py, the composed blocks (whole and
-tensor-parallel) by cpu_blocks.py.
+The engine's collectives are measured by gloo.py, the composed blocks (whole and
+tensor-parallel) by blocks.py.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from shardwise.planner.cpu_blocks import (block_work, measure_blocks, measure_tp_blocks,
+from shardwise.planner.calibrate.blocks import (block_work, measure_blocks, measure_tp_blocks,
                                           median_blocks)
-from shardwise.planner.cpu_costs import CpuCosts
-from shardwise.planner.cpu_fits import Crowd, Fit, Kernel, fit_terms
-from shardwise.planner.cpu_gloo import (cpu_fractions, fit_collectives, gap_seconds,
+from shardwise.planner.devices.cpu.costs import CpuCosts
+from shardwise.planner.devices.cpu.fits import Crowd, Fit, Kernel, fit_terms
+from shardwise.planner.calibrate.gloo import (cpu_fractions, fit_collectives, gap_seconds,
                                         measure_gloo)
-from shardwise.planner.timing import best_time, median_time
+from shardwise.planner.calibrate.timing import best_time, median_time
 
 __all__ = ["measure_cpu", "measure_kernels", "measure_optimizer", "measure_gloo",
            "measure_contention", "contention_ratios", "measure_linear", "fit_terms",
@@ -70,8 +70,7 @@ def measure_linear(shapes=LINEAR_SHAPES, repeats: int = 3) -> list[tuple[float, 
     """(FLOPs, seconds) per multiply of ``F.linear`` as the trainer runs it: forward and
     backward with autograd (``x @ W.T``, then ``g @ W`` and ``g.T @ x``), a third of the
     whole each, on one thread. Transposed operands and the linear's own views and
-    autograd nodes make these slower than square ``torch.mm`` of the same FLOPs (measured
-    here: 60-64 against 70-90 GFLOP/s)."""
+    autograd nodes make these slower than square ``torch.mm`` of the same FLOPs."""
     engine = _engine_call()
     out = []
     for t, i, o in shapes:
@@ -176,9 +175,9 @@ def measure_optimizer(quick: bool = False) -> Fit:
 
     Timed as the median call, not the fastest, up to a model's size (16 M elements: the
     weights, gradients and both moments, 256 MiB, far beyond the caches): the update
-    streams the whole state through memory once per step, and that is where this
-    machine's speed varies most between calls (the fastest of three came out 30-40%
-    below what the trainer's steps spend)."""
+    streams the whole state through memory once per step, and that is where a shared
+    machine's speed varies most between calls (the fastest call comes out well below what
+    the trainer's steps spend)."""
     rows = []
     shapes = ((8, 1 << 14), (8, 1 << 19), (64, 1 << 14), (32, 1 << 17)) + \
         (() if quick else ((16, 1 << 20),))
@@ -198,9 +197,9 @@ def measure_optimizer(quick: bool = False) -> Fit:
 
 
 CROWD_GAPS = (1, 3)
-"""The compute before each crowded call, in ``cpu_gloo._multiplies`` units: about 1.4 ms
-(a tensor-parallel collective's, ten to a layer) and 4 ms (a layer's, between a unit's
-gathers and reductions) here ([Note: crowded collectives] in cpu_stage.py)."""
+"""The compute before each crowded call, in ``gloo._multiplies`` units: about a
+tensor-parallel collective's (ten to a layer) and a layer's (between a unit's gathers and
+reductions) ([Note: crowded collectives] in devices/cpu/step.py)."""
 
 def _contention_worker(barrier, queue, seconds: float) -> None:
     barrier.wait()
@@ -216,19 +215,16 @@ def contention_ratios(counts: list[int], seconds: float = 2.0
                       ) -> tuple[dict[int, float], dict[int, float]]:
     """How much more CPU time a process needs for the same work when ``k`` compute at once
     ([Note: CPU ranks share the cores]), for each ``k`` of ``counts`` (the calibration asks
-    for every core busy; more processes than cores measured 1.00-1.04 here on an idle
-    machine, and far more whenever another job was running, so it is not asked): a Llama
-    block's
-    forward and backward on ``k`` processes started together (the slowest one's median)
-    over the same on one process alone (>= 1). Measured here with every core busy: 1.14-
-    1.18 on the block, against 1.07 for a square multiply alone and 1.03 for SiLU: the
-    trainer's transposed multiplies and its working set share the caches and the memory
-    bandwidth.
+    for every core busy; more processes than cores add little on an idle machine and
+    whatever another job costs on a busy one, so it is not asked): a Llama block's forward
+    and backward on ``k`` processes started together (the slowest one's median) over the
+    same on one process alone (>= 1). A block, not a square multiply: the trainer's
+    transposed multiplies and its working set share the caches and the memory bandwidth.
 
     Returns the ratios of the median calls and of the fastest calls (the slowest
     process's fastest call over the lone process's: [Note: undisturbed steps] in
-    cpu_costs.py; the median calls measured 1.00-1.39 across calibrations, as a
-    neighbour slowed one measurement or the other)."""
+    devices/cpu/costs.py; a neighbour moves the median calls from one calibration to the
+    next)."""
     ctx = mp.get_context("fork" if not torch.cuda.is_initialized() else "spawn")
     ks = sorted({k for k in counts if k > 1})
     if not ks:
@@ -254,7 +250,7 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     """Kernels and update on one thread, the slowdown with every core busy, then the
     collectives on 2 and ``ranks`` ranks, and with more ranks than ``cores`` those of
     each smaller group of the ``ranks`` after each gap of ``CROWD_GAPS`` ([Note: crowded
-    collectives] in cpu_stage.py)."""
+    collectives] in devices/cpu/step.py)."""
     block_s = 0.2 if quick else 1.0
     pair = cores >= 2  # [Note: tensor-parallel pairs]: 2 ranks that keep a core each
 
@@ -275,7 +271,7 @@ def measure_cpu(ranks: int, quick: bool = False, cores: int = 1) -> CpuCosts:
     rows = {w: measure_gloo(w, sizes, calls=calls) for w in sorted({2, ranks})}
     crowded = {}
     groups = [g for g in range(2, ranks) if ranks % g == 0]
-    if cores and ranks > cores and groups:  # [Note: crowded collectives] in cpu_stage.py
+    if cores and ranks > cores and groups:  # [Note: crowded collectives] in devices/cpu/step.py
         crowds = []
         for mult in CROWD_GAPS:
             sub = {g: measure_gloo(ranks, sizes, calls=calls, group=g, multiplies=mult)

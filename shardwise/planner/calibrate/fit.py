@@ -1,25 +1,22 @@
 """Fitting a few positive constants to observations: Nelder-Mead on log-errors.
 
 One small optimiser serves both places that fit the cost model to reality: the hardware
-families' constants fitted on published runs (validation.py) and a device's constants fitted
-to what a run measured (calibrate.py). Parameters live in bounded intervals; the search runs
-on a logit-like transform of each so no step leaves its interval, and minimises the mean
-squared log ratio of prediction to observation (errors of 10% too fast and 10% too slow
-weigh the same, and large and small runs count alike).
+families' constants fitted on published runs (validate/fit_runs.py) and a device's
+constants fitted to what a run measured (refit.py). Parameters live in bounded intervals;
+the search runs on a logit-like transform of each so no step leaves its interval, and
+minimises the mean squared log ratio of prediction to observation (errors of 10% too fast
+and 10% too slow weigh the same, and large and small runs count alike).
 
 [Note: identified directions] Measurements determine only some combinations of the
 constants. Two steps of nearly the same mix of work (two one-rank steps of different
-widths: multiplies and other kernels in the proportions 0.70 : 0.29 and 0.83 : 0.16) tell
-how fast the mix runs, not how fast each part does; fitting both parts anyway turns the
-measurements' noise into large opposite changes (planner_bench on this machine: matmul_max
-0.91 -> 0.67 and memory_efficiency 1.0 -> 1.5 from two steps 10% apart), which every layout
-with another mix then extrapolates. So a fit can be restricted to the directions the
-measurements determine: the singular vectors of the elasticities (d log prediction /
-d log constant, at the starting constants) whose singular value is at least ``min_ratio``
-of the largest (default 0.2; the four constants of four GPU layouts measure 1 : 0.92 : 0.33
-: 0.30, the two one-rank CPU steps 1 : 0.10), and not below ``1e-3`` (a constant no
-prediction depends on: intra-node efficiency from one-rank steps). The other directions
-keep their starting values.
+widths, mostly multiplies) tell how fast the mix runs, not how fast each part does;
+fitting both parts anyway turns the measurements' noise into large opposite changes of
+the constants, which every layout with another mix then extrapolates. So a fit can be
+restricted to the directions the measurements determine: the singular vectors of the
+elasticities (d log prediction / d log constant, at the starting constants) whose singular
+value is at least ``min_ratio`` of the largest (default 0.2), and not below ``1e-3`` (a
+constant no prediction depends on: intra-node efficiency from one-rank steps). The other
+directions keep their starting values.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The engine's Gloo collectives on CPU ranks, met as the trainer meets them, for
-``--calibrate`` ([Note: CPU kernels] in cpu_costs.py).
+``--calibrate`` ([Note: CPU kernels] in devices/cpu/costs.py).
 
     rows = measure_gloo(2, [4096, 1 << 20])   # (kind, payload bytes, seconds, CPU seconds)
     fits = fit_collectives({2: rows})         # kind -> group size -> Fit
@@ -10,19 +10,16 @@ Collectives run on real Gloo ranks through the engine's own calls
 milliseconds, then calls the collective, timed from the call to its return, averaged over
 the calls and the ranks. That is what a collective adds to a step on saturated cores: its
 latency and copies, and the wait for a peer still computing (with two ranks the mean wait
-is half the mean difference of their compute times, what the slower one costs the step);
-measured here at 2 ranks: 1.8-3.9 ms for all-gathers of 4 KB-1 MB that take 0.6-1.9 ms
-back to back. Under time-sharing (more ranks than cores) the slices the others take are
-part of it too. The process CPU time of each call is measured beside it: the part of a
-collective that occupies a core (the copies, the reduction, Gloo's threads), which
-time-shared ranks compete for; the rest is waiting, during which another rank can run.
-Measured here: a median of 0.5 of the seconds at 2 ranks (0.33-0.68 over kinds and
-payloads), 0.25 at 4 ranks on 2 cores (0.12-0.35: most of it is waiting for the peers'
-time slices).
+is half the mean difference of their compute times, what the slower one costs the step),
+well above the same collective back to back. Under time-sharing (more ranks than cores)
+the slices the others take are part of it too. The process CPU time of each call is
+measured beside it: the part of a collective that occupies a core (the copies, the
+reduction, Gloo's threads), which time-shared ranks compete for; the rest is waiting,
+during which another rank can run (most of it, once ranks outnumber the cores).
 
 Beyond the cores, ``group`` measures groups smaller than the world with every group
 running at once, and ``multiplies`` sets the compute before each call ([Note: crowded
-collectives] in cpu_stage.py).
+collectives] in devices/cpu/step.py).
 """
 
 from __future__ import annotations
@@ -32,15 +29,16 @@ import time
 
 import torch
 
-from shardwise.planner.cpu_costs import Fit, fit_terms
-from shardwise.planner.timing import run_local_ranks
+from shardwise.planner.devices.cpu.fits import Fit, fit_terms
+from shardwise.planner.calibrate.timing import run_local_ranks
 
 __all__ = ["measure_gloo", "gap_seconds", "fit_collectives", "cpu_fractions"]
 
 
 def _multiplies(count: int):
-    """The compute between two calls: ``count`` multiplies of about 1.4 ms each on one
-    thread here, as a layer's work (or a tenth of it) comes between two collectives."""
+    """The compute between two calls: ``count`` multiplies of a 256 x 256 by a 256 x 1024
+    matrix on one thread, as a layer's work (or a tenth of it) comes between two
+    collectives (:func:`gap_seconds` times them)."""
     a, b = torch.randn(256, 256), torch.randn(256, 1024)
 
     def compute() -> None:
@@ -149,14 +147,14 @@ def measure_gloo(world: int, sizes: list[int], calls: int = 21, timeout_s: float
     Gloo ranks, each met after a few milliseconds of compute (see the module docstring;
     payload: the gathered shard, the reduced shard, the all-reduced tensor, one message
     each way). CPU seconds: the process time a rank spends per call, its own thread's and
-    Gloo's ([Note: CPU ranks share the cores] in cpu_stage.py).
+    Gloo's ([Note: CPU ranks share the cores] in devices/cpu/step.py).
 
     Args:
         group: the ranks of each collective (None: all ``world``): the world splits into
             ``world / group`` groups of consecutive ranks, each running the same calls at
-            the same time ([Note: crowded collectives] in cpu_stage.py).
-        multiplies: the compute before each call, in :func:`_multiplies` units (3: about
-            4 ms here; :func:`gap_seconds` times it).
+            the same time ([Note: crowded collectives] in devices/cpu/step.py).
+        multiplies: the compute before each call, in :func:`_multiplies` units
+            (:func:`gap_seconds` times it).
 
     Raises:
         ValueError: ``group`` not a divisor of ``world`` of at least 2.

@@ -9,11 +9,9 @@ replayed: the peak that ``memory_report().peak_transient_bytes`` reports.
 (shard/state.py), not by any one unit: at stage 3 the peak typically falls in backward,
 when a unit's reduction is launched while the ``max_inflight`` reductions before it still
 hold their packed gradients (and, on Gloo, the full-size reduce-scatter scratch:
-[Note: reduce-scatter on Gloo] in comm.py) and the next unit is being gathered. Measured
-on the debug model at 2 ranks (fp32, Gloo): stage 3 peaks at 24.5 MiB (the root's 0.5
-gathered, three reductions of 6 MiB each, one prefetched gather of 6 MiB), stages 1 and 2
-at 30.5 MiB (every unit gathered, 12.5 MiB, plus three reductions), where a per-unit
-formula said 12.5 and 15.5. So the planner replays the schedule instead: the units in
+[Note: reduce-scatter on Gloo] in comm.py) and the next unit is being gathered; at stages
+1 and 2 every unit is gathered beside those reductions. A per-unit formula misses both.
+So the planner replays the schedule instead: the units in
 forward order (root first, as its pre-forward hook runs first), the gathers, prefetches
 and frees of forward, then backward in reverse (root, last block, ..., first block, each
 unit's gather and the prefetch of the next, its free and its gradient packing, reductions
@@ -25,15 +23,15 @@ does. Buffer sizes are the engine's: ``build_layout`` (shard and gradient rows, 
 This is the engine's CPU path: pooled buffers go back to the pool as soon as their
 collective completes (``CommStreams.release``). On CUDA they are held until the side
 stream's next use, which this replay does not model, so GPU devices keep the per-unit
-formula of memory.py. ``tests/test_planner_engine_buffers.py`` checks the replay against
-``memory_report`` on real Gloo ranks.
+formula of rank_memory.py. ``tests/test_planner_engine_buffers.py`` checks the replay
+against ``memory_report`` on real Gloo ranks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner.memory import TAG_BYTES, unit_state
+from shardwise.planner.rank_memory import TAG_BYTES, unit_state
 from shardwise.shard.hooks import OrderedLauncher
 
 __all__ = ["UnitBuffers", "unit_buffers", "replay_peak", "shard_calls", "rank_transient",

@@ -9,6 +9,25 @@ of them and ``placement[stage]`` names the rank that holds each:
 
 CSV form: one row per rank, one action per cell (``0F0,0SEND_F0,0F1,...``); blank lines and
 lines starting with ``#`` are ignored. A CSV with no communication actions gets them inserted.
+
+[Note: engine actions] Where a stage's data-parallel engine gathers, frees and reduces is
+part of the schedule too, as ``torch.distributed.pipelining``'s UNSHARD / RESHARD /
+REDUCE_GRAD actions are: :func:`add_engine_actions` inserts them into a rank's training list
+by one rule, which the executor runs ([Note: pipeline engine controls] in executor.py) and
+the planner counts (:func:`gather_rounds`):
+
+* ``UNSHARD`` before a stage's first compute action and ``RESHARD`` after its last, when the
+  stage keeps its parameters gathered through the step (``keep_gathered``): its units are
+  gathered once, by their own hooks as the first pass reaches them, and freed at RESHARD;
+  without it the engine's hooks gather and free them around every pass (once per
+  micro-batch, twice when it reshards after forward);
+* ``REDUCE_GRAD`` before a stage's last weight-gradient pass (its last ``B`` or ``W``): that
+  pass reduces the gradients every earlier pass only accumulated. Our engine launches the
+  reductions from the pass's own hooks, overlapping it, so the action comes before the
+  pass (torch's comes after its last backward, which it then reduces).
+
+Engine actions take no time in a replay and carry the micro-batch of the pass they attach
+to (``0UNSHARD0``, ``0REDUCE_GRAD7``).
 """
 
 from __future__ import annotations
@@ -18,11 +37,11 @@ import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardwise.parallel.pipeline.actions import Action
-from shardwise.parallel.pipeline.p2p import add_communication
+from shardwise.parallel.pipeline.actions import Action, Kind
+from shardwise.parallel.pipeline.messages import add_communication
 from shardwise.parallel.pipeline.validate import validate_schedule
 
-__all__ = ["Schedule", "looped_placement", "v_placement"]
+__all__ = ["Schedule", "looped_placement", "v_placement", "add_engine_actions", "gather_rounds"]
 
 
 def looped_placement(pp: int, virtual: int) -> tuple[int, ...]:
@@ -33,6 +52,46 @@ def looped_placement(pp: int, virtual: int) -> tuple[int, ...]:
 def v_placement(pp: int) -> tuple[int, ...]:
     """Two stages per rank in a V: rank r holds stages r and ``2 pp - 1 - r``."""
     return tuple(range(pp)) + tuple(reversed(range(pp)))
+
+
+def add_engine_actions(actions: Sequence[Action], keep_gathered: bool) -> tuple[Action, ...]:
+    """One rank's training list with its engine actions ([Note: engine actions]).
+
+    Args:
+        actions: the rank's actions (compute and communication) for one step.
+        keep_gathered: each stage keeps its parameters gathered from its first action to
+            its last (UNSHARD / RESHARD inserted), else the engine gathers per pass.
+
+    Returns:
+        The list with UNSHARD, RESHARD and REDUCE_GRAD actions inserted.
+    """
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    last_grad: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.is_compute:
+            first.setdefault(a.stage, i)
+            last[a.stage] = i
+            if a.kind in (Kind.B, Kind.W):
+                last_grad[a.stage] = i
+    out: list[Action] = []
+    for i, a in enumerate(actions):
+        if keep_gathered and first.get(a.stage) == i:
+            out.append(Action(a.stage, Kind.UNSHARD, a.microbatch))
+        if last_grad.get(a.stage) == i:
+            out.append(Action(a.stage, Kind.REDUCE_GRAD, a.microbatch))
+        out.append(a)
+        if keep_gathered and last.get(a.stage) == i:
+            out.append(Action(a.stage, Kind.RESHARD, a.microbatch))
+    return tuple(out)
+
+
+def gather_rounds(keep_gathered: bool, microbatches: int) -> int:
+    """How many times a stage's parameters are gathered for its forward passes in one step
+    of :func:`add_engine_actions`' lists: once between UNSHARD and RESHARD when kept
+    gathered, else once per micro-batch (the engine's hooks; a stage that reshards after
+    forward gathers again for each backward)."""
+    return 1 if keep_gathered else microbatches
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Composed blocks: whole Llama blocks timed as the trainer runs them, and the factors the
-cost model prices a CPU rank's layers with ([Note: composed blocks] in cpu_costs.py).
+cost model prices a CPU rank's layers with ([Note: composed blocks] in devices/cpu/costs.py).
 
     blocks = median_blocks([measure_blocks(1.0) for _ in range(3)])   # one thread
     pairs = median_blocks([measure_tp_blocks(1.0) for _ in range(3)])  # 2 Gloo ranks
@@ -9,45 +9,33 @@ cost model prices a CPU rank's layers with ([Note: composed blocks] in cpu_costs
 SwiGLU, attention, the loss) are timed alone at their fastest, on operands the previous
 call left in the caches; in a block each runs after a multiply that evicted them. So they
 compose worse than the multiplies, and a narrow block, where they are a larger share,
-runs further above its parts: measured on one EPYC core (2026-12-05), blocks of widths
-192, 256, 320, 384, 512 and 640 took 1.14, 1.09, 1.06, 1.05, 1.04 and 1.05 times their
-priced parts, the kernels being 28% of the 192 block's parts and 9% of the 640's. One
-factor fitted on 384 and 640 priced the debug model's 256-wide block 4-5% fast. Fitted
-as two factors, ``seconds = compose * multiplies + compose_kernels * kernels`` (1.03 and
-1.25 there), on blocks 192, 384 and 640, the 256 and 512 blocks (the registry's widths,
-not fitted) priced within 1.5%. The two are told apart only when the blocks' ratios of
-kernels to multiplies differ at least twofold (0.39 against 0.10 here), and kept only
-when the kernels' factor lies within 0.5-4 times the multiplies'; otherwise the blocks
-give one factor (their geometric mean), as before.
+runs further above its parts; one factor fitted on wide blocks prices a narrow one fast.
+Fitted as two factors, ``seconds = compose * multiplies + compose_kernels * kernels``, on
+blocks of different mixes, they price the registry's widths (not fitted) well (the
+figures: docs/planner.md). The two are told apart only when the blocks' ratios of kernels
+to multiplies differ at least twofold, and kept only when the kernels' factor lies within
+0.5-4 times the multiplies'; otherwise the blocks give one factor (their geometric mean).
 
 [Note: tensor-parallel pairs] A tensor-parallel layer meets its peer ten times a micro-batch
 (sequence parallelism's gathers and reduce-scatters, both ways, and the weight gradients'
 regather), each time after a few milliseconds of a block's operators: the peer's jitter is
 waited for at every meeting, and sequence parallelism's concatenations and copies run
 around each. The collectives' fits (timed after a fixed multiply on every rank) and the
-kernels' fits miss both: on 2 ranks, a 2-way tensor-parallel block took 10-22 ms more per
-layer than its priced parts at widths 256-640 (1.06-1.40 times them, three runs each),
-and the trainer's 2-rank tensor-parallel steps came out 10-12% further below their
-prediction than the data-parallel steps of the same model. So ``--calibrate`` runs
-sequence-parallel blocks on 2 Gloo ranks (each on its own core, as the trainer's ranks),
-and the seconds they take beyond their priced parts, per tensor-parallel collective, are
-``collective_overhead`` (0.9-1.3 ms on the median calls in three calibrations, 0.07-0.27
-ms on the fastest).
+kernels' fits miss both, so a tensor-parallel block takes longer than its priced parts.
+``--calibrate`` therefore runs sequence-parallel blocks on 2 Gloo ranks (each on its own
+core, as the trainer's ranks), and the seconds they take beyond their priced parts, per
+tensor-parallel collective, are ``collective_overhead``.
 
 [Note: collectives between operators] The engine's gathers and reductions and the
 pipeline's sends are met the same way: issued and waited for from hooks between a block's
-operators, on ranks whose peers jitter. Their excess is the same size: with the
-tensor-parallel charge alone, debug x2 at stages 1-3 ran 5-25 ms a step above its
-prediction beyond the stage-0 row (runs 19-21 of bench/planner_bench.py), about 1 ms for
-each of the 10 (stages 1-2) or 14 (stage 3) gathers and reductions the engine issued. So
-the cost model charges ``collective_overhead`` on every collective of a step
-(``cpu_stage.collective_overhead_seconds``): each tensor-parallel one, each of the engine's
-(``cpu_stage.engine_calls``, counted as comm_stats counts them) and each pipeline send or
-receive, while the ranks keep a core each; beyond the cores the crowded collectives,
-measured amid the other ranks at the tensor-parallel and the layer gap, price what a call
-meets instead ([Note: crowded collectives] in cpu_stage.py). Re-predicted from their own
-calibrations, runs 19-21's 2-rank data-parallel rows moved from -15% to -2% (the debug
-model's stages 0-3, each run's worst round) to -9% to +2%.
+operators, on ranks whose peers jitter, and their excess is the same size. So the cost
+model charges ``collective_overhead`` on every collective of a step
+(``devices.cpu.step.collective_overhead_seconds``): each tensor-parallel one, each of the
+engine's (``sends.engine_calls``, counted as comm_stats counts them) and each pipeline
+send or receive, while the ranks keep a core each; beyond the cores the crowded
+collectives, measured amid the other ranks at the tensor-parallel and the layer gap, price
+what a call meets instead ([Note: crowded collectives] in devices/cpu/step.py). What it
+was worth on the committed bench: bench/results/planner_bench.md.
 """
 
 from __future__ import annotations
@@ -68,11 +56,12 @@ from shardwise.models import TransformerBlock, build_model, get_model_config
 from shardwise.models.layers import rope_tables
 from shardwise.parallel.tensor import apply_tp
 from shardwise.planner.catalogue import from_llama_config
-from shardwise.planner.cpu_costs import CpuCosts
-from shardwise.planner.cpu_fits import fit_terms
-from shardwise.planner.cpu_stage import tp_collectives_per_layer
+from shardwise.planner.devices.cpu.costs import CpuCosts
+from shardwise.planner.devices.cpu.device import CpuDevice
+from shardwise.planner.devices.cpu.fits import fit_terms
+from shardwise.planner.sends import tp_calls_per_layer
 from shardwise.planner.stage_cost import StageCoster
-from shardwise.planner.timing import run_local_ranks
+from shardwise.planner.calibrate.timing import run_local_ranks
 from shardwise.planner.workload import Workload
 
 __all__ = ["BLOCKS", "TP_BLOCKS", "BLOCK_TOKENS", "CONTENTION_BLOCK", "block_config",
@@ -81,14 +70,14 @@ __all__ = ["BLOCKS", "TP_BLOCKS", "BLOCK_TOKENS", "CONTENTION_BLOCK", "block_con
            "compose_factors", "collective_overhead_of", "composed_costs"]
 
 BLOCKS = ((192, 6, 3), (384, 6, 3), (640, 10, 5))
-"""(dim, heads, kv_heads) of the blocks [Note: composed blocks] times: kernels at about
-0.39, 0.17 and 0.10 of their multiplies' seconds ([Note: two composition factors]); none is a
-registry model's width."""
+"""(dim, heads, kv_heads) of the blocks [Note: composed blocks] times: mixes of kernels and
+multiplies far enough apart to tell two factors ([Note: two composition factors]); none is
+a registry model's width."""
 TP_BLOCKS = ((384, 6, 2), (640, 10, 2))
 """(dim, heads, kv_heads) of the 2-way tensor-parallel blocks ([Note: tensor-parallel
 pairs]): key/value heads divisible by 2."""
 CONTENTION_BLOCK = (384, 6, 3)
-"""The block ``cpu_bench.contention_ratios`` runs on every core."""
+"""The block ``kernels.contention_ratios`` runs on every core."""
 BLOCK_TOKENS = (4, 128)
 """(sequences, sequence length) each block runs on."""
 _MIN_MIX_SPREAD = 2.0
@@ -206,18 +195,19 @@ def median_blocks(passes) -> tuple[tuple[int, int, int, float, float], ...]:
 
 
 # ---------------------------------------------------------------------- pricing and fits
-def _coster(hw, dim: int, heads: int, kv_heads: int) -> StageCoster:
+def _block(dim: int, heads: int, kv_heads: int):
+    """(ModelSpec, Workload) of one calibration block."""
     batch, seq = BLOCK_TOKENS
     spec = from_llama_config(block_config(dim, heads, kv_heads), f"block-{dim}")
-    wl = Workload(seq_len=seq, global_batch=batch, compute_dtype="fp32", param_dtype="fp32")
-    return StageCoster(spec, hw, wl)
+    return spec, Workload(seq_len=seq, global_batch=batch, compute_dtype="fp32",
+                          param_dtype="fp32")
 
 
 def priced_block_parts(hw, dim: int, heads: int, kv_heads: int) -> tuple[float, float]:
     """(multiplies, other kernels) seconds of one calibration block's forward and backward
     as the cost model prices them on ``hw`` with no composition factor."""
-    coster = _coster(hw, dim, heads, kv_heads)
-    gemm, kf, kb = coster.cpu_parts(False, 1, False, BLOCK_TOKENS[0])
+    spec, wl = _block(dim, heads, kv_heads)
+    gemm, kf, kb = CpuDevice(hw).layer_parts(spec, wl, 1, False, BLOCK_TOKENS[0])
     return 3 * gemm, kf + kb
 
 
@@ -232,7 +222,8 @@ def priced_tp_block_seconds(hw, dim: int, heads: int, kv_heads: int) -> float:
     ranks on
     its own core runs it: the compute slowed by the cores' contention, plus the
     collectives' fits."""
-    t = _coster(hw, dim, heads, kv_heads).layer(False, 2, 1, True, 1, BLOCK_TOKENS[0], "none")
+    spec, wl = _block(dim, heads, kv_heads)
+    t = StageCoster(spec, CpuDevice(hw), wl).layer(False, 2, 1, True, 1, BLOCK_TOKENS[0], "none")
     slow = hw.cpu.contention(2, hw.cores or 2)
     return slow * (t.fwd + t.bwd) + t.tp_comm
 
@@ -265,7 +256,7 @@ def collective_overhead_of(hw, tp_blocks, fastest: bool = False) -> float:
     tensor-parallel pairs]); 0 with no blocks."""
     if not tp_blocks:
         return 0.0
-    calls = tp_collectives_per_layer(True, False)
+    calls = tp_calls_per_layer(True, False)
     extra = [(b[4] if fastest and len(b) > 4 else b[3]) - priced_tp_block_seconds(hw, *b[:3])
              for b in tp_blocks]
     return max(0.0, statistics.fmean(extra) / calls)
@@ -276,7 +267,7 @@ def composed_costs(plain, cpu: CpuCosts) -> CpuCosts:
     fits, no factors): ``compose`` and ``compose_kernels`` from ``blocks``, then
     ``collective_overhead`` from ``tp_blocks`` priced with those; each also from the
     fastest calls
-    ([Note: undisturbed steps] in cpu_costs.py)."""
+    ([Note: undisturbed steps] in devices/cpu/costs.py)."""
     compose, kernels = compose_factors(plain, cpu.blocks)
     best, kernels_best = compose_factors(plain, cpu.blocks, fastest=True)
     out = dataclasses.replace(cpu, compose=compose, compose_kernels=kernels,
