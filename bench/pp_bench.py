@@ -44,8 +44,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed import comm, comm_objects
-from shardwise.distributed import p2p as p2p_comm
+from shardwise.distributed import comm
+from shardwise.distributed.comm import objects as comm_objects
+from shardwise.distributed.comm import p2p as p2p_comm
 from shardwise.models import LlamaConfig, build_model
 from shardwise.parallel.pipeline import (Costs, PipelineExecutor, Simulation, TimedAction,
                                          build_schedule, cross_entropy_loss, draw_timeline,

@@ -129,7 +129,7 @@ def notes(rows: list[dict], ds_version: str | None) -> list[str]:
     """What the table's reader needs to know about this machine and the rows."""
     fp32 = next((r for r in rows if (r["world"], r["config"]) == (2, "fp32")), None)
     out = [
-        "Byte accounting (shardwise/distributed/comm.py, [Note: byte accounting]): ring-"
+        "Byte accounting (shardwise/distributed/comm/__init__.py, [Note: byte accounting]): ring-"
         "algorithm volume per rank; an all-gather of a b-byte shard over n ranks sends and "
         "receives (n - 1) * b each. Quantised payloads include their fp32 scales (one per 256 "
         "elements). The quantised reduce-scatter is an all-to-all of packed chunks, counted "

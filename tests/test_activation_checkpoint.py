@@ -194,7 +194,7 @@ def test_trainer_checkpointing_and_compile_match_plain_training(tmp_path):
 
 
 def test_policies_agree_with_the_config_checks():
-    from shardwise.train.config_checks import AC_POLICIES as CONFIG_POLICIES
+    from shardwise.train.config.checks import AC_POLICIES as CONFIG_POLICIES
 
     assert CONFIG_POLICIES == AC_POLICIES
 

@@ -86,7 +86,7 @@ def test_resume_is_bitwise_equal_to_the_uninterrupted_run(uninterrupted, tmp_pat
 def test_resuming_with_more_steps_keeps_or_extends_the_schedule(uninterrupted, tmp_path,
                                                                  horizon):
     """The checkpoint was saved at step 3 of a 6-step run; this run asks for 8 steps."""
-    from shardwise.train.schedule import lr_factor
+    from shardwise.train.lr_schedule import lr_factor
 
     log_a, cfg, _ = uninterrupted
     step3 = log_a / "checkpoints" / "step_00000003"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardwise.testing.trainer import refused
-from shardwise.train import config_io
+from shardwise.train.config import io as config_io
 from shardwise.train.cli import build_parser, main
 from shardwise.train.config import Config
 

@@ -1,8 +1,8 @@
 """Every collective goes through shardwise.distributed.comm, which checks devices (issue 10).
 
-* A static check: no module of the package outside ``distributed/comm.py``,
-  ``comm_objects.py``, ``comm_gloo.py`` (Gloo's mechanics, called by comm) and ``p2p.py``
-  calls a ``torch.distributed`` collective directly (collectives, object collectives,
+* A static check: no module of the package outside ``distributed/comm/``'s
+  ``__init__.py``, ``objects.py``, ``gloo.py`` (Gloo's mechanics, called by comm) and
+  ``p2p.py`` calls a ``torch.distributed`` collective directly (collectives, object collectives,
   barriers, point-to-point), so the device check, the counters and the watchdog see every
   one.
 * The device check itself, on a Gloo group created as ``"cuda:gloo"``: like NCCL it refuses
@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise.distributed import comm, comm_objects
+from shardwise.distributed import comm
+from shardwise.distributed.comm import objects as comm_objects
 from shardwise.testing import run_ranks
 
 PACKAGE = Path(shardwise.__file__).parent
-ALLOWED = {PACKAGE / "distributed" / name
-           for name in ("comm.py", "comm_objects.py", "comm_gloo.py", "p2p.py")}
+ALLOWED = {PACKAGE / "distributed" / "comm" / name
+           for name in ("__init__.py", "objects.py", "gloo.py", "p2p.py")}
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
     "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.train import config_io
+from shardwise.train.config import io as config_io
 from shardwise.train.config import (
     Config, all_keys, check_output_dir, load_config, resolve_world, to_toml)
 

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed.device_watch import DeviceWatch, probe_for
-from shardwise.distributed.rank_watchdog import Watchdog
-from shardwise.distributed.watchdog_config import WatchdogConfig
+from shardwise.distributed.watchdog.rank import Watchdog
+from shardwise.distributed.watchdog.config import WatchdogConfig
 
 OP = ("0", 7, "all_reduce", "clip_grad_norm", torch.Size([]), torch.float32)
 

@@ -1,4 +1,4 @@
-"""The package's dependencies run one way, bottom up (shared/DESIGN.md, issue 10).
+"""The package's dependencies run one way, bottom up (docs/design.md, "Floors").
 
 sizes, quant, models, data -> distributed -> shard -> parallel -> checkpoint -> planner ->
 train. Every import a module makes (at module level or inside a function) may only reach its

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.distributed import comm_bytes
+from shardwise.distributed.comm import byte_counts as comm_bytes
 from shardwise.models import get_model_config, list_model_configs
 from shardwise.parallel import Costs, build_schedule, simulate
 from shardwise.parallel.pipeline.schedules import schedule_spec

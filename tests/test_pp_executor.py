@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from shardwise.distributed import p2p
+from shardwise.distributed.comm import p2p
 from shardwise.models import LlamaConfig, build_model
 from shardwise.parallel.pipeline import (SCHEDULE_NAMES, PipelineExecutor, build_schedule,
                                          cross_entropy_loss, forward_schedule,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardwise.distributed import comm
-from shardwise.distributed.quant_comm import all_gather_quantized, reduce_scatter_quantized
+from shardwise.distributed.comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from shardwise.quant import KINDS, dequantize, error_bound, quantize
 from shardwise.testing import run_ranks
 

@@ -269,7 +269,7 @@ def _replicate_worker():
             for method in ("graph_parameters", "param_rows", "unshard_all", "reshard_all",
                            "mark_stale", "remove"):
                 assert callable(getattr(state, method)), (name, method)
-            assert state.policy.stage == 0 and bool(state.units) == (name == "units")
+            assert state.policy.zero == 0 and bool(state.units) == (name == "units")
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             g = torch.Generator().manual_seed(dist.get_rank())
             for _ in range(2):
@@ -294,6 +294,6 @@ def test_the_stage_is_a_policy_of_booleans(stage, booleans):
 
     policy = ZeroPolicy.from_stage(stage)
     assert (policy.shard_optimizer, policy.shard_grads, policy.shard_params) == booleans
-    assert policy.stage == stage and policy.reduce_at_end == (stage == 1)
+    assert policy.zero == stage and policy.reduce_at_end == (stage == 1)
     with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
         ZeroPolicy.from_stage(4)

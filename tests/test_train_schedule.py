@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardwise.train.config import load_config
-from shardwise.train.schedule import (WarmupCosine, apply_schedule_horizon, build_lr_schedule,
+from shardwise.train.lr_schedule import (WarmupCosine, apply_schedule_horizon, build_lr_schedule,
                                       lr_factor)
 
 PEAK = 3e-3

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from shardwise.distributed import comm
 from shardwise.distributed import watchdog as wdm
-from shardwise.distributed.diagnosis import compact_ranks, compose
+from shardwise.distributed.watchdog.diagnosis import compact_ranks, compose
 from shardwise.testing.dist import RankFailure, run_ranks
 
 T = 2.0  # collective timeout of these tests, seconds

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardwise.checkpoint import atomic, runstate, state
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.checkpoint.metadata import SafeReader
-from shardwise.distributed import comm_objects
+from shardwise.distributed.comm import objects as comm_objects
 
 __all__ = ["Snapshot", "SaveResult", "CheckpointInfo", "snapshot", "copy_tensors", "write", "save",
            "load", "verify"]

@@ -56,7 +56,8 @@ from shardwise.checkpoint.dcp import (
     write,
 )
 from shardwise.checkpoint.errors import CheckpointError
-from shardwise.distributed import comm, comm_objects
+from shardwise.distributed import comm
+from shardwise.distributed.comm import objects as comm_objects
 
 __all__ = ["Checkpointer", "resolve_resume", "newest_intact"]
 

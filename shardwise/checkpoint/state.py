@@ -33,7 +33,7 @@ from torch import nn
 
 from shardwise.checkpoint import jsonable
 from shardwise.checkpoint.errors import CheckpointError
-from shardwise.distributed import comm_objects
+from shardwise.distributed.comm import objects as comm_objects
 from shardwise.parallel.pipeline.split import PipelinePart
 from shardwise.parallel.expert import ep_context
 from shardwise.parallel.tensor import tp_context
@@ -188,7 +188,7 @@ def layout_of(model: nn.Module) -> dict[str, Any]:
                 "tp": tp, "ep": ep, "pp": pp}
     s = states[-1]  # the outermost call (engine_states lists submodules' first)
     g = s.groups
-    return {"world_size": world, "stage": s.policy.stage, "dp_shard": g.shard_size,
+    return {"world_size": world, "stage": s.policy.zero, "dp_shard": g.shard_size,
             "dp_replicate": g.replicate_size, "tp": tp, "ep": ep, "pp": pp}
 
 

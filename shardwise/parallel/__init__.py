@@ -13,7 +13,7 @@ before ``shard`` (docs/compile.md)::
     checkpoint_activations(model, policy="selective")   # "full", "selective" or "none"
     compile_blocks(model, backend="inductor")           # engine hooks stay outside the graphs
 
-Pipeline schedules are data (DESIGN.md, principle 4)::
+Pipeline schedules are data (docs/design.md, principle 4)::
 
     from shardwise.parallel import build_schedule, simulate
     schedule = build_schedule("1f1b", pp=4, microbatches=8)

@@ -6,7 +6,7 @@ product of the degrees inside its axes) has ``k = min(n, G // S)`` members on ea
 ``G`` GPUs. A collective over such a group runs hierarchically, as NCCL does: a phase over
 the ``k`` ranks inside the node (NVLink) and a phase over the ``m = n / k`` nodes (the
 network, each GPU on its own NIC). Each phase moves the bytes the formulas of
-:mod:`shardwise.distributed.comm_bytes` give for its group and payload, the same formulas
+:mod:`shardwise.distributed.comm.byte_counts` give for its group and payload, the same formulas
 ``comm_stats`` records, and costs ``latency * steps + bytes / bandwidth`` on its link:
 
 * all-gather of a ``b``-byte shard: ``m - 1`` network steps of ``b``, then ``k - 1``
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardwise.distributed import comm_bytes
+from shardwise.distributed.comm import byte_counts as comm_bytes
 from shardwise.planner.hardware import Hardware, Link
 from shardwise.planner.rank_memory import TAG_BYTES, unit_state
 

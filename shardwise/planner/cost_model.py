@@ -13,7 +13,7 @@ a step runs ``pp_microbatches`` of them, plus the schedule's bubble (pipeline.py
 pipeline sends, the exposed data-parallel collectives, and the optimizer step (HBM-bound
 on the device, or host-bound with the transfers over PCIe when offloaded). Data-parallel
 collectives are priced per unit by the device model from the bytes of
-:func:`shardwise.distributed.comm_bytes` (quantised payloads from the engine's
+:func:`shardwise.distributed.comm.byte_counts` (quantised payloads from the engine's
 ``packed_nbytes``) and hide behind compute as the engine schedules them: gradient
 reductions behind the last micro-batch's backward, stage-3 gathers behind the computing
 unit, stage-1/2 gathers behind the next forward. A stack that synchronises gradients only

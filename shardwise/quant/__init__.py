@@ -1,7 +1,7 @@
 """``shardwise.quant``: blockwise int8 / int4 / fp8 codecs, pure tensor math.
 
 The bottom of the package: no communication, no engine. Used by the quantised collectives
-(:mod:`shardwise.distributed.quant_comm`) and, through them, by the ZeRO engine. See
+(:mod:`shardwise.distributed.comm.quantized`) and, through them, by the ZeRO engine. See
 [Note: codecs], [Note: error bounds] and [Note: wire format] in :mod:`shardwise.quant.codecs`.
 """
 

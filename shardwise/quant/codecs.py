@@ -5,7 +5,7 @@ tensor into per-block codes plus fp32 scales and back; :func:`pack` / :func:`unp
 out in one flat uint8 buffer whose size :func:`packed_nbytes` computes from the element count
 alone, so one collective moves a whole quantized piece. :class:`CommQuant` is the engine's
 policy (what to quantize, ``shardwise.shard.comm_quant``); the collectives live in
-``shardwise.distributed.quant_comm``.
+``shardwise.distributed.comm.quantized``.
 
 A tensor is quantized row by row along its last dim (a 1-D tensor is one row; a 0-d tensor a
 row of one): each row is cut into blocks of ``block_size`` elements, the last one partial when

@@ -59,7 +59,7 @@ class ZeroPolicy:
         return self.shard_optimizer and not self.shard_grads
 
     @property
-    def stage(self) -> int:
+    def zero(self) -> int:
         """The ZeRO stage this policy is (for messages and records)."""
         return int(self.shard_optimizer) + int(self.shard_grads) + int(self.shard_params)
 
@@ -90,6 +90,8 @@ class EngineState(Protocol):
         sync: whether the coming backward passes reduce gradients.
         paused: whether its backward hooks ignore autograd calls (split backward).
         reshard_after_forward / reshard_after_backward: the per-micro-batch controls.
+        meshes: DTensor meshes the state dict built over this state's groups (cached: a
+            DeviceMesh is built once per layout).
     """
 
     module: nn.Module
@@ -103,6 +105,7 @@ class EngineState(Protocol):
     paused: bool
     reshard_after_forward: bool
     reshard_after_backward: bool
+    meshes: dict
 
     def graph_parameters(self) -> list[nn.Parameter]:
         """The tensors through which trainable parameters enter autograd graphs."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed import comm
-from shardwise.distributed.diagnosis import compact_ranks
+from shardwise.distributed.watchdog.diagnosis import compact_ranks
 
 __all__ = ["NonFiniteReport", "NonFiniteError", "find_nonfinite_grads", "POLICIES"]
 

@@ -100,6 +100,7 @@ class ReplicateState:
         self.sync = True
         self.paused = False  # controls.paused_backward_hooks
         self.reshard_after_forward = self.reshard_after_backward = False  # nothing gathered
+        self.meshes: dict = {}  # state_dict's DTensor meshes
         params = [e.param for e in entries]
         self.launcher = OrderedLauncher(max_inflight=1 << 30)
         trainable = [p for p in reversed(params) if p.requires_grad]

@@ -99,6 +99,7 @@ class ShardState:
         self.reshard_after_backward = policy.shard_params
         self.sync = True
         self.paused = False  # controls.paused_backward_hooks
+        self.meshes: dict = {}  # state_dict's DTensor meshes
         self.launcher = OrderedLauncher()
         self.fwd_order: list[Unit] = []       # previous step's pre-forward order
         self.bwd_order: list[Unit] = []       # this step's reversed post-forward order

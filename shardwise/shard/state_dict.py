@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardwise.distributed import comm, comm_dims
+from shardwise.distributed import comm
+from shardwise.distributed.comm import dims as comm_dims
 from shardwise.distributed.parallel_dims import product_mesh
 from shardwise.distributed.placement import Placement, placement_of
 from shardwise.shard.registry import engine_states
@@ -107,7 +108,7 @@ def _layout(state, pl: Placement, device_type: str) -> tuple[object, tuple]:
         axes = [a for a in pl.axes if a.group is not None][-1:]
     if not axes:
         return None, ()
-    cache = state.__dict__.setdefault("_dtensor_meshes", {})
+    cache = state.meshes
     key = (device_type, tuple((a.name, a.ranks) for a in axes))
     if key not in cache:
         cache[key] = product_mesh(device_type, tuple(a.name for a in axes),

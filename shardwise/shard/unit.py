@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.distributed import comm
-from shardwise.distributed.quant_comm import all_gather_quantized
+from shardwise.distributed.comm.quantized import all_gather_quantized
 from shardwise.distributed.mesh import NodeGroup, ShardGroups
 from shardwise.distributed.pool import POOL
 from shardwise.shard.comm_quant import CommQuant

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from shardwise.distributed import comm
 from shardwise.distributed.mesh import ShardGroups
 from shardwise.distributed.pool import POOL
-from shardwise.distributed.quant_comm import reduce_scatter_quantized
+from shardwise.distributed.comm.quantized import reduce_scatter_quantized
 from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.layout import UnitLayout
 from shardwise.shard.memory import MemoryTracker

@@ -26,7 +26,7 @@ from shardwise.parallel.pipeline.cli import add_parser as add_schedule_parser
 from shardwise.parallel.pipeline.cli import run as run_schedule
 from shardwise.planner.cli import add_parser as add_plan_parser
 from shardwise.planner.cli import run as run_plan
-from shardwise.train import config_io
+from shardwise.train.config import io as config_io
 from shardwise.train.config import Config, all_keys
 
 __all__ = ["build_parser", "main"]

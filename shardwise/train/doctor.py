@@ -25,7 +25,7 @@ import torch
 
 import shardwise
 from shardwise.distributed import comm
-from shardwise.train import config_io
+from shardwise.train.config import io as config_io
 
 __all__ = ["rank_report", "config_hash", "check_ranks", "format_reports", "AGREED"]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-from shardwise.distributed import comm_objects
+from shardwise.distributed.comm import objects as comm_objects
 from shardwise.distributed import env as dist_env
 from shardwise.train.config import Config, resolve_world
 from shardwise.train.doctor import check_ranks

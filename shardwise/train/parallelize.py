@@ -1,6 +1,6 @@
 """Everything the trainer knows about parallelism, in one place.
 
-Composition order (DESIGN.md, "N-D layouts"): the model is built on the meta device ->
+Composition order (docs/design.md, "The trainer"): the model is built on the meta device ->
 ``apply_tp`` (tensor + sequence parallelism over the mesh's ``tp`` axis) -> ``apply_ep``
 (MoE experts split over ``ep``, their tokens dispatched by all-to-all) -> activation
 checkpointing -> compile -> sharded by the ZeRO engine over the data axes (experts over
@@ -35,7 +35,7 @@ from shardwise.distributed.mesh import ParallelDims
 from shardwise.parallel.tensor import default_plan, tp_context, vocab_parallel_cross_entropy
 from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
-from shardwise.train.config_checks import sequence_parallel
+from shardwise.train.config.checks import sequence_parallel
 from shardwise.train.moe import apply_moe
 from shardwise.train.pipeline import build_pipeline_model
 
@@ -123,7 +123,7 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
 
     par = cfg.parallel
     dims = parallel_dims(cfg, env.world_size)
-    # The fixed composition order (shared/DESIGN.md), each step leaving a plain nn.Module:
+    # The fixed composition order (docs/design.md), each step leaving a plain nn.Module:
     # build on meta -> tensor / sequence parallelism -> expert parallelism -> activation
     # checkpointing -> compile -> pipeline split -> shard -> materialise (inside shard).
     # EP after TP: each tensor rank dispatches its own sequence shard. Checkpointing before

@@ -35,7 +35,7 @@ from shardwise.parallel.pipeline.schedules import (TARGET_BUBBLE, default_microb
                                                    expected_bubble, resolve_virtual)
 from shardwise.parallel.tensor import apply_tp
 from shardwise.shard.grad import get_total_norm
-from shardwise.train.config_checks import sequence_parallel
+from shardwise.train.config.checks import sequence_parallel
 from shardwise.train.moe import apply_moe
 
 __all__ = ["check_pipeline_config", "pipeline_world", "resolve_microbatches", "bubble_warning",

@@ -32,7 +32,7 @@ from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.search import search
 from shardwise.planner.workload import Workload
 from shardwise.train.config import Config, resolve_world, validate
-from shardwise.train.config_checks import check_model_combinations, sequence_parallel
+from shardwise.train.config.checks import check_model_combinations, sequence_parallel
 from shardwise.train.parallelize import validate_ep, validate_tp
 from shardwise.train.pipeline import (check_pipeline_config, check_pipeline_model,
                                       pipeline_world, resolve_microbatches)

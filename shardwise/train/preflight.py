@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from shardwise.train import config_io
-from shardwise.train.compat import check_fault_spec, check_resume
+from shardwise.train.config import io as config_io
+from shardwise.train.resume_checks import check_fault_spec, check_resume
 from shardwise.train.config import Config, check_output_dir, resolve_world, to_toml
-from shardwise.train.config_checks import check_model_combinations, check_sequence_split
+from shardwise.train.config.checks import check_model_combinations, check_sequence_split
 from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe

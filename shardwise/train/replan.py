@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.distributed import comm, comm_objects
+from shardwise.distributed import comm
+from shardwise.distributed.comm import objects as comm_objects
 from shardwise.planner.calibrate import StepMeasurement, calibrate, constant
 from shardwise.planner.cost_model import CostModel
 from shardwise.planner.parallel_layout import Layout

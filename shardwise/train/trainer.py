@@ -33,8 +33,8 @@ from shardwise.train.metrics import (
 from shardwise.train.moe import describe_moe
 from shardwise.train.pipeline import describe_pipeline
 from shardwise.train.preflight import build_model_config
-from shardwise.train.compat import RUN_KEY, run_record
-from shardwise.train.schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
+from shardwise.train.resume_checks import RUN_KEY, run_record
+from shardwise.train.lr_schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
 from shardwise.train.step import evaluate, gather_stats, train_step
 from shardwise.train.stepguard import StepGuard
 

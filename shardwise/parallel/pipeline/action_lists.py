@@ -1,6 +1,6 @@
 """A pipeline schedule as data: per rank, an ordered list of actions; CSV and text forms.
 
-The same :class:`Schedule` drives the executor on real ranks and the simulator (DESIGN.md,
+The same :class:`Schedule` drives the executor on real ranks and the simulator (docs/design.md,
 principle 4). A stage is a contiguous slice of the model's layers; there are ``pp * virtual``
 of them and ``placement[stage]`` names the rank that holds each:
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardwise.distributed import p2p as p2p_comm
+from shardwise.distributed.comm import p2p as p2p_comm
 from shardwise.parallel.pipeline.actions import Action, Kind
 from shardwise.parallel.pipeline.messages import message_key, peer_rank
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.distributed import comm_objects
+from shardwise.distributed.comm import objects as comm_objects
 from shardwise.models.moe import MoEStepStats, finish_moe_step, moe_aux_loss
 from shardwise.parallel.pipeline.split import PipelinePart
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.distributed import p2p as p2p_comm
+from shardwise.distributed.comm import p2p as p2p_comm
 from shardwise.parallel.pipeline.split import PipelinePart
 
 __all__ = ["TiedWeights"]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.distributed import comm, comm_dims
+from shardwise.distributed import comm
+from shardwise.distributed.comm import dims as comm_dims
 
 __all__ = ["vocab_parallel_cross_entropy"]
 

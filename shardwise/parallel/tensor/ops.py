@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardwise.distributed import comm_dims
+from shardwise.distributed.comm import dims as comm_dims
 
 __all__ = ["copy_to_region", "reduce_from_region", "gather_sequence", "scatter_sequence",
            "gather_last_dim", "SequenceInput", "sequence_linear"]

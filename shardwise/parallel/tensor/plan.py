@@ -1,6 +1,6 @@
 """Tensor-parallel plans: which module gets which style.
 
-A plan is data (DESIGN.md, principle 4): ``{"module.name.glob": style}``, where ``*``
+A plan is data (docs/design.md, principle 4): ``{"module.name.glob": style}``, where ``*``
 matches one dotted component (``"layers.*.attention.wq"``) and the styles are
 
 ==================  ==========================================================================

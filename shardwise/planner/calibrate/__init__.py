@@ -13,7 +13,7 @@ growing size as the trainer runs them (``F.linear`` forward and backward at line
 achieved FLOP/s by size, fitted to the efficiency curve of hardware.py), a large copy
 (memory bandwidth), and all-reduces and all-gathers on real Gloo ranks for each group size
 and several message sizes (latency and bandwidth fitted to the alpha-beta model of
-comm_model.py through the byte formulas of ``shardwise.distributed.comm_bytes``), then the
+comm_model.py through the byte formulas of ``shardwise.distributed.comm.byte_counts``), then the
 CPU rank's kernels, update and collectives of [Note: CPU kernels] (kernels.py, gloo.py),
 with a world beyond the cores its smaller groups crowded ([Note: crowded collectives]), and
 the composed blocks, whole and tensor-parallel (blocks.py), whose factors are priced once

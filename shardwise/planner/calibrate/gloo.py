@@ -69,7 +69,7 @@ def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], calls: int,
                  group_size: int, multiplies: int, queue) -> None:
     import torch.distributed as dist
 
-    from shardwise.distributed import comm_objects
+    from shardwise.distributed.comm import objects as comm_objects
     from shardwise.distributed.env import quiet_flight_recorder
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def _gloo_ops(rank: int, size: int, nbytes: int, group=None) -> dict:
 def _send_recv(t: torch.Tensor, inbox: torch.Tensor, rank: int, peer: int) -> None:
     """One message each way between ``rank`` and ``peer``, through shardwise's point-to-point
     layer (the one the pipeline executor uses)."""
-    from shardwise.distributed import p2p
+    from shardwise.distributed.comm import p2p
 
     if peer == rank:
         return

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from shardwise.compat import tomllib
-from shardwise.distributed import comm_bytes
+from shardwise.distributed.comm import byte_counts as comm_bytes
 from shardwise.planner.calibrate.blocks import composed_costs
 from shardwise.planner.calibrate.fit import fit_constants, log_error
 from shardwise.planner.calibrate.kernels import LINEAR_SHAPES, measure_cpu, measure_linear
@@ -55,7 +55,8 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
                        queue) -> None:
     import torch.distributed as dist
 
-    from shardwise.distributed import comm, comm_objects
+    from shardwise.distributed import comm
+    from shardwise.distributed.comm import objects as comm_objects
     from shardwise.distributed.env import quiet_flight_recorder
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -21,15 +21,15 @@ import torch.distributed as dist
 
 from shardwise.distributed import comm
 from shardwise.distributed.device_watch import abort_communicators
-from shardwise.distributed.diagnosis import compose, short_group
+from shardwise.distributed.watchdog.diagnosis import compose, short_group
 from shardwise.distributed.optrack import GroupInfo, Op, OpTracker, fingerprint_text, where_text
-from shardwise.distributed.stacks import (
+from shardwise.distributed.watchdog.stacks import (
     backend_message,
     caller_stack,
     main_stack,
     traceback_text,
 )
-from shardwise.distributed.watchdog_config import CollectiveError, WatchdogConfig
+from shardwise.distributed.watchdog.config import CollectiveError, WatchdogConfig
 
 __all__ = ["Watchdog"]
 

@@ -60,9 +60,9 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-from shardwise.distributed.rank_watchdog import Watchdog
-from shardwise.distributed.stacks import SYMPTOMS, backend_message, traceback_text
-from shardwise.distributed.watchdog_config import MODES, CollectiveError, WatchdogConfig
+from shardwise.distributed.watchdog.rank import Watchdog
+from shardwise.distributed.watchdog.stacks import SYMPTOMS, backend_message, traceback_text
+from shardwise.distributed.watchdog.config import MODES, CollectiveError, WatchdogConfig
 
 __all__ = ["WatchdogConfig", "Watchdog", "CollectiveError", "start", "stop", "active", "guard",
            "guarded", "MODES"]

@@ -1,8 +1,8 @@
 """Stacks and backend messages, trimmed to what tells a user where their code was.
 
-The watchdog (watchdog.py, rank_watchdog.py) publishes these in its reports; the frames of
-the process bootstrap and of the plumbing between a ``comm.*`` call and the backend are left
-out, since they say nothing about the user's program.
+The watchdog (``__init__.py`` and ``rank.py`` of this package) publishes these in its
+reports; the frames of the process bootstrap and of the plumbing between a ``comm.*`` call
+and the backend are left out, since they say nothing about the user's program.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Timed out"
             "Read error", "Broken pipe", "Socket Timeout", "Connection refused")
 
 _NOISE = ("/multiprocessing/", "<string>", "/shardwise/distributed/optrack.py",
-          "/shardwise/distributed/watchdog.py", "/shardwise/distributed/rank_watchdog.py",
-          "/shardwise/distributed/stacks.py", "/torch/distributed/c10d_logger.py",
+          "/shardwise/distributed/watchdog/__init__.py", "/shardwise/distributed/watchdog/rank.py",
+          "/shardwise/distributed/watchdog/stacks.py", "/torch/distributed/c10d_logger.py",
           "/torch/distributed/elastic/multiprocessing/")
 
 
@@ -37,7 +37,7 @@ def backend_message(exc: BaseException) -> str:
 def format_frames(frames: traceback.StackSummary | list, limit: int = 20) -> str:
     """The last ``limit`` frames of a stack, without bootstrap and comm plumbing."""
     kept = [f for f in frames if not any(n in f.filename for n in _NOISE)
-            and not (f.filename.endswith("/shardwise/distributed/comm.py")
+            and not (f.filename.endswith("/shardwise/distributed/comm/__init__.py")
                      and f.name == "_issue")]
     return "".join(traceback.StackSummary.from_list(kept[-limit:]).format())
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.compat import tomllib
-from shardwise.train import config_io
-from shardwise.train.config_sections import (CommConfig, MoEConfig, OffloadConfig,
+from shardwise.train.config import io as config_io
+from shardwise.train.config.sections import (CommConfig, MoEConfig, OffloadConfig,
                                              ParallelConfig, PrecisionConfig)
 
 __all__ = [
@@ -291,6 +291,6 @@ def to_toml(config: Config, comments: bool = True) -> str:
     return config_io.to_toml(config, comments)
 
 
-# The value checks live in config_checks.py (imported last: they read the dataclasses above).
-from shardwise.train.config_checks import (PLAN_KEYS, check_output_dir,  # noqa: E402
+# The value checks live in checks.py (imported last: they read the dataclasses above).
+from shardwise.train.config.checks import (PLAN_KEYS, check_output_dir,  # noqa: E402
                                            resolve_world, validate)

@@ -1,7 +1,7 @@
 """The sections of the training configuration that say how the model is spread over ranks
 and in what numbers: parallel degrees and the planner, mixed precision, quantised
 communication, offload and mixture-of-experts routing (config.py holds the rest and the
-loading; config_io.py reads every section's field docstrings for ``--help``)."""
+loading; io.py reads every section's field docstrings for ``--help``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Every collective the library runs goes through this module so that
 bytes it sent and received, and so that each call carries a label (``"unit3.all_gather"``)
 and a per-group sequence number that the watchdog and error messages can name.
 
-[Note: byte accounting] Bytes (computed by :mod:`shardwise.distributed.comm_bytes`, which the
+[Note: byte accounting] Bytes (computed by :mod:`shardwise.distributed.comm.byte_counts`, which the
 planner prices too) are the per-rank volume of the bandwidth-optimal (ring)
 algorithm, the figure the ZeRO paper reasons with, for a group of ``n`` ranks:
 
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed import comm_bytes
-from shardwise.distributed.comm_gloo import SumAfterAllToAll, gather_by_sends
+from shardwise.distributed.comm import byte_counts as comm_bytes
+from shardwise.distributed.comm.gloo import SumAfterAllToAll, gather_by_sends
 from shardwise.distributed.compiled import refuse_in_compiled_region
 from shardwise.sizes import nbytes as _nbytes
 

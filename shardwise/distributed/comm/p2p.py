@@ -1,6 +1,6 @@
 """Point-to-point messages, counted, labelled and watched like the collectives of ``comm``.
 
-    from shardwise.distributed import p2p
+    from shardwise.distributed.comm import p2p
     works = p2p.batch_isend_irecv([
         p2p.Message(activation, peer=1, send=True, label="pp.0SEND_F3"),
         p2p.Message(grad_buffer, peer=1, send=False, label="pp.0RECV_B2"),
