@@ -22,7 +22,8 @@ from shardwise.testing import run_ranks
     (ParallelDims(2, 3, 8, tp=2), "pp x dp_replicate x dp_shard x cp x tp = 1 x 2 x 3 x 1 x "
                                   "2 = 12, expected the world size 8"),
     (ParallelDims(world_size=8, ep=3), "ep=3 must divide dp_shard x cp = 8 x 1 = 8"),
-    (ParallelDims(world_size=8, cp=2), "cp=2: context parallelism does not exist yet"),
+    (ParallelDims(world_size=8, cp=3), "pp x dp_replicate x cp x tp = 1 x 1 x 3 x 1 = 3 does "
+                                       "not divide the world size 8"),
     (ParallelDims(world_size=8, tp=0), "tp must be an int >= 1, got 0"),
     (ParallelDims(0, -1, 8), "dp_replicate must be an int >= 1, got 0"),
 ])

@@ -59,7 +59,8 @@ class ParallelDims:
             dp_replicate x cp x tp)``. Default -1.
         world_size: number of ranks in the job (default 1).
         pp: pipeline stages (default 1).
-        cp: context-parallel degree; only 1 until context parallelism exists (default 1).
+        cp: context-parallel degree (default 1); the cp ranks split each sequence
+            (``shardwise.parallel.context.apply_cp``) and average gradients like data ranks.
         tp: tensor-parallel degree (default 1).
         ep: expert-parallel degree, carved out of ``dp_shard x cp`` (default 1).
     """
@@ -76,14 +77,12 @@ class ParallelDims:
         """Degrees with -1 inferred.
 
         Raises:
-            ValueError: a degree below 1, ``cp > 1``, degrees whose product is not the world
+            ValueError: a degree below 1, degrees whose product is not the world
                 size, or ``ep`` not dividing ``dp_shard x cp``; each names the degrees.
         """
         _degree("world_size", self.world_size)
         pp, rep, cp, tp, ep = (_degree(n, getattr(self, n))
                                for n in ("pp", "dp_replicate", "cp", "tp", "ep"))
-        if cp > 1:
-            raise ValueError(f"cp={cp}: context parallelism does not exist yet; use cp=1")
         others = pp * rep * cp * tp
         shard = self.dp_shard
         if shard == -1:

@@ -23,8 +23,8 @@ from torch import nn
 
 from shardwise.models.config import LlamaConfig
 
-__all__ = ["FeedForward", "RMSNorm", "RotaryEmbedding", "apply_rotary", "linear", "repeat_kv",
-           "rope_tables"]
+__all__ = ["FeedForward", "RMSNorm", "RotaryEmbedding", "apply_rotary", "document_ids",
+           "document_mask", "linear", "repeat_kv", "rope_tables"]
 
 
 def linear(in_features: int, out_features: int, init_std: float) -> nn.Linear:
@@ -87,14 +87,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     Args:
         x: ``(B, T, H, head_dim)`` queries or keys.
-        cos: ``(T, head_dim // 2)`` fp32.
-        sin: ``(T, head_dim // 2)`` fp32.
+        cos: ``(T, head_dim // 2)`` fp32, or ``(B, T, head_dim // 2)`` (positions per
+            sequence, e.g. packed documents).
+        sin: the same shape as ``cos``.
 
     Returns:
         The rotated tensor, same shape and dtype as ``x`` (the rotation runs in fp32).
     """
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, hd/2) each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2): broadcast over B and H
+    # (T, 1, hd/2) broadcast over B and H; per-sequence tables (B, T, hd/2) over H only
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, H, hd/2, 2)
     return out.flatten(-2).type_as(x)
 
@@ -102,6 +104,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """Holds the RoPE cos/sin tables as non-persistent fp32 buffers (see [Note: RoPE tables
     stay fp32])."""
+
+    context_parallel = None  # the layout of apply_cp, which gives tokens global positions
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
@@ -127,11 +131,55 @@ class RotaryEmbedding(nn.Module):
                     self._buffers[name] = old.to(device=new.device, dtype=torch.float32)
         return self
 
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seq_len: int, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of ``seq_len`` tokens: at ``positions`` (``(B, T)`` ids) when given,
+        else at the global positions of this rank's tokens under context parallelism
+        (``context_parallel``, set by ``apply_cp``), else at ``0 .. seq_len - 1``."""
+        if positions is not None:
+            return self.cos[positions], self.sin[positions]  # (B, T, hd/2) each
+        if self.context_parallel is not None:
+            cp = self.context_parallel
+            if seq_len * cp.cp > self.max_seq_len:
+                raise ValueError(f"sequence length {seq_len} x cp {cp.cp} = "
+                                 f"{seq_len * cp.cp} exceeds max_seq_len={self.max_seq_len}")
+            at = cp.positions(seq_len, self.cos.device)
+            return self.cos[at], self.sin[at]  # (T, hd/2) each
         return self.cos[:seq_len], self.sin[:seq_len]  # (T, hd/2) each
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """Per-token document index of packed sequences from their position ids.
+
+    A document starts at the first token and wherever the position does not continue the
+    previous token's (``positions[t] != positions[t - 1] + 1``, e.g. a reset to 0): the
+    convention of packed data with per-document position ids.
+
+    Args:
+        positions: ``(B, T)`` integer position ids of whole sequences.
+
+    Returns:
+        ``(B, T)`` int64 document ids, 0 for each row's first document.
+
+    Raises:
+        ValueError: ``positions`` not a 2-D integer tensor.
+    """
+    if positions.dim() != 2 or positions.dtype.is_floating_point:
+        raise ValueError(f"positions has shape {tuple(positions.shape)} and dtype "
+                         f"{positions.dtype}, expected (batch, seq_len) integers")
+    starts = torch.zeros(positions.shape, dtype=torch.int64, device=positions.device)
+    starts[:, 1:] = (positions[:, 1:] != positions[:, :-1] + 1).to(torch.int64)
+    return starts.cumsum(dim=1)
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """``(B, 1, T, T)`` boolean attention mask: causal, and within each token's document."""
+    t = documents.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

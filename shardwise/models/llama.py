@@ -46,7 +46,7 @@ from torch import nn
 
 from shardwise.models.config import LlamaConfig
 from shardwise.models.layers import (FeedForward, RMSNorm, RotaryEmbedding, apply_rotary,
-                                     repeat_kv, rope_tables)
+                                     document_ids, document_mask, repeat_kv, rope_tables)
 from shardwise.models.layers import linear as _linear
 from shardwise.models.experts import GroupedExperts
 from shardwise.models.mla import LatentAttention
@@ -70,7 +70,13 @@ __all__ = [
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE."""
+    """Causal grouped-query self-attention with RoPE.
+
+    ``context_parallel`` (set by ``apply_cp``) replaces the one-process attention with the
+    context-parallel one: same inputs, this rank's rows of the same output.
+    """
+
+    context_parallel = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -81,7 +87,10 @@ class Attention(nn.Module):
         self.wv = _linear(config.dim, config.n_kv_heads * hd, std)
         self.wo = _linear(config.n_heads * hd, config.dim, std / math.sqrt(2 * config.n_layers))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        # documents: (B, T) document ids of packed sequences (of the whole sequence under
+        # context parallelism), or None for one causal sequence per row.
         # Head counts come from the projections' widths (-1), not the config, and the batch
         # and sequence sizes from their outputs, not from x: a tensor-parallel column split
         # of wq/wk/wv (fewer local heads; under sequence parallelism x holds a piece of the
@@ -93,10 +102,16 @@ class Attention(nn.Module):
         v = v.view(b, t, -1, self.head_dim)  # (B, T, KV, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, hd)
-        n_rep = q.shape[1] // k.shape[1]
-        # Explicit repeat rather than sdpa(enable_gqa=True): every backend accepts it.
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        if self.context_parallel is not None:
+            y = self.context_parallel(q, k, v, documents)  # (B, H, T, hd)
+        else:
+            n_rep = q.shape[1] // k.shape[1]
+            # Explicit repeat rather than sdpa(enable_gqa=True): every backend accepts it.
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, T, hd)
+            if documents is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents))
         y = y.transpose(1, 2).reshape(b, t, -1)  # (B, T, H * hd)
         return self.wo(y)  # (B, T, C)
 
@@ -122,8 +137,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = MoE(config) if config.is_moe_layer(layer_id) else FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        if documents is None:
+            h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
+        else:  # packed documents (multi-head latent attention takes none)
+            h = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return h + self.feed_forward(self.ffn_norm(h))  # (B, T, C)
 
 
@@ -179,11 +198,18 @@ class Transformer(nn.Module):
         if not self.tok_embeddings.weight.is_meta:  # _weight above left it uninitialised
             self.init_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits.
 
         Args:
             tokens: ``(B, T)`` int64 (or int32) token ids, ``1 <= T <= max_seq_len``.
+            positions: ``(B, T)`` position ids for packed documents (RoPE at these
+                positions; a document starts where they do not continue, and attends only
+                to itself), or None: one sequence per row at positions ``0 .. T - 1``.
+            documents: ``(B, T)`` document ids instead of deriving them from
+                ``positions`` (under context parallelism: the whole sequence's, which
+                ``apply_cp`` fills in).
 
         Returns:
             ``(B, T, vocab_size)`` logits in the model's dtype.
@@ -193,9 +219,12 @@ class Transformer(nn.Module):
         """
         self._check_tokens(tokens)
         h = self.tok_embeddings(tokens)  # (B, T, C)
-        cos, sin = self.rope(tokens.shape[1])  # (T, hd/2) each
+        cos, sin = self.rope(tokens.shape[1], positions)  # (T | B x T, hd/2) each
+        if positions is not None and documents is None:
+            documents = document_ids(positions)
         for layer in self.layers:
-            h = layer(h, cos, sin)  # (B, T, C)
+            # (B, T, C); the one-sequence call stays the plain (h, cos, sin)
+            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
         return self.output(self.norm(h))  # (B, T, V)
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
