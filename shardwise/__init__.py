@@ -1,11 +1,12 @@
-"""shardwise: PyTorch-native distributed training (ZeRO-1/2/3, tensor / sequence / expert
-parallelism, offload, low precision).
+"""shardwise: PyTorch-native distributed training (ZeRO-1/2/3, tensor / sequence / context /
+expert parallelism, offload, low precision).
 
     import shardwise
     env = shardwise.distributed.init()                 # torchrun, SLURM or one process
     mesh = shardwise.ParallelDims(world_size=env.world_size, tp=2).build_mesh()
     model = shardwise.apply_tp(model, mesh["tp"])      # optional: Megatron TP + SP
     model = shardwise.apply_ep(model, mesh)            # optional: MoE experts over ep
+    model = shardwise.apply_cp(model, mesh["cp"])      # optional: sequences over cp
     model = shardwise.shard(model, stage=3, wrap={Block}, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     loss.backward(); shardwise.clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
@@ -19,6 +20,7 @@ from shardwise.distributed.comm import CommStats, comm_stats, reset_comm_stats
 from shardwise.distributed.parallel_dims import ParallelDims, ParallelMesh
 from shardwise.distributed.placement import Placement, placement_of
 from shardwise.parallel import checkpoint_activations, compile_blocks
+from shardwise.parallel.context import apply_cp, cp_context
 from shardwise.parallel.expert import apply_ep
 from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
 from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
@@ -38,6 +40,8 @@ __all__ = [
     "replicate",
     "apply_tp",
     "apply_ep",
+    "apply_cp",
+    "cp_context",
     "vocab_parallel_cross_entropy",
     "ParallelDims",
     "ParallelMesh",

@@ -51,7 +51,7 @@ def test_rank_order_and_expert_axes():
     assert d.axis_ranks("edp", 5) == [1, 5]                     # same experts: replicas
     assert {a: d.degree(a) for a in AXIS_NAMES} == {
         "pp": 2, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2, "ep": 2, "edp": 2,
-        "dp": 4, "dp_shard_cp": 2}
+        "dp": 4, "dp_shard_cp": 2, "dp_cp": 4}
     e = ParallelDims(world_size=8, ep=2)                        # ep 2 out of dp_shard 8
     assert e.axis_ranks("ep", 3) == [2, 3] and e.axis_ranks("edp", 3) == [1, 3, 5, 7]
 

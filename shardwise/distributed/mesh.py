@@ -152,7 +152,8 @@ def _from_device_mesh(mesh: DeviceMesh):
     ParallelDims names ([Note: rank order] in parallel_dims.py), else positionally."""
     names = _named_axes(mesh)
     if names is not None:
-        shard = mesh.get_group("dp_shard") if "dp_shard" in names else None
+        axis = "dp_shard_cp" if "dp_shard_cp" in names else "dp_shard"
+        shard = mesh.get_group(axis) if axis in names else None
         replicate = mesh.get_group("dp_replicate") if "dp_replicate" in names else None
         if shard is None:  # no data sharding axis: a one-rank shard group
             shard = _self_group()
@@ -204,10 +205,14 @@ def resolve_groups(mesh, device_type: str = "cpu") -> ShardGroups:
         shard = mesh
         device_mesh = DeviceMesh.from_group(shard, device_type)
     elif isinstance(mesh, ParallelMesh):
-        shard, dp = mesh.group("dp_shard"), mesh.group("dp")
+        # Context-parallel ranks hold different tokens of the same sequences: their
+        # gradients are summed like data ranks', so they shard parameters too (torchtitan's
+        # dp_shard_cp). Without cp the names stay dp_shard / dp (same groups).
+        cp = mesh.size("cp") > 1
+        axis = "dp_shard_cp" if cp else "dp_shard"
+        shard, dp = mesh.group(axis), mesh.group("dp_cp" if cp else "dp")
         replicate = mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
-        device_mesh = mesh["dp_replicate", "dp_shard"] if replicate is not None \
-            else mesh["dp_shard"]
+        device_mesh = mesh["dp_replicate", axis] if replicate is not None else mesh[axis]
     elif isinstance(mesh, DeviceMesh):
         shard, replicate = _from_device_mesh(mesh)
         device_mesh = mesh

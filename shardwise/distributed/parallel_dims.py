@@ -12,7 +12,8 @@ Expert parallelism does not multiply the world size: ``ep`` is carved out of the
 c_i``, the expert rank is ``d % ep`` and ``d // ep`` numbers the expert-data shards; ``edp``
 (the ranks that hold the same experts and average their gradients) is ``dp_replicate x
 (dp_shard x cp / ep)``. The flattened axes ``dp`` (``dp_replicate x dp_shard``) and
-``dp_shard_cp`` (``dp_shard x cp``) are what data parallelism and the loss average use.
+``dp_shard_cp`` (``dp_shard x cp``) are what data parallelism and the loss average use;
+``dp_cp`` (``dp_replicate x dp_shard x cp``) is every rank holding different tokens.
 
 Every axis is answered on every rank, a one-rank mesh where the degree is 1, so code asks
 ``mesh["tp"]`` without first checking whether tensor parallelism is on. Nothing outside this
@@ -33,9 +34,9 @@ __all__ = ["ParallelDims", "ParallelMesh", "AXIS_NAMES", "BASE_AXES", "DATA_AXES
 
 BASE_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh dimensions, outermost first ([Note: rank order])."""
-AXIS_NAMES = BASE_AXES + ("ep", "edp", "dp", "dp_shard_cp")
+AXIS_NAMES = BASE_AXES + ("ep", "edp", "dp", "dp_shard_cp", "dp_cp")
 """Every name a :class:`ParallelMesh` answers."""
-DATA_AXES = frozenset({"dp_replicate", "dp_shard", "dp", "dp_shard_cp", "edp"})
+DATA_AXES = frozenset({"dp_replicate", "dp_shard", "dp", "dp_shard_cp", "dp_cp", "edp"})
 """Axes whose ranks see different batches (gradients are averaged over them)."""
 
 
@@ -112,7 +113,7 @@ class ParallelDims:
         d = self.resolved()
         sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
                  "cp": d.cp, "tp": d.tp, "ep": d.ep, "dp": d.dp_replicate * d.dp_shard,
-                 "dp_shard_cp": d.dp_shard * d.cp,
+                 "dp_shard_cp": d.dp_shard * d.cp, "dp_cp": d.dp_replicate * d.dp_shard * d.cp,
                  "edp": d.dp_replicate * d.dp_shard * d.cp // d.ep}
         if axis not in sizes:
             raise ValueError(f"unknown mesh axis {axis!r}; expected one of {AXIS_NAMES}")
@@ -149,6 +150,9 @@ class ParallelDims:
                     for r in range(d.dp_replicate) for s in range(d.dp_shard)]
         if axis == "dp_shard_cp":
             return [at(dp_shard=s, cp=k) for s in range(d.dp_shard) for k in range(d.cp)]
+        if axis == "dp_cp":
+            return [at(dp_replicate=r, dp_shard=s, cp=k) for r in range(d.dp_replicate)
+                    for s in range(d.dp_shard) for k in range(d.cp)]
         inner = c["dp_shard"] * d.cp + c["cp"]  # index in dp_shard x cp
         if axis == "ep":
             base = inner - inner % d.ep
