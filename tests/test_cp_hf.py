@@ -7,7 +7,8 @@ parameter's gradient averaged over the cp ranks within 1e-5 relative of one proc
 same global batch (HF's own packed-sequence mask, ``use_cache=False``), and three steps of
 SGD with momentum under ``shardwise.replicate`` leave the weights within 1e-5. Keys and
 values repeated before the call (older transformers) give the same numbers, and what the
-kernel cannot do is refused with a ValueError naming it.
+kernel cannot do is refused with a ValueError naming it. HF's own activation checkpointing
+recomputes the same attention (its recomputation gets the same keyword arguments).
 
 One launch of ranks per world size runs every case; the references run in the test process.
 """
@@ -91,10 +92,18 @@ def _repeated_attention(module, query, key, value, attention_mask, **kwargs):
                            attention_mask, **kwargs)
 
 
-def _gradients(kind, impl, lb, docs, cp_mesh, repeated: bool = False):
+def _gradients(kind, impl, lb, docs, cp_mesh, repeated: bool = False,
+               checkpointed: bool = False):
     import shardwise
 
-    model = shardwise.apply_cp(_build(kind), cp_mesh, impl, lb)
+    model = _build(kind)
+    if checkpointed:  # HF's own activation checkpointing: the recomputation sees the kwargs
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.train()
+    model = shardwise.apply_cp(model, cp_mesh, impl, lb)
     if repeated:
         from transformers import AttentionInterface
         AttentionInterface.register("shardwise_cp_repeated", _repeated_attention)
@@ -162,6 +171,8 @@ def _worker(world: int) -> dict:
                  "train": {c: _train(*c, mesh) for c in TRAIN[world]}}
     if world == 2:
         out["repeated"] = _gradients("llama", "ring", "zigzag", True, mesh["cp"], True)
+        out["checkpointed"] = _gradients("qwen2", "ulysses", "zigzag", True, mesh["cp"],
+                                         checkpointed=True)
         out["refusals"] = _refusals(mesh["cp"])
     out["no_mask_function"] = "shardwise_cp" not in ALL_MASK_ATTENTION_FUNCTIONS
     return out
@@ -222,6 +233,10 @@ def test_sgd_momentum_steps_match_one_process(world):
 
 def test_repeated_key_value_heads_are_undone():
     _check_grads(("llama", "ring", "zigzag", True), _ranks(2)["repeated"])
+
+
+def test_hf_activation_checkpointing_recomputes_the_same_attention():
+    _check_grads(("qwen2", "ulysses", "zigzag", True), _ranks(2)["checkpointed"])
 
 
 def test_refusals_name_what_is_wrong():
