@@ -254,3 +254,15 @@ def test_is_hf_model_does_not_import_transformers():
 
     assert not is_hf_model(torch.nn.Linear(2, 2))
     assert is_hf_model(_build("llama"))
+
+
+def test_bidirectional_attention_is_refused():
+    """A vision tower's attention (is_causal=False) must not get causal context-parallel
+    attention silently."""
+    from shardwise.parallel.context.hf import hf_cp_attention
+
+    tower = torch.nn.Module()
+    tower.is_causal = False
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"Module is bidirectional \(is_causal=False\)"):
+        hf_cp_attention(tower, q, q, q, None, shardwise_cp=object())

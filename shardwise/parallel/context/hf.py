@@ -193,6 +193,9 @@ def hf_cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if runtime is None:
         raise ValueError(f"{where}: the shardwise_cp attention runs only inside the forward "
                          f"of the model given to apply_cp (its pre-hook passes the layout)")
+    if getattr(module, "is_causal", True) is False:  # e.g. a vision tower's attention
+        raise ValueError(f"{where} is bidirectional (is_causal=False); context parallelism "
+                         f"covers causal self-attention only")
     if attention_mask is not None:
         raise ValueError(f"{where} under context parallelism got an attention mask; the "
                          f"context-parallel kernel masks from global positions")
