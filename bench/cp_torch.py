@@ -18,7 +18,7 @@ records these errors. :func:`install_cpu_shim` adds the missing two entries: a S
 sharding strategy for the CPU op pair and a handler that calls torch's own
 ``_templated_ring_attention`` / ``_templated_ring_attention_backward`` with the CPU
 kernels. Everything else (buffer sharding, load balancer, rotation, merge, DTensor
-dispatch) is torch's code unchanged; the shim is 40 lines of glue, and the rows it enables
+dispatch) is torch's code unchanged; the shim is ~50 lines of glue, and the rows it enables
 are labelled "torch (CPU shim)".
 """
 

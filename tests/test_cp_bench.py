@@ -11,6 +11,7 @@ from bench.cp_bench import (PER_CP, aggregate, expected_bytes, parse_args, speed
 from shardwise.testing import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+MIB = 2**20
 
 
 def _meta(seq: int, rounds: int) -> dict:
@@ -28,7 +29,7 @@ def _bytes(name: str, seq: int, cp: int) -> dict:
     exp = expected_bytes(name, seq, cp, 1)
     one = {"fwd": {"cp": 4 * exp["forward"], "all_reduce": 0},
            "bwd": {"cp": 4 * exp["backward"], "all_reduce": 100}}
-    return {"saved_bytes": [1000 // cp] * cp, "bytes": [one] * cp}
+    return {"saved_bytes": [1000 * MIB // cp] * cp, "bytes": [one] * cp}
 
 
 def test_verdict_needs_every_round():
@@ -47,25 +48,28 @@ def test_tables_from_a_small_record():
                                     _row(1.0, 0.5, 2)}},
            {"load": [3.0], "rows": {"sw-ring": _row(1.1, 0.45, 2), "torch-allgather":
                                     _row(1.0, 0.5, 2)}}]
+    trials = [{"seq": 512, "peak_growth": 2**20, "saved_bytes": 2**20, "step_s": 1.0,
+               "fits": True},
+              {"seq": 1024, "peak_growth": 2**30, "saved_bytes": 2**20, "step_s": 1.0,
+               "fits": False}]
     data = {"meta": {**_meta(seq, 2), "minutes": 1.0},
             "speed": {str(seq): {"1": rounds, "2": cp2}},
-            "extras": {str(seq): {"1": {"cp1": {"saved_bytes": [1000], "bytes": []}},
+            "extras": {str(seq): {"1": {"cp1": {"saved_bytes": [1000 * MIB], "bytes": []}},
                                   "2": {"sw-ring": _bytes("sw-ring", seq, 2),
-                                        "torch-allgather": {"saved_bytes": [530, 500],
+                                        "torch-allgather": {"saved_bytes": [530 * MIB, 500 * MIB],
                                                             "bytes": []}}}},
-            "max_len": {"cp1@cp1": {"max_seq": 512, "bounded": False, "trials": [
-                {"seq": 512, "peak_growth": 2**20, "saved_bytes": 2**20, "step_s": 1.0,
-                 "fits": True},
-                {"seq": 1024, "peak_growth": 2**30, "saved_bytes": 2**20, "step_s": 1.0,
-                 "fits": False}]},
-                "sw-ring@cp4": {"max_seq": 2048, "bounded": False, "trials": []}},
+            "max_len": {"cp1@cp1": {"name": "cp1", "cp": 1, "max_seq": 512, "bounded": False,
+                                    "trials": trials},
+                        "sw-ring@cp4": {"name": "sw-ring", "cp": 4, "max_seq": 2048,
+                                        "bounded": False, "trials": []}},
             "torch_as_shipped": {"cp2": {"default backend (CPU flash)": "NotImplementedError: x"}}}
     text = to_markdown(data)
-    assert ("T 64, sw-ring vs torch-allgather: step time per round 0.90 / 1.10 (0.90-1.10): "
-            "**not settled") in text
-    assert "CPU time 1.00 / 0.90 (0.90-1.00): **met**" in text
-    assert "sw-ring at cp 2: 1.000 x (cp 1 / 2): **met**" in text
-    assert "torch-allgather at cp 2: 1.060 x (cp 1 / 2): **met**" in text
+    assert ("- T 64: step time 0.90 / 1.10: **not settled (rounds on both sides of 1.00)**; "
+            "CPU time 1.00 / 0.90: **met**") in text
+    assert "| 64 | sw-ring | torch-allgather | 0.90-1.10 | not settled" in text
+    assert "- T 64: sw-ring cp 2 1.000: **met**" in text
+    assert "| 64 | 2 | torch-allgather | 530.00 | 500.00 | 500.00 | 1.060 |" in text
+    assert "| cp 1 (one process) | 512 | 1 | 1 | 1.0 | 1024 | 1024 |" in text
     assert "| 64 | 2 | sw-ring | 32 | 32 | 96 | 96 | yes | 0 |" in text
     assert "| 2 | zigzag | 1040, 1040 | 1.000 |" in text
     assert "cp 4 trains at 4.00x cp 1's longest sequence" in text
@@ -98,6 +102,6 @@ def test_tiny_run_renders_and_checks_itself():
         assert row["loss"] == pytest.approx(ref, rel=1e-5)
     assert "| 64 | 2 | sw-ring | 32 | 32 | 96 | 96 | yes |" in text
     assert "| 64 | 2 | sw-ulysses | 48 | 48 | 48 | 48 | yes |" in text
-    assert "sw-ring at cp 2: 1.000 x (cp 1 / 2): **met**" in text
-    assert "T 64, sw-ring vs torch-allgather: step time per round" in text
+    assert "- T 64: sw-ring cp 2 1.000, sw-ulysses cp 2 1.000: **met**" in text
+    assert "| 64 | sw-ring | torch-allgather |" in text
     assert parse_args(["--quick"]).seq == [1024]
