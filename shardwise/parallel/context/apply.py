@@ -140,7 +140,7 @@ def apply_cp(model: nn.Module, cp_mesh, impl: str = "ring", load_balance: str = 
                          f"module to parallelise")
     from shardwise.parallel.tensor import tp_context
     tp = tp_context(model)
-    kv = _kv_heads(model, tp.axis.size if tp is not None else 1)
+    kv = _kv_heads(model, tp.tp.size if tp is not None else 1)
     cp = len(ranks)
     if ulysses is None:
         ulysses = ulysses_degree(impl, cp, kv if kv is not None else cp)
