@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.models.mla import LatentAttention
 from shardwise.parallel.context import cp_context, ulysses_degree
 
 __all__ = ["validate_cp", "local_sequences", "describe_cp"]
@@ -46,14 +45,10 @@ def validate_cp(cfg: Any, model_cfg: Any) -> None:
     par = cfg.parallel
     if par.cp == 1:
         return
-    from shardwise.models import build_model
-
-    model = build_model(model_cfg, device="meta")
-    latent = next((n for n, m in model.named_modules() if isinstance(m, LatentAttention)), None)
-    if latent is not None:
+    if getattr(model_cfg, "attention", "gqa") == "mla":
         raise ValueError(f"parallel.cp={par.cp}: model {cfg.model.name!r} has multi-head "
-                         f"latent attention ({latent}), which context parallelism does not "
-                         f"cover yet; expected a grouped-query attention model, or "
+                         f"latent attention (attention='mla'), which context parallelism "
+                         f"does not cover yet; expected a grouped-query attention model, or "
                          f"parallel.cp=1")
     kv = model_cfg.n_kv_heads
     per_rank = max(kv // par.tp, 1)  # fewer KV heads than tensor ranks: copies, one each

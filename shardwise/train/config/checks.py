@@ -238,8 +238,9 @@ def check_sequence_split(config) -> None:
         zigzag = par.cp_load_balance == "zigzag"
         chunks = 2 * par.cp if zigzag else par.cp
         if seq_len % chunks:
-            how = f"2 x parallel.cp = 2 x {par.cp}" if zigzag else f"parallel.cp = {par.cp}"
-            raise ValueError(f"data.seq_len={seq_len} must be divisible by {how} = {chunks} "
+            how = (f"2 x parallel.cp = 2 x {par.cp} = {chunks}" if zigzag
+                   else f"parallel.cp={par.cp}")
+            raise ValueError(f"data.seq_len={seq_len} must be divisible by {how} "
                              f"(parallel.cp_load_balance={par.cp_load_balance!r} cuts every "
                              f"sequence, training and validation, into {chunks} equal "
                              f"chunks); change data.seq_len or parallel.cp")
