@@ -203,6 +203,18 @@ def test_latent_attention_is_refused_by_name(capsys, tmp_path):
         "grouped-query attention model, or parallel.cp=1")
 
 
+def test_help_describes_the_cp_keys(capsys):
+    from shardwise.train.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for key in ("--parallel.cp ", "--parallel.cp_impl", "--parallel.cp_load_balance"):
+        assert key in text, key
+    assert "data.seq_len must divide by 2 x cp (cp_load_balance \"zigzag\") or cp" in text
+    assert '"ring" (key/value blocks passed around the cp ranks)' in text
+
+
 def test_the_config_choices_are_the_libraries():
     from shardwise.parallel.context import CP_IMPLS, LOAD_BALANCES
     from shardwise.train.config import checks
