@@ -5,7 +5,9 @@
   steps 2 and 4) and logs the losses, gradient norms and validation losses of the cp 1 run
   with the same global batch, within 1e-5 relative (fp32): ring at cp 2 and 3, Ulysses at
   cp 2, hybrid at cp 4 (all-to-all 2 x ring 2), zigzag and none, cp 2 x dp_shard 2 at ZeRO
-  stage 3 (against dp_shard 2), cp 2 x tp 2 (sequence parallel), cp 2 x pp 2 (1F1B);
+  stage 3 (against dp_shard 2), cp 2 x tp 2 (sequence parallel), cp 2 x pp 2 (1F1B), an
+  MoE model at cp 2 x ep 2 (experts carved out of dp_shard x cp, balance statistics over
+  dp_cp);
 * checkpoints do not depend on cp: the cp 4 run's step-2 checkpoint resumes at cp 1 (one
   rank) and at cp 2 (two ranks), and both continue as the uninterrupted runs do;
 * the layout in ``summary.json``, the checkpoint manifest and the start line;
@@ -15,7 +17,7 @@
   about a minute on a busy 2-core machine).
 
 One launch of ranks per world size runs all of its grid's runs
-(:func:`shardwise.testing.trainer.train_runs`): the grid costs four launches, not thirteen.
+(:func:`shardwise.testing.trainer.train_runs`): the grid costs four launches, not fifteen.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ TINY = {"model.dim": "32", "model.n_layers": "2", "model.n_heads": "4", "model.n
         "optim.warmup_steps": "1"}
 CLI = cli_args(TINY)
 
+MOE = {"model.name": "debug-moe", "model.num_experts": "4"}  # dropless: exact at any cp
 # name -> (world size, overrides, the run whose numbers it must log)
 GRID = {
     "cp1": (1, {}, None),
@@ -55,6 +58,8 @@ GRID = {
     "cp2_tp2": (4, {"parallel.cp": "2", "parallel.tp": "2"}, "cp1"),
     "cp2_pp2": (4, {"parallel.cp": "2", "parallel.pp": "2", "parallel.pp_schedule": "1f1b",
                     "parallel.pp_microbatches": "2"}, "cp1"),
+    "moe1": (1, MOE, None),
+    "moe_cp2_ep2": (2, {**MOE, "parallel.cp": "2", "parallel.ep": "2"}, "moe1"),
 }
 SAVED = "hybrid4"
 # Resumed from the cp 4 run's step-2 checkpoint at another cp and world size.
