@@ -44,8 +44,10 @@ def _args(line: str) -> dict:
 def _layout(L) -> str:
     from shardwise.planner.parallel_layout import Layout
     default, keep = Layout(), ("tp", "pp", "dp_shard", "zero", "microbatch", "ac", "sp")
+    keep += ("cp_impl",) if L.cp > 1 else ()
     return " ".join(f"{k}={str(v).lower()}" for k, v in L.as_dict().items()
-                    if (k in keep or v != getattr(default, k)) and k != "pp_microbatches")
+                    if (k in keep or (v != getattr(default, k) and k != "cp_impl"))
+                    and k != "pp_microbatches")
 
 
 def plan(image: str, line: str) -> str:

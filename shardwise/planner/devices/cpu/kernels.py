@@ -2,14 +2,24 @@
 on one CPU rank, priced with the calibration's fits ([Note: CPU kernels] in costs.py).
 
     kf, kb = layer_kernels(hw, spec, tokens, seq, tp, sp, exec_flops)   # forward, backward
+
+[Note: context-parallel kernels] ``shardwise.parallel.context``'s operator runs ATen's CPU
+flash kernel once per pair of query and key chunks that meet under the causal mask (2 cp +
+1 for a zigzag ring, ``u (2 u + 1)`` for Ulysses over ``u`` ranks: sends.py, [Note:
+context-parallel sends]), each on its own chunk pair, and expands each pair's key and value
+chunk to every query head inside (``repeat_kv``), again in the backward before summing
+their gradients back. So the calibrated attention, softmax and expansion fits are charged
+per block, on the block's share of the FLOPs, scores and elements, which prices the
+calls' fixed costs the one-rank kernel pays once. The blocks' log-sum-exp merges (a few
+fp32 elementwise passes over each query chunk) are not priced.
 """
 
 from __future__ import annotations
 
 from shardwise.planner.rank_memory import unit_state
 
-__all__ = ["cpu_pricable", "layer_kernels", "head_kernels", "optimizer_seconds",
-           "engine_copy_seconds"]
+__all__ = ["cpu_pricable", "layer_kernels", "attention_kernels", "head_kernels",
+           "optimizer_seconds", "engine_copy_seconds"]
 
 
 def cpu_pricable(spec, moe: bool = False) -> bool:
@@ -24,23 +34,52 @@ def _calls(spec, tokens: float, seq: int, tp: int, sp: bool, exec_flops: float):
     rep = tokens / (tp if sp else 1)  # outside the tensor-parallel regions
     d, h, kv, hd = spec.dim, spec.n_heads // tp, max(1, spec.kv_heads // tp), spec.hd
     calls = [("rmsnorm", rep * d, 2), ("residual", rep * d, 2), ("rope", tokens * h * hd, 1),
-             ("rope", tokens * kv * hd, 1), ("swiglu", tokens * spec.ffn_dim // tp, 1),
-             # the flash kernel: its multiplies (FLOPs) and its softmax (causal scores)
-             ("attention", exec_flops, 1), ("softmax", tokens * seq * h / 2, 1)]
-    if kv < h:  # k and v expanded to every query head before the kernel
-        calls.append(("repeat_kv", tokens * h * hd, 2))
-    return calls
+             ("rope", tokens * kv * hd, 1), ("swiglu", tokens * spec.ffn_dim // tp, 1)]
+    return calls + _attention_calls(spec, tokens, seq, tp, exec_flops)
 
 
-def layer_kernels(hw, spec, tokens: float, seq: int, tp: int, sp: bool, exec_flops: float
-                  ) -> tuple[float, float]:
+def _attention_calls(spec, tokens: float, seq: int, tp: int, exec_flops: float,
+                     blocks: int = 1, scores: float = 0.0, repeat: float = 0.0):
+    """The attention core's kernels: the flash kernel's multiplies (FLOPs) and softmax
+    (causal scores), and the expansion of k and v to every query head; context
+    parallelism's operator runs them per block ([Note: context-parallel kernels])."""
+    h, kv, hd = spec.n_heads // tp, max(1, spec.kv_heads // tp), spec.hd
+    if not scores:  # one kernel on the whole sequence, k and v expanded before it
+        calls = [("attention", exec_flops, 1), ("softmax", tokens * seq * h / 2, 1)]
+        return calls + ([("repeat_kv", tokens * h * hd, 2)] if kv < h else [])
+    calls = [("attention", exec_flops / blocks, blocks), ("softmax", scores / blocks, blocks)]
+    return calls + ([("repeat_kv", repeat, 2 * blocks)] if kv < h else [])
+
+
+def layer_kernels(hw, spec, tokens: float, seq: int, tp: int, sp: bool, exec_flops: float,
+                  w=None) -> tuple[float, float]:
     """(forward, backward) seconds of one dense layer's kernels other than its linears'
     multiplies on one CPU rank, for ``tokens`` tokens (divided by ``memory_efficiency``,
-    the constant a refit corrects them with)."""
-    c = hw.cpu
+    the constant a refit corrects them with); ``w``: the layer's work, whose attention may
+    run as context parallelism's blocks."""
     calls = _calls(spec, tokens, seq, tp, sp, exec_flops)
+    if w is not None and w.attn_scores:
+        calls = calls[:5] + _attention_calls(spec, tokens, seq, tp, exec_flops, w.attn_calls,
+                                             w.attn_scores, w.attn_repeat)
+    return _priced(hw, calls, w is not None and w.attn_scores > 0)
+
+
+def attention_kernels(hw, spec, w, seq: int, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of ``w``'s attention core alone on one CPU rank (as
+    :func:`layer_kernels` prices it)."""
+    calls = _attention_calls(spec, w.tokens, seq, tp, w.attn_exec_flops, w.attn_calls,
+                             w.attn_scores, w.attn_repeat)
+    return _priced(hw, calls, w.attn_scores > 0)
+
+
+def _priced(hw, calls, blocks: bool) -> tuple[float, float]:
+    """Forward and backward seconds of ``calls``; the context-parallel operator's backward
+    (``blocks``) also expands each block's k and v again before it sums their gradients."""
+    c = hw.cpu
     fwd = sum(c.kernel(name, n, calls=k) for name, n, k in calls)
     bwd = sum(c.kernel(name, n, backward=True, calls=k) for name, n, k in calls)
+    if blocks:
+        bwd += sum(c.kernel(name, n, calls=k) for name, n, k in calls if name == "repeat_kv")
     return fwd / hw.memory_efficiency, bwd / hw.memory_efficiency
 
 
