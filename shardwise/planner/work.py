@@ -177,11 +177,12 @@ def _attention(spec, t: float, seq: int, tp: int, attention: str, a: int, fused:
     per_head = 2 * t * seq * (qk + vd)
     model = h * per_head
     executed = model * (0.5 if attention == "flash" else 1.0)
+    saved_k = saved_v = k_width
     if cp_scores:  # [Note: context-parallel activations]
         if attention == "flash":
             executed = h * 2 * cp_scores * (qk + vd)
-        k_width = v_width = max(1, spec.kv_heads // tp)
-    saved_tp = a * (h * qk + k_width * qk + v_width * vd) + a * h * vd  # q, k, v, wo input
+        saved_k = saved_v = max(1, spec.kv_heads // tp)
+    saved_tp = a * (h * qk + saved_k * qk + saved_v * vd) + a * h * vd  # q, k, v, wo input
     if cp_scores:
         saved_tp += a * h * vd  # the operator's output, beside wo's input
     if attention == "flash":
