@@ -17,7 +17,9 @@ Checks, in order, each a row of the summary table:
 5. a zero-bubble stage's split backward (``I`` then ``W``) against one backward, bitwise in
    bf16, with no host synchronisation in ``W``;
 6. routed experts by ``grouped_mm`` (bf16, the CUDA path no CPU test runs) against the
-   per-expert loop, forward and backward, with no host synchronisation.
+   per-expert loop, forward and backward, with no host synchronisation;
+7. context-parallel attention (a ring of one rank, packed documents too) against SDPA in
+   bf16, forward and backward, with no host synchronisation.
 
 What one GPU cannot check is printed at the end: cross-rank overlap of the side streams,
 the NCCL watchdog abort (needs a peer that hangs), hierarchical partitions across nodes.
@@ -267,6 +269,48 @@ def expert_compute(device: str, dtype: torch.dtype | None = None) -> tuple[str, 
             "ok" if worst <= tol else "FAIL")
 
 
+def context_parallel(device: str) -> tuple[str, str, str]:
+    """Context-parallel attention's device path (one rank: the ring of one, every block
+    pair through the device's kernels, here the plain-tensor path) against one SDPA, with
+    packed documents, forward and backward, with no host synchronisation ([Note: blockwise
+    attention])."""
+    from shardwise.models.layers import document_ids, document_mask, repeat_kv
+    from shardwise.parallel.context.apply import _Attend
+
+    label = "context-parallel attention = SDPA"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    _init(device)
+    mesh = shardwise.ParallelDims(world_size=torch.distributed.get_world_size(), cp=1,
+                                  dp_shard=-1).build_mesh(device)
+    model = build_model(get_model_config("debug", **TINY), device="meta")
+    shardwise.apply_cp(model, mesh["cp"], impl="ring")
+    attend = _Attend(shardwise.cp_context(model))
+    g = torch.Generator().manual_seed(0)
+    q0, gy = (torch.randn(2, 4, 64, 16, generator=g).to(device, dtype) for _ in range(2))
+    k0, v0 = (torch.randn(2, 2, 64, 16, generator=g).to(device, dtype) for _ in range(2))
+    pos = torch.cat([torch.arange(40), torch.arange(24)]).expand(2, 64).to(device)
+    worst = 0.0
+    for docs in (None, document_ids(pos)):
+        def run(fn):
+            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+            y = fn(q, k, v)
+            y.backward(gy)
+            return [y.detach(), q.grad, k.grad, v.grad]
+
+        try:
+            with _no_host_sync(device):
+                got = run(lambda q, k, v, d=docs: attend(q, k, v, d))
+        except RuntimeError as exc:
+            return (label, f"{str(exc)[:48]}", "FAIL")
+        ref = run(lambda q, k, v, d=docs: F.scaled_dot_product_attention(
+            q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=d is None,
+            attn_mask=None if d is None else document_mask(d)))
+        worst = max(worst, *(_rel(a, b) for a, b in zip(got, ref)))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    return (label, f"{dtype}: max rel {worst:.1e} (limit {tol:.0e})",
+            "ok" if worst <= tol else "FAIL")
+
+
 def multi_gpu(device: str) -> list[tuple[str, str, str]]:
     n = torch.cuda.device_count() if device == "cuda" else 0
     if n < 2:
@@ -300,7 +344,8 @@ def main() -> int:
             trainer(args.device, 50 if args.device == "cuda" else 3),
             throughput(args.device, False, args.steps),
             throughput(args.device, True, args.steps), compile_parity(args.device),
-            split_backward(args.device), expert_compute(args.device)]
+            split_backward(args.device), expert_compute(args.device),
+            context_parallel(args.device)]
     width = max(len(r[0]) for r in rows)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (dry run)"
     print(f"\nshardwise GPU check on {name}, torch {torch.__version__}")

@@ -22,3 +22,14 @@ def test_expert_compute_row_matches_the_loop(dtype):
     label, value, verdict = expert_compute("cpu", dtype)
     assert verdict == "ok", value
     assert str(dtype) in value
+
+
+def _context_parallel_row():
+    from bench.gpu_check import context_parallel
+    return context_parallel("cpu")
+
+
+def test_context_parallel_row_matches_sdpa():
+    from shardwise.testing import run_ranks
+    label, value, verdict = run_ranks(_context_parallel_row, 1)[0]
+    assert verdict == "ok", value

@@ -12,6 +12,7 @@ from shardwise.distributed.parallel_dims import ParallelMesh
 from shardwise.models.layers import RotaryEmbedding, document_ids
 from shardwise.models.llama import Attention
 from shardwise.models.mla import LatentAttention
+from shardwise.parallel.context.hf import check_hf_model, install_hf, is_hf_model
 from shardwise.parallel.context.layout import LOAD_BALANCES, unshard_sequence
 from shardwise.parallel.context.ops import cp_attention, register
 from shardwise.parallel.context.runtime import CP_IMPLS, ContextParallel
@@ -101,7 +102,10 @@ def apply_cp(model: nn.Module, cp_mesh, impl: str = "ring", load_balance: str = 
     document attends only to itself, with RoPE at those positions.
 
     Args:
-        model: a shardwise ``Transformer`` (grouped-query attention), on meta or real.
+        model: a shardwise ``Transformer`` (grouped-query attention), on meta or real, or
+            a Hugging Face decoder (a transformers ``PreTrainedModel``: Llama, Qwen2,
+            Mistral, ...; see :mod:`shardwise.parallel.context.hf`, which also covers its
+            packed documents, HF's ``position_ids``).
         cp_mesh: the 1-D context-parallel DeviceMesh (``mesh["cp"]`` of a ParallelMesh;
             the ParallelMesh itself is accepted).
         impl: ``"ring"`` (key/value blocks around the ranks), ``"ulysses"`` (all-to-all
@@ -116,8 +120,9 @@ def apply_cp(model: nn.Module, cp_mesh, impl: str = "ring", load_balance: str = 
 
     Raises:
         ValueError: a model already sharded or context-parallel, a bad mesh, impl,
-            load_balance or degree, or attention that context parallelism does not cover
-            (multi-head latent attention).
+            load_balance or degree, a model that is neither of the above (naming its
+            type), or attention that context parallelism does not cover (multi-head
+            latent attention; for Hugging Face models see :func:`check_hf_model`).
     """
     ranks, group = _cp_ranks(cp_mesh)
     if impl not in CP_IMPLS:
@@ -135,9 +140,14 @@ def apply_cp(model: nn.Module, cp_mesh, impl: str = "ring", load_balance: str = 
         raise ValueError(f"apply_cp: multi-head latent attention ({latent[0]}) is not "
                          f"covered by context parallelism; use attention='gqa'")
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    if not layers:
-        raise ValueError(f"apply_cp: {type(model).__name__} has no shardwise Attention "
-                         f"module to parallelise")
+    hf = not layers and is_hf_model(model)
+    if hf:
+        check_hf_model(model)
+    elif not layers:
+        raise ValueError(f"apply_cp: {type(model).__name__} is neither a shardwise "
+                         f"Transformer (it has no shardwise Attention module) nor a Hugging "
+                         f"Face PreTrainedModel; context parallelism has nothing to "
+                         f"parallelise")
     from shardwise.parallel.tensor import tp_context
     tp = tp_context(model)
     kv = _kv_heads(model, tp.tp.size if tp is not None else 1)
@@ -155,6 +165,10 @@ def apply_cp(model: nn.Module, cp_mesh, impl: str = "ring", load_balance: str = 
         impl, load_balance, ranks, group,
         ring_ranks, _subgroup(ring_ranks, ranks, group),
         a2a_ranks, _subgroup(a2a_ranks, ranks, group)))
+    if hf:
+        install_hf(model, runtime)
+        setattr(model, _CTX_ATTR, runtime)
+        return model
     attend = _Attend(runtime)
     for layer in layers:
         layer.context_parallel = attend

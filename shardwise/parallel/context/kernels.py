@@ -43,21 +43,22 @@ def pair_mode(q_range: Range, k_range: Range) -> str:
     return "masked"
 
 
-def block_mask(mode: str, q_range: Range, k_range: Range,
+def block_mask(mode: str, q_range: Range, k_ranges: tuple[Range, ...],
                documents: torch.Tensor | None) -> torch.Tensor | None:
-    """The boolean ``(B | 1, 1, Tq, Tk)`` mask (True = attend) of a pair, None when the
-    kernel needs none (``full`` or ``causal`` without documents)."""
+    """The boolean ``(B | 1, 1, Tq, Tk)`` mask (True = attend) of queries at ``q_range``
+    against keys at ``k_ranges`` (one call's chunks, in order), None when the kernel needs
+    none (``full`` or ``causal`` without documents)."""
     if documents is None and mode in ("full", "causal"):
         return None
     device = documents.device if documents is not None else None
     mask = None
     if mode != "full":
         qp = torch.arange(*q_range, device=device)
-        kp = torch.arange(*k_range, device=device)
+        kp = torch.cat([torch.arange(*r, device=device) for r in k_ranges])
         mask = (kp[None, :] <= qp[:, None])[None, None]  # (1, 1, Tq, Tk)
     if documents is not None:
         dq = documents[:, q_range[0]:q_range[1]]
-        dk = documents[:, k_range[0]:k_range[1]]
+        dk = torch.cat([documents[:, s:e] for s, e in k_ranges], dim=1)
         same = (dq[:, :, None] == dk[:, None, :])[:, None]  # (B, 1, Tq, Tk)
         mask = same if mask is None else mask & same
     return mask

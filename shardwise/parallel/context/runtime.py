@@ -25,6 +25,7 @@ the all-to-all inside groups of consecutive cp ranks and the ring across those g
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -228,38 +229,56 @@ class ContextParallel:
                              f"dividing the key/value heads or impl='ring'")
 
 
-def _chunks(x: torch.Tensor, ranges: tuple[Range, ...]) -> list[torch.Tensor]:
-    return list(x.split([e - s for s, e in ranges], dim=2))
+@functools.lru_cache(maxsize=4096)
+def _calls(q_ranges: tuple[Range, ...], k_ranges: tuple[Range, ...]) -> tuple:
+    """The kernel calls of a query block against a key block: ``(q offsets, q range, k
+    offsets, k ranges, mode)`` per call. Consecutive key chunks that a query chunk sees whole
+    (``full``) go into one call, so a ring step costs one call per query chunk where it
+    can (host arithmetic, cached)."""
+    calls = []
+    q_offsets, k_offsets = _offsets(q_ranges), _offsets(k_ranges)
+    for qo, qr in zip(q_offsets, q_ranges):
+        run: list[int] = []
+        for j, kr in enumerate(k_ranges):
+            mode = kernels.pair_mode(qr, kr)
+            if mode == "full":
+                run.append(j)
+                continue
+            if run:
+                calls.append(_call(qo, qr, k_offsets, k_ranges, run, "full"))
+                run = []
+            if mode != "skip":
+                calls.append(_call(qo, qr, k_offsets, k_ranges, [j], mode))
+        if run:
+            calls.append(_call(qo, qr, k_offsets, k_ranges, run, "full"))
+    return tuple(calls)
+
+
+def _call(qo, qr, k_offsets, k_ranges, js: list[int], mode: str) -> tuple:
+    return (qo, qr, (k_offsets[js[0]][0], k_offsets[js[-1]][1]),
+            tuple(k_ranges[j] for j in js), mode)
 
 
 def _forward_block(acc: list, q, k, v, q_ranges, k_ranges, documents, scale) -> None:
-    ks, vs = _chunks(k, k_ranges), _chunks(v, k_ranges)
-    for i, (qi, qr) in enumerate(zip(_chunks(q, q_ranges), q_ranges)):
-        for kj, vj, kr in zip(ks, vs, k_ranges):
-            mode = kernels.pair_mode(qr, kr)
-            if mode == "skip":
-                continue
-            mask = kernels.block_mask(mode, qr, kr, documents)
-            out, lse = kernels.block_forward(qi, kj, vj, mode, mask, scale)
-            acc[i] = kernels.merge(acc[i], out, lse)
+    index = {qr: i for i, qr in enumerate(q_ranges)}
+    for (qa, qb), qr, (ka, kb), krs, mode in _calls(tuple(q_ranges), tuple(k_ranges)):
+        mask = kernels.block_mask(mode, qr, krs, documents)
+        out, lse = kernels.block_forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], mode,
+                                         mask, scale)
+        i = index[qr]
+        acc[i] = kernels.merge(acc[i], out, lse)
 
 
 def _backward_block(dq, dkv, dout, q, k, v, out, lse, q_ranges, k_ranges, documents,
                     scale) -> None:
-    offsets_q = _offsets(q_ranges)
-    offsets_k = _offsets(k_ranges)
-    for (qa, qb), qr in zip(offsets_q, q_ranges):
-        for (ka, kb), kr in zip(offsets_k, k_ranges):
-            mode = kernels.pair_mode(qr, kr)
-            if mode == "skip":
-                continue
-            mask = kernels.block_mask(mode, qr, kr, documents)
-            g_q, g_k, g_v = kernels.block_backward(
-                dout[:, :, qa:qb], q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
-                out[:, :, qa:qb], lse[:, :, qa:qb], mode, mask, scale)
-            dq[:, :, qa:qb] += g_q
-            dkv[0, :, :, ka:kb] += g_k
-            dkv[1, :, :, ka:kb] += g_v
+    for (qa, qb), qr, (ka, kb), krs, mode in _calls(tuple(q_ranges), tuple(k_ranges)):
+        mask = kernels.block_mask(mode, qr, krs, documents)
+        g_q, g_k, g_v = kernels.block_backward(
+            dout[:, :, qa:qb], q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
+            out[:, :, qa:qb], lse[:, :, qa:qb], mode, mask, scale)
+        dq[:, :, qa:qb] += g_q
+        dkv[0, :, :, ka:kb] += g_k
+        dkv[1, :, :, ka:kb] += g_v
 
 
 def _offsets(ranges: tuple[Range, ...]) -> list[tuple[int, int]]:
