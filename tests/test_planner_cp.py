@@ -57,9 +57,10 @@ def test_cp_bytes_are_the_closed_form(model, tp, impl, cp, elem):
 
 
 def test_ring_blocks_are_the_zigzag_chunks():
-    """A zigzag ring step computes two of the rank's four chunk pairs (three on its own
-    block), an equal share of the causal entries; Ulysses meets every pair of its group's
-    chunks once; the entries are ``attention_entries``'."""
+    """On the busiest rank a zigzag ring step is two kernel calls (three on its own block:
+    the diagonal chunks are calls of their own) and an equal share of the causal entries;
+    Ulysses calls each query chunk against each run of key chunks it sees whole; the
+    entries are ``attention_entries``'."""
     from shardwise.parallel.context import attention_entries
 
     spec = get_model_spec("debug")
@@ -70,7 +71,8 @@ def test_ring_blocks_are_the_zigzag_chunks():
     assert ring.steps[0] == pytest.approx((2 * c * c + c) / ring.scores)
     assert ring.steps[1:] == pytest.approx([2 * c * c / ring.scores] * 3)
     uly = context_sends(spec, "ulysses", 4, 1, 1, 512, 4)
-    assert uly.blocks == 8 * 9 // 2 and uly.steps == (1.0,) and uly.scores == ring.scores
+    # chunks 0, 7, 1, 6, 2, 5, 3, 4 in the group's order: 27 runs
+    assert uly.blocks == 27 and uly.steps == (1.0,) and uly.scores == ring.scores
 
 
 # ----------------------------------------------------------------- exposure

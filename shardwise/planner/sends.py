@@ -39,8 +39,10 @@ count ([Note: context-parallel bytes]), as the runtime sends it ([Note: ring att
 
 How much of each ring step's transfer is exposed is the stage's (stage_cost.py, [Note:
 context-parallel exposure]); here are the bytes, the steps, and the compute of each step:
-which query and key chunks meet in it (the layout's ranges, ``pair_mode``), its share of
-the rank's causal score entries, and the kernel calls (blocks) it runs.
+which query and key chunks meet in it (the layout's ranges), its share of
+the rank's causal score entries, and the kernel calls (blocks) it runs, read off the
+runtime's own division into calls (a query chunk against a run of key chunks it sees
+whole, or against one chunk on the diagonal).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from shardwise.parallel.context import bytes_per_layer, chunk_count, rank_ranges
-from shardwise.parallel.context.kernels import pair_mode
+from shardwise.parallel.context import bytes_per_layer, rank_ranges
+from shardwise.parallel.context.runtime import _calls as kernel_calls
 from shardwise.planner import comm_model
 from shardwise.planner.parallel_layout import cp_degrees
 from shardwise.planner.pipeline import gather_rounds
@@ -168,9 +170,11 @@ class ContextSends:
         steps: per ring step, its share of the rank's causal score entries (sums to 1;
             ``(1.0,)`` without a ring).
         scores: causal score entries the rank computes per sequence and query head.
-        blocks: attention kernel calls per pass (the chunk pairs that meet).
-        repeat: elements of one key block of the micro-batch expanded to the query heads
-            (a chunk's tokens x the heads a rank attends with x head_dim), twice a block.
+        blocks: attention kernel calls per pass (a query chunk against the key chunks it
+            meets: ``_calls`` in shardwise/parallel/context/runtime.py).
+        repeat: elements of one call's keys of the micro-batch expanded to the query heads
+            (its key tokens x the heads a rank attends with x head_dim), on average; twice
+            a call (keys and values).
     """
 
     impl: str
@@ -228,38 +232,38 @@ def context_sends(spec, impl: str, cp: int, tp: int, microbatch: int, seq_len: i
         sent = total["forward"] - ring_b["forward"]
         parts = (heads, kv, kv, heads)
         a2a = tuple(sent * p / sum(parts) * u / (u - 1) for p in parts)
-    steps, scores, blocks = _ring_work(seq_len, cp, ring, u, CP_LOAD_BALANCE)
-    chunk = seq_len // chunk_count(cp, CP_LOAD_BALANCE)
+    steps, scores, blocks, keys = _ring_work(seq_len, cp, ring, u, CP_LOAD_BALANCE)
     return ContextSends(impl, cp, ring, u, total["forward"], total["backward"], kv_b, dkv_b, a2a,
                         steps=steps, scores=scores, blocks=blocks,
-                        repeat=microbatch * chunk * heads // u * spec.hd)
+                        repeat=microbatch * keys * (heads // u) * spec.hd / blocks)
 
 
 @functools.lru_cache(maxsize=256)
 def _ring_work(seq_len: int, cp: int, ring: int, u: int, load_balance: str
-               ) -> tuple[tuple[float, ...], float, int]:
+               ) -> tuple[tuple[float, ...], float, int, float]:
     """(each ring step's share of the rank's causal entries, entries per query head and
-    sequence, kernel calls per pass) of the busiest ring member, as ``ring_forward`` meets
-    the chunks: member ``m`` holds its all-to-all group's ranges and at step ``s`` the
-    block of member ``(m - s) mod ring``."""
+    sequence, kernel calls per pass, key tokens those calls expand per sequence) of the
+    busiest ring member, as ``ring_forward`` meets the chunks: member ``m`` holds its
+    all-to-all group's ranges and at step ``s`` the block of member ``(m - s) mod ring``,
+    computed in the runtime's own kernel calls (``_calls`` in runtime.py: a query chunk
+    against a run of key chunks it sees whole, or one causal chunk)."""
     def ranges(member: int) -> tuple:
         return tuple(r for k in range(u)
                      for r in rank_ranges(seq_len, member * u + k, cp, load_balance))
 
     best = None
     for m in range(ring):
-        per_step, calls = [], 0
+        per_step, calls, keys = [], 0, 0
         for s in range(ring):
-            src = (m - s) % ring
-            pairs = [(q, k) for q in ranges(m) for k in ranges(src)
-                     if pair_mode(q, k) != "skip"]
-            per_step.append(sum(_entries(q, k) for q, k in pairs))
-            calls += len(pairs)
-        if best is None or sum(per_step) > sum(best[0]):
-            best = (per_step, calls)
-    per_step, calls = best
+            step = kernel_calls(ranges(m), ranges((m - s) % ring))
+            per_step.append(sum(_entries(qr, kr) for _, qr, _, krs, _ in step for kr in krs))
+            calls += len(step)
+            keys += sum(kb - ka for _, _, (ka, kb), _, _ in step)
+        if best is None or (sum(per_step), calls) > (sum(best[0]), best[1]):
+            best = (per_step, calls, keys)  # the most entries, then the most calls
+    per_step, calls, keys = best
     total = sum(per_step)
-    return tuple(e / total for e in per_step), total / u, calls
+    return tuple(e / total for e in per_step), total / u, calls, keys
 
 
 def _entries(q: tuple[int, int], k: tuple[int, int]) -> int:

@@ -4,14 +4,15 @@ on one CPU rank, priced with the calibration's fits ([Note: CPU kernels] in cost
     kf, kb = layer_kernels(hw, spec, tokens, seq, tp, sp, exec_flops)   # forward, backward
 
 [Note: context-parallel kernels] ``shardwise.parallel.context``'s operator runs ATen's CPU
-flash kernel once per pair of query and key chunks that meet under the causal mask (2 cp +
-1 for a zigzag ring, ``u (2 u + 1)`` for Ulysses over ``u`` ranks: sends.py, [Note:
-context-parallel sends]), each on its own chunk pair, and expands each pair's key and value
-chunk to every query head inside (``repeat_kv``), again in the backward before summing
-their gradients back. So the calibrated attention, softmax and expansion fits are charged
-per block, on the block's share of the FLOPs, scores and elements, which prices the
-calls' fixed costs the one-rank kernel pays once. The blocks' log-sum-exp merges (a few
-fp32 elementwise passes over each query chunk) are not priced.
+flash kernel once per query chunk against each run of key chunks it sees whole, and once
+per diagonal chunk (2 cp + 1 calls a pass on the busiest rank of a zigzag ring, 27 for
+Ulysses over 4 ranks: sends.py, [Note: context-parallel sends]), and expands each call's
+keys and values to every query head inside (``repeat_kv``), again in the backward before
+summing their gradients back. So the calibrated attention, softmax and expansion fits are
+charged per call, on the calls' FLOPs, scores and elements (the fits are linear in size,
+so the calls' sum is exact however the sizes split), which prices the fixed costs the
+one-rank kernel pays once. The calls' log-sum-exp merges (a few fp32 elementwise passes
+over each query chunk) are not priced.
 """
 
 from __future__ import annotations
