@@ -294,3 +294,23 @@ def test_llama3_128k_keeps_its_all_gather():
     assert all(parse_layout(r.layout).get("cp", 1) == 1 for r in load_runs()
                if r.id != run.id)
     assert math.isfinite(run.value)
+
+
+@pytest.mark.parametrize("impl, calls", [("ring", 1 + 3), ("ulysses", 4 + 4)])
+def test_cpu_ranks_charge_the_collective_overhead_on_every_cp_call(impl, calls):
+    """[Note: collectives between operators]: each all-to-all and each ring exchange (at cp
+    2: one key/value block forward; the block again and two gradient blocks backward) pays
+    the calibrated overhead, as tensor-parallel collectives do."""
+    from shardwise.planner.sends import cp_calls_per_layer
+
+    spec = get_model_spec("debug")
+    assert cp_calls_per_layer(context_sends(spec, impl, 2, 1, 4, 512, 4), False) == calls
+    assert cp_calls_per_layer(context_sends(spec, impl, 2, 1, 4, 512, 4), True) == \
+        calls + (1 if impl == "ring" else 4)
+    hw = local_cpu(cores=8)
+    wl = Workload(seq_len=512, global_batch=4, compute_dtype="fp32")
+    L = Layout(cp=2, microbatch=4, zero=2, cp_impl=impl)
+    plain = CostModel(spec, hw, wl).estimate(L).breakdown["cp_comm"]
+    over = hw.replace(cpu=dataclasses.replace(hw.cpu, collective_overhead=1e-3))
+    charged = CostModel(spec, over, wl).estimate(L).breakdown["cp_comm"]
+    assert charged - plain == pytest.approx(1e-3 * calls * spec.n_layers)

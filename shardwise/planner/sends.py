@@ -59,7 +59,7 @@ from shardwise.planner.rank_memory import unit_state
 
 __all__ = ["Collective", "TP_REGIONS", "LOSS_ALL_REDUCES", "tp_region", "tp_edges",
            "tp_calls_per_layer", "tp_edge_calls", "engine_calls", "pipeline_sends",
-           "ContextSends", "context_sends", "CP_LOAD_BALANCE"]
+           "ContextSends", "context_sends", "cp_calls_per_layer", "CP_LOAD_BALANCE"]
 
 CP_LOAD_BALANCE = "zigzag"
 """The layout the planner prices context parallelism in: the trainer's default
@@ -202,6 +202,19 @@ class ContextSends:
         if n > 1:
             total += (n - 1) * self.kv + (n * self.dkv if pass_ == "backward" else 0.0)
         return total
+
+
+def cp_calls_per_layer(sends: ContextSends, recompute: bool) -> int:
+    """The context-parallel calls one layer issues per micro-batch (a full ``recompute``
+    replays the forward's): each all-to-all, each ring step's exchange (forward ``n - 1``,
+    backward ``n - 1`` key/value blocks and ``n`` gradient blocks), or allgather's gather
+    and reduce-scatter."""
+    if sends.impl == "allgather":
+        return 2 + (1 if recompute else 0)
+    n, a2a = sends.ring, len(sends.a2a)
+    fwd = a2a + (n - 1)
+    bwd = a2a + (2 * n - 1 if n > 1 else 0)
+    return fwd * (2 if recompute else 1) + bwd
 
 
 def context_sends(spec, impl: str, cp: int, tp: int, microbatch: int, seq_len: int,
