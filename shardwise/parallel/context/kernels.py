@@ -93,10 +93,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str,
     Returns:
         ``(out, lse)``: ``(B, H, Tq, hd)`` in ``q``'s dtype and ``(B, H, Tq)`` fp32.
     """
-    rep = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, rep), repeat_kv(v, rep)
     causal = mode == "causal" and mask is None
-    if _cpu_kernels(q):
+    if _cpu_kernels(q):  # grouped-query heads natively: no repeated copy of the block
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None if mask is None else _additive(mask, q.dtype),
             scale=scale)
@@ -104,6 +102,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str,
         if mask is not None:
             lse = lse.masked_fill(~mask.any(-1), float("-inf"))
         return out, lse
+    rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, rep), repeat_kv(v, rep)
     f = acc_dtype(q.dtype)
     s = torch.matmul(q.to(f), k.to(f).transpose(-1, -2)) * scale  # (B, H, Tq, Tk)
     if causal:
@@ -124,32 +124,30 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
     Returns:
         ``(dq, dk, dv)``: ``dq`` like ``q``; ``dk``, ``dv`` ``(B, KV, Tk, hd)`` in
-        :func:`acc_dtype`, summed
-        over the query heads that share each key head.
+        :func:`acc_dtype`, summed over the query heads that share each key head.
     """
     b, kv, tk, hd = k.shape
     rep = q.shape[1] // kv
-    kr, vr = repeat_kv(k, rep), repeat_kv(v, rep)
     causal = mode == "causal" and mask is None
     f = acc_dtype(q.dtype)
-    if _cpu_kernels(q):
+    if _cpu_kernels(q):  # returns dK, dV of the KV heads, summed over their query heads
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype), q, kr, vr, out.to(q.dtype), lse.to(f), 0.0, causal,
+            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(f), 0.0, causal,
             attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
-        dk, dv = dk.to(f), dv.to(f)
-    else:
-        qf, kf, vf, df = q.to(f), kr.to(f), vr.to(f), dout.to(f)
-        s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-        if causal:
-            mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        p = torch.exp(s - lse[..., None].to(f))
-        dv = torch.matmul(p.transpose(-1, -2), df)
-        dp = torch.matmul(df, vf.transpose(-1, -2))
-        ds = p * (dp - (df * out.to(f)).sum(-1, keepdim=True))
-        dq = (torch.matmul(ds, kf) * scale).to(q.dtype)
-        dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+        return dq, dk.to(f), dv.to(f)
+    kr, vr = repeat_kv(k, rep), repeat_kv(v, rep)
+    qf, kf, vf, df = q.to(f), kr.to(f), vr.to(f), dout.to(f)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse[..., None].to(f))
+    dv = torch.matmul(p.transpose(-1, -2), df)
+    dp = torch.matmul(df, vf.transpose(-1, -2))
+    ds = p * (dp - (df * out.to(f)).sum(-1, keepdim=True))
+    dq = (torch.matmul(ds, kf) * scale).to(q.dtype)
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
     if rep > 1:
         dk = dk.view(b, kv, rep, tk, hd).sum(2)
         dv = dv.view(b, kv, rep, tk, hd).sum(2)
