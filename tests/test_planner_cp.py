@@ -161,7 +161,7 @@ def test_the_cost_model_exposes_the_ring_only_when_transfer_bound():
 def test_cpu_ranks_price_the_messages_from_their_calibration():
     """A CPU rank's ring step is the calibrated send/receive pair, an all-to-all the
     calibrated Gloo reduce-scatter of a ``1 / n`` shard (the engine's reduce-scatter is that
-    all-to-all plus a local sum), and the attention its kernels per block."""
+    all-to-all plus a local sum), and the attention the calibrated block calls."""
     from shardwise.planner import comm_model
 
     hw = local_cpu(cores=8)
@@ -169,13 +169,27 @@ def test_cpu_ranks_price_the_messages_from_their_calibration():
     g = comm_model.place(2, 1, 8)
     assert dev.p2p(1e6, False) == pytest.approx(1e-3 + 1e-9 * 1e6)  # planner_helpers' fits
     assert dev.all_to_all(4e6, g) == pytest.approx(1e-3 + 1e-9 * 2e6)
+    from shardwise.planner.work import layer_work
+
     spec = get_model_spec("debug")
     wl = Workload(seq_len=512, global_batch=4, compute_dtype="fp32")
-    cm = CostModel(spec, hw, wl)
-    ring = cm.stages.layer(False, 1, 2, False, 1, 4, "none", "ring")
-    one = cm.stages.layer(False, 1, 1, False, 1, 4, "none", "ring")
-    # five chunk pairs, each a kernel call (and two expansions), against one call
-    assert ring.fwd > one.fwd / 2
+    s = context_sends(spec, "ring", 2, 1, 4, 512, 4)
+    w = layer_work(spec, False, 4 * 256, 512, act_bytes=4, fused=False, cp_scores=4 * s.scores,
+                   cp_calls=s.blocks, cp_area=4 * s.area)
+    # [Note: context-parallel kernels]: per call, on the rectangles (5 calls: chunks of 128)
+    assert s.blocks == 5 and s.area == 128 * 128 * (1 + 2 + 2)
+    ker = hw.cpu.kernel_compose
+    fwd, bwd = dev.attention_seconds(spec, wl, w, 1)
+    area = 4 * 8 * s.area * 32  # sequences x heads x rectangles x head_dim
+    assert fwd == pytest.approx(ker * (5 * 1e-4 + 1e-9 * area))
+    assert bwd == pytest.approx(ker * (5 * 2e-4 + 2e-9 * area))
+    # a calibration from before cp_attention: the one-rank fits, per call
+    old = local_cpu(cores=8)
+    old = old.replace(cpu=dataclasses.replace(old.cpu, kernels={
+        k: v for k, v in old.cpu.kernels.items() if k != "cp_attention"}))
+    f_old, _ = device_model(old).attention_seconds(spec, wl, w, 1)
+    assert f_old == pytest.approx(ker * (2 * 5 * 1e-4 + 1e-9 * (w.attn_exec_flops
+                                                                 + w.attn_scores)))
 
 
 # ----------------------------------------------------------------- refusals

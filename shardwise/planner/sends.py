@@ -172,9 +172,8 @@ class ContextSends:
         scores: causal score entries the rank computes per sequence and query head.
         blocks: attention kernel calls per pass (a query chunk against the key chunks it
             meets: ``_calls`` in shardwise/parallel/context/runtime.py).
-        repeat: elements of one call's keys of the micro-batch expanded to the query heads
-            (its key tokens x the heads a rank attends with x head_dim), on average; twice
-            a call (keys and values).
+        area: the calls' query x key rectangles per sequence and query head (what the
+            CPU flash kernel computes, causal or not, up to its 512-key blocks).
     """
 
     impl: str
@@ -190,7 +189,7 @@ class ContextSends:
     steps: tuple[float, ...] = (1.0,)
     scores: float = 0.0
     blocks: int = 1
-    repeat: float = 0.0
+    area: float = 0.0
 
     def sent(self, pass_: str) -> float:
         """Bytes the messages of ``pass_`` (``forward``, ``backward``) add up to: equal to
@@ -245,18 +244,17 @@ def context_sends(spec, impl: str, cp: int, tp: int, microbatch: int, seq_len: i
         sent = total["forward"] - ring_b["forward"]
         parts = (heads, kv, kv, heads)
         a2a = tuple(sent * p / sum(parts) * u / (u - 1) for p in parts)
-    steps, scores, blocks, keys = _ring_work(seq_len, cp, ring, u, CP_LOAD_BALANCE)
+    steps, scores, blocks, area = _ring_work(seq_len, cp, ring, u, CP_LOAD_BALANCE)
     return ContextSends(impl, cp, ring, u, total["forward"], total["backward"], kv_b, dkv_b, a2a,
-                        steps=steps, scores=scores, blocks=blocks,
-                        repeat=microbatch * keys * (heads // u) * spec.hd / blocks)
+                        steps=steps, scores=scores, blocks=blocks, area=area)
 
 
 @functools.lru_cache(maxsize=256)
 def _ring_work(seq_len: int, cp: int, ring: int, u: int, load_balance: str
                ) -> tuple[tuple[float, ...], float, int, float]:
     """(each ring step's share of the rank's causal entries, entries per query head and
-    sequence, kernel calls per pass, key tokens those calls expand per sequence) of the
-    busiest ring member, as ``ring_forward`` meets the chunks: member ``m`` holds its
+    sequence, kernel calls per pass, the calls' query x key rectangles per query head and
+    sequence) of the busiest ring member, as ``ring_forward`` meets the chunks: member ``m`` holds its
     all-to-all group's ranges and at step ``s`` the block of member ``(m - s) mod ring``,
     computed in the runtime's own kernel calls (``_calls`` in runtime.py: a query chunk
     against a run of key chunks it sees whole, or one causal chunk)."""
@@ -266,17 +264,17 @@ def _ring_work(seq_len: int, cp: int, ring: int, u: int, load_balance: str
 
     best = None
     for m in range(ring):
-        per_step, calls, keys = [], 0, 0
+        per_step, calls, area = [], 0, 0
         for s in range(ring):
             step = kernel_calls(ranges(m), ranges((m - s) % ring))
             per_step.append(sum(_entries(qr, kr) for _, qr, _, krs, _ in step for kr in krs))
             calls += len(step)
-            keys += sum(kb - ka for _, _, (ka, kb), _, _ in step)
+            area += sum((qb - qa) * (kb - ka) for (qa, qb), _, (ka, kb), _, _ in step)
         if best is None or (sum(per_step), calls) > (sum(best[0]), best[1]):
-            best = (per_step, calls, keys)  # the most entries, then the most calls
-    per_step, calls, keys = best
+            best = (per_step, calls, area)  # the most entries, then the most calls
+    per_step, calls, area = best
     total = sum(per_step)
-    return tuple(e / total for e in per_step), total / u, calls, keys
+    return tuple(e / total for e in per_step), total / u, calls, area / u
 
 
 def _entries(q: tuple[int, int], k: tuple[int, int]) -> int:

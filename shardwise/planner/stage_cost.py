@@ -159,7 +159,7 @@ class StageCoster:
         tokens = mb * s / cp
         sends = context_sends(spec, cp_impl, cp, tp, mb, s, wl.act_bytes) if cp > 1 else None
         blocks = {} if sends is None or sends.impl == "allgather" else dict(
-            cp_scores=mb * sends.scores, cp_calls=sends.blocks, cp_repeat=sends.repeat)
+            cp_scores=mb * sends.scores, cp_calls=sends.blocks, cp_area=mb * sends.area)
         w = layer_work(spec, moe, tokens, s, tp, ep, wl.attention, wl.act_bytes,
                        wl.fused_kernels, wl.fused_norm, **blocks)
         fwd, bwd, wgrad, cheap = self.device.layer_seconds(spec, wl, w, tp, sp, moe)

@@ -17,7 +17,7 @@ keeps only each layer's input.
 
 [Note: context-parallel activations] ``shardwise.parallel.context``'s operator (ring,
 Ulysses, hybrid) takes the keys and values unexpanded (it repeats each block for grouped
-query heads inside), so it saves them at the key/value heads' width, not every query
+query heads in its kernels), so it saves them at the key/value heads' width, not every query
 head's; and it returns its output in ``(B, H, T, hd)`` order, so the output projection's
 input (``transpose(1, 2).reshape``) is a copy, saved beside the operator's own output
 ([Note: flash output] holds only for the one-rank kernel). Every token-wise tensor is
@@ -114,9 +114,8 @@ class LayerWork:
             blocks: [Note: context-parallel sends] in sends.py).
         attn_scores: causal score entries the attention core computes, summed over this
             rank's query heads (0: the one-rank causal half, ``tokens x seq x heads / 2``).
-        attn_repeat: elements one expansion of a key (or value) block to every query head
-            writes inside the context-parallel operator, two per block (0: the one-rank
-            kernel's, outside it, of ``tokens x heads x head_dim``).
+        attn_area: the context-parallel operator's calls' query x key rectangles, summed
+            over this rank's query heads (what the CPU flash kernel computes per call).
     """
 
     gemms: tuple[tuple[float, int], ...]
@@ -137,7 +136,7 @@ class LayerWork:
     linear_io: float = 0.0
     attn_calls: int = 1
     attn_scores: float = 0.0
-    attn_repeat: float = 0.0
+    attn_area: float = 0.0
 
     @property
     def gemm_flops(self) -> float:
@@ -230,7 +229,7 @@ def _ffn(spec, moe: bool, t: float, tp: int, ep: int, a: int, fused: bool):
 def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 1,
                attention: str = "flash", act_bytes: int = 2, fused: bool = True,
                fused_norm: bool = False, cp_scores: float = 0.0, cp_calls: int = 1,
-               cp_repeat: float = 0.0) -> LayerWork:
+               cp_area: float = 0.0) -> LayerWork:
     """The forward work of one layer (see the module docstring).
 
     Args:
@@ -250,7 +249,8 @@ def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 
             head over the micro-batch; 0 (default): attention on one rank, or Llama 3's
             all-gathered keys and values ([Note: context-parallel activations]).
         cp_calls: the blocks that operator computes them in (kernel calls per pass).
-        cp_repeat: the elements of one key block expanded to the query heads there.
+        cp_area: the query x key rectangles of those calls per query head over the
+            micro-batch.
     """
     t, a, d = float(tokens), act_bytes, spec.dim
     lw, lio = _linears(spec, moe, tp, ep)
@@ -275,7 +275,8 @@ def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 
         saved_core=core * t, cheap_rep=cheap_rep * t,
         cheap_tp=(cheap_att + cheap_ffn) * t if flash else 0.0, saved_input=a * d * t, tokens=t,
         linear_weights=lw, linear_io=lio, attn_calls=calls,
-        attn_scores=spec.n_heads // tp * cp_scores, attn_repeat=cp_repeat if cp_scores else 0.0)
+        attn_scores=spec.n_heads // tp * cp_scores,
+        attn_area=spec.n_heads // tp * cp_area if cp_scores else 0.0)
 
 
 def _linears(spec, moe: bool, tp: int, ep: int) -> tuple[float, float]:

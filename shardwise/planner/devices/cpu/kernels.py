@@ -4,15 +4,21 @@ on one CPU rank, priced with the calibration's fits ([Note: CPU kernels] in cost
     kf, kb = layer_kernels(hw, spec, tokens, seq, tp, sp, exec_flops)   # forward, backward
 
 [Note: context-parallel kernels] ``shardwise.parallel.context``'s operator runs ATen's CPU
-flash kernel once per query chunk against each run of key chunks it sees whole, and once
-per diagonal chunk (2 cp + 1 calls a pass on the busiest rank of a zigzag ring, 27 for
-Ulysses over 4 ranks: sends.py, [Note: context-parallel sends]), and expands each call's
-keys and values to every query head inside (``repeat_kv``), again in the backward before
-summing their gradients back. So the calibrated attention, softmax and expansion fits are
-charged per call, on the calls' FLOPs, scores and elements (the fits are linear in size,
-so the calls' sum is exact however the sizes split), which prices the fixed costs the
-one-rank kernel pays once. The calls' log-sum-exp merges (a few fp32 elementwise passes
-over each query chunk) are not priced.
+flash kernel (forward, and its backward directly) once per query chunk against each run of
+key chunks it sees whole, and once per diagonal chunk (2 cp + 1 calls a pass on the
+busiest rank of a zigzag ring, 27 for Ulysses over 4 ranks: sends.py, [Note:
+context-parallel sends]), on the grouped-query heads natively (no expanded copy of the
+keys). Timed on one thread, that kernel's cost up to 512 keys is its whole query x key
+rectangle, causal or not (a 256 x 256 block: 1.13 ms causal, 1.19 ms whole; 128 x 128:
+0.34 and 0.33 ms), while the one-rank fits (``attention`` and ``softmax``, timed causal at
+128-256 tokens with autograd) price a whole block at about three times what it takes. So
+``--calibrate`` times these calls as the operator makes them (``CP_BLOCKS`` in
+calibrate/kernels.py) and fits ``cp_attention`` to the rectangle x heads x head_dim,
+charged per call (the fit is linear in size: the calls' sum is exact however the sizes
+split), which also prices the fixed cost each call pays. A calibration written before
+``cp_attention`` existed prices the calls with ``attention`` and ``softmax`` on their
+FLOPs and causal entries. The calls' log-sum-exp merges and gradient accumulations (a few
+fp32 elementwise passes over each query chunk) are not priced.
 """
 
 from __future__ import annotations
@@ -36,20 +42,22 @@ def _calls(spec, tokens: float, seq: int, tp: int, sp: bool, exec_flops: float):
     d, h, kv, hd = spec.dim, spec.n_heads // tp, max(1, spec.kv_heads // tp), spec.hd
     calls = [("rmsnorm", rep * d, 2), ("residual", rep * d, 2), ("rope", tokens * h * hd, 1),
              ("rope", tokens * kv * hd, 1), ("swiglu", tokens * spec.ffn_dim // tp, 1)]
-    return calls + _attention_calls(spec, tokens, seq, tp, exec_flops)
+    return calls + _attention_calls(None, spec, tokens, seq, tp, exec_flops)
 
 
-def _attention_calls(spec, tokens: float, seq: int, tp: int, exec_flops: float,
-                     blocks: int = 1, scores: float = 0.0, repeat: float = 0.0):
+def _attention_calls(hw, spec, tokens: float, seq: int, tp: int, exec_flops: float, w=None):
     """The attention core's kernels: the flash kernel's multiplies (FLOPs) and softmax
-    (causal scores), and the expansion of k and v to every query head; context
-    parallelism's operator runs them per block ([Note: context-parallel kernels])."""
+    (causal scores), and the expansion of k and v to every query head before it; context
+    parallelism's operator (``w`` with ``attn_scores``) runs the kernel per block, on the
+    grouped-query heads natively ([Note: context-parallel kernels])."""
     h, kv, hd = spec.n_heads // tp, max(1, spec.kv_heads // tp), spec.hd
-    if not scores:  # one kernel on the whole sequence, k and v expanded before it
+    if w is None or not w.attn_scores:  # one kernel on the whole sequence
         calls = [("attention", exec_flops, 1), ("softmax", tokens * seq * h / 2, 1)]
         return calls + ([("repeat_kv", tokens * h * hd, 2)] if kv < h else [])
-    calls = [("attention", exec_flops / blocks, blocks), ("softmax", scores / blocks, blocks)]
-    return calls + ([("repeat_kv", repeat, 2 * blocks)] if kv < h else [])
+    n = w.attn_calls
+    if "cp_attention" in hw.cpu.kernels:  # the blocks' rectangles
+        return [("cp_attention", w.attn_area * hd / n, n)]
+    return [("attention", exec_flops / n, n), ("softmax", w.attn_scores / n, n)]
 
 
 def layer_kernels(hw, spec, tokens: float, seq: int, tp: int, sp: bool, exec_flops: float,
@@ -60,27 +68,21 @@ def layer_kernels(hw, spec, tokens: float, seq: int, tp: int, sp: bool, exec_flo
     run as context parallelism's blocks."""
     calls = _calls(spec, tokens, seq, tp, sp, exec_flops)
     if w is not None and w.attn_scores:
-        calls = calls[:5] + _attention_calls(spec, tokens, seq, tp, exec_flops, w.attn_calls,
-                                             w.attn_scores, w.attn_repeat)
-    return _priced(hw, calls, w is not None and w.attn_scores > 0)
+        calls = calls[:5] + _attention_calls(hw, spec, tokens, seq, tp, exec_flops, w)
+    return _priced(hw, calls)
 
 
 def attention_kernels(hw, spec, w, seq: int, tp: int) -> tuple[float, float]:
     """(forward, backward) seconds of ``w``'s attention core alone on one CPU rank (as
     :func:`layer_kernels` prices it)."""
-    calls = _attention_calls(spec, w.tokens, seq, tp, w.attn_exec_flops, w.attn_calls,
-                             w.attn_scores, w.attn_repeat)
-    return _priced(hw, calls, w.attn_scores > 0)
+    return _priced(hw, _attention_calls(hw, spec, w.tokens, seq, tp, w.attn_exec_flops, w))
 
 
-def _priced(hw, calls, blocks: bool) -> tuple[float, float]:
-    """Forward and backward seconds of ``calls``; the context-parallel operator's backward
-    (``blocks``) also expands each block's k and v again before it sums their gradients."""
+def _priced(hw, calls) -> tuple[float, float]:
+    """Forward and backward seconds of ``calls`` (name, size, how many)."""
     c = hw.cpu
     fwd = sum(c.kernel(name, n, calls=k) for name, n, k in calls)
     bwd = sum(c.kernel(name, n, backward=True, calls=k) for name, n, k in calls)
-    if blocks:
-        bwd += sum(c.kernel(name, n, calls=k) for name, n, k in calls if name == "repeat_kv")
     return fwd / hw.memory_efficiency, bwd / hw.memory_efficiency
 
 
