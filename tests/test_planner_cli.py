@@ -97,25 +97,29 @@ _BIG = ["plan", "--model", "llama3-70b", "--hardware", "h100", "--gpus", "64", "
 
 
 def test_layouts_the_trainer_cannot_build_are_marked_and_can_be_left_out(capsys):
-    """The planner prices context parallelism before the trainer builds it: every record
-    says whether ``shardwise train`` can run it, and ``--buildable`` searches only those."""
+    """The planner prices what the trainer cannot build yet (context parallelism of
+    multi-head latent attention): every record says whether ``shardwise train`` can run it,
+    and ``--buildable`` searches only those. Context parallelism of grouped-query attention
+    is built (issue 32)."""
     assert main([*_BIG, "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert any(r["layout"]["cp"] > 1 for r in records)
-    for r in records:
-        assert r["buildable"] is (r["layout"]["cp"] == 1)
-        if r["layout"]["cp"] > 1:
-            assert r["not_buildable_reason"] == "context parallelism (cp > 1) is not built yet"
-    assert main([*_BIG, "--buildable", "--json"]) == 0
-    only = json.loads(capsys.readouterr().out)
-    assert only and all(r["buildable"] and r["layout"]["cp"] == 1 for r in only)
-    assert main(_BIG) == 0
+    assert all(r["buildable"] and r["not_buildable_reason"] is None for r in records)
+    mla = ["plan", "--model", "deepseek-v3", "--hardware", "h100", "--gpus", "64",
+           "--seq-len", "8192", "--global-batch", "64", "--top", "2"]
+    assert main([*mla, "--layout", "cp=2", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert records and all(r["layout"]["cp"] == 2 and not r["buildable"] for r in records)
+    reason = "context parallelism (cp > 1) does not cover multi-head latent attention yet"
+    assert {r["not_buildable_reason"] for r in records} == {reason}
+    assert main([*mla, "--layout", "cp=2"]) == 0
     table = capsys.readouterr().out
     assert " build " in table.splitlines()[2] and "  no  " in table
-    assert "context parallelism (cp > 1) is not built yet; shardwise train of this version " \
-        "refuses it (--buildable: only layouts it builds)" in table
-    assert main([*_BIG, "--buildable", "--layout", "cp=2"]) == 2
-    assert "--buildable with --layout 'cp=2'" in capsys.readouterr().err
+    assert f"{reason}; shardwise train of this version refuses it (--buildable: only layouts " \
+        "it builds)" in table
+    assert main([*_BIG, "--buildable", "--layout", "cp=2", "--json"]) == 0
+    only = json.loads(capsys.readouterr().out)
+    assert only and all(r["buildable"] and r["layout"]["cp"] == 2 for r in only)
 
 
 @pytest.mark.parametrize("layout, model, buildable", [
@@ -125,6 +129,12 @@ def test_layouts_the_trainer_cannot_build_are_marked_and_can_be_left_out(capsys)
     (dict(dp_shard=2, tp=2, ep=2, zero=3, microbatch=4, sp=False), "debug-moe", False),
     (dict(dp_shard=2, tp=2, ep=2, zero=3, microbatch=4, sp=True), "debug-moe", True),
     (dict(dp_shard=4, ep=2, zero=3, microbatch=4, ac="full"), "debug-moe", False),
+    (dict(cp=2, zero=3, microbatch=4), "debug", True),
+    (dict(dp_shard=2, cp=2, tp=2, zero=3, microbatch=4, sp=True), "debug", True),
+    (dict(pp=2, pp_schedule="1f1b", cp=2, zero=1, microbatch=2, pp_microbatches=2), "debug",
+     True),
+    (dict(cp=2, ep=2, zero=3, microbatch=4), "debug-moe", True),
+    (dict(cp=2, zero=3, microbatch=4), "deepseek-v3", False),
 ])
 def test_the_buildable_rules_are_the_trainers_refusals(layout, model, buildable, tmp_path):
     """[Note: buildable layouts]: the planner's rule and the trainer's own checks agree."""
@@ -143,10 +153,3 @@ def test_the_buildable_rules_are_the_trainers_refusals(layout, model, buildable,
     assert plan_layout._buildable(new, model_cfg, L.gpus) is buildable
     spec = from_llama_config(model_cfg, model)
     assert (not_buildable(L, spec) is None) is buildable
-
-
-def test_context_parallelism_is_refused_by_the_trainer_as_the_planner_says():
-    from shardwise.distributed.parallel_dims import ParallelDims
-
-    with pytest.raises(ValueError, match="context parallelism does not exist yet"):
-        ParallelDims(world_size=4, cp=2).resolved()

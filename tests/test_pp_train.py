@@ -128,7 +128,7 @@ def test_help_says_what_the_default_micro_batches_are(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "0: chosen for throughput" in text and "simulated bubble is at most 25%" in text
-    assert "pp x dp_replicate x dp_shard x tp = world size" in text  # dp_replicate's rule
+    assert "pp x dp_replicate x dp_shard x cp x tp = world size" in text  # dp_replicate's rule
 
 
 def _train(cfg, data):

@@ -308,7 +308,7 @@ def verify(path: str | os.PathLike, process_group=None) -> dict[str, Any]:
 def _same_layout(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     return all(saved.get(k) == now.get(k) for k in ("world_size", "stage", "dp_shard",
                                                      "dp_replicate")) \
-        and all(saved.get(k, 1) == now.get(k, 1) for k in ("tp", "ep", "pp"))
+        and all(saved.get(k, 1) == now.get(k, 1) for k in ("cp", "tp", "ep", "pp"))
 
 
 def _read_index(path: Path, manifest: dict[str, Any]) -> SafeReader:

@@ -41,6 +41,8 @@ def _header(path: Path, manifest: dict[str, Any]) -> list[str]:
     stage = lay.get("stage")
     where = (f"ZeRO stage {stage}, dp_shard {lay.get('dp_shard')} x dp_replicate "
              f"{lay.get('dp_replicate')}" if stage is not None else "not sharded")
+    if lay.get("cp", 1) > 1:
+        where += f", cp {lay['cp']}"
     if lay.get("tp", 1) > 1:
         where += f", tp {lay['tp']}"
     if lay.get("ep", 1) > 1:

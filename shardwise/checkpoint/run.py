@@ -36,8 +36,8 @@ def resume_or_import(ckpt: Any, model: nn.Module, optimizer: torch.optim.Optimiz
     info = ckpt.load(resume, model, optimizer, extra=stateful)
     if info is not None:
         saved = info.layout
-        tp = f", tp {saved['tp']}" if saved.get("tp", 1) > 1 else ""
-        tp += f", ep {saved['ep']}" if saved.get("ep", 1) > 1 else ""
+        tp = "".join(f", {axis} {saved[axis]}" for axis in ("cp", "tp", "ep")
+                     if saved.get(axis, 1) > 1)
         how = (f" (resharded from {saved['world_size']} rank(s), stage {saved['stage']}{tp}; "
                f"RNG states not restored)" if info.resharded else "")
         return info.step, f"resumed from {info.path} at step {info.step}{how}"

@@ -34,6 +34,7 @@ from torch import nn
 from shardwise.checkpoint import jsonable
 from shardwise.checkpoint.errors import CheckpointError
 from shardwise.distributed.comm import objects as comm_objects
+from shardwise.parallel.context import cp_context
 from shardwise.parallel.pipeline.split import PipelinePart
 from shardwise.parallel.expert import ep_context
 from shardwise.parallel.tensor import tp_context
@@ -172,8 +173,9 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def layout_of(model: nn.Module) -> dict[str, Any]:
-    """World size, ZeRO stage, data-parallel, tensor-parallel, expert-parallel and pipeline
-    degrees of a model."""
+    """World size, ZeRO stage, data-parallel, context-parallel, tensor-parallel,
+    expert-parallel and pipeline degrees of a model (``dp_shard`` without the cp ranks the
+    engine also shards over)."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -181,15 +183,18 @@ def layout_of(model: nn.Module) -> dict[str, Any]:
     tp = ctx.tp.size if ctx is not None else 1
     ep_ctx = ep_context(model)
     ep = ep_ctx.ep.size if ep_ctx is not None else 1
+    cp_ctx = cp_context(model)
+    cp = cp_ctx.cp if cp_ctx is not None else 1
     pp = model.groups.pp_size if isinstance(model, PipelinePart) else 1
     states = engine_states(model)
     if not states:
         return {"world_size": world, "stage": None, "dp_shard": None, "dp_replicate": None,
-                "tp": tp, "ep": ep, "pp": pp}
+                "cp": cp, "tp": tp, "ep": ep, "pp": pp}
     s = states[-1]  # the outermost call (engine_states lists submodules' first)
     g = s.groups
-    return {"world_size": world, "stage": s.policy.zero, "dp_shard": g.shard_size,
-            "dp_replicate": g.replicate_size, "tp": tp, "ep": ep, "pp": pp}
+    shard = g.shard_size // cp if g.shard_size % cp == 0 else g.shard_size
+    return {"world_size": world, "stage": s.policy.zero, "dp_shard": shard,
+            "dp_replicate": g.replicate_size, "cp": cp, "tp": tp, "ep": ep, "pp": pp}
 
 
 def model_info(model: nn.Module) -> dict[str, Any]:

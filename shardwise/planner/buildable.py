@@ -1,12 +1,14 @@
 """Which priced layouts this version of ``shardwise train`` can build.
 
 [Note: buildable layouts] The planner prices parallelisms before the trainer builds them
-(context parallelism is priced from published systems), so ``shardwise plan`` may rank first
-a layout that ``shardwise train`` refuses. Every record says whether it can be run here and,
-if not, why; ``shardwise plan --buildable`` searches only the layouts that can. The rules
-are the trainer's own refusals of a layout, restated on the planner's floor (the planner
-sits below the trainer and cannot call its checks); tests/test_planner_cli.py checks each
-rule against what ``shardwise.train`` refuses.
+(and shapes the trainer cannot build), so ``shardwise plan`` may rank first a layout that
+``shardwise train`` refuses. Every record says whether it can be run here and, if not, why;
+``shardwise plan --buildable`` searches only the layouts that can. The rules are the
+trainer's own refusals of a layout, restated on the planner's floor (the planner sits below
+the trainer and cannot call its checks); tests/test_planner_cli.py checks each rule against
+what ``shardwise.train`` refuses. Context parallelism is built (``--parallel.cp``, its
+default ``cp_impl`` ring taking any number of key/value heads) except for multi-head latent
+attention.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from shardwise.planner.parallel_layout import Layout
 
 __all__ = ["not_buildable", "BUILDABLE_FIXED"]
 
-BUILDABLE_FIXED = {"cp": 1}
+BUILDABLE_FIXED: dict[str, object] = {}
 """Layout keys ``--buildable`` fixes before the search (the rest is filtered after it)."""
 
 
@@ -31,8 +33,8 @@ def not_buildable(L: Layout, spec) -> str | None:
     """
     if not getattr(spec, "buildable", True):
         return f"model {spec.name!r} is a shape only the planner prices"
-    if L.cp > 1:
-        return "context parallelism (cp > 1) is not built yet"
+    if L.cp > 1 and spec.is_mla:
+        return "context parallelism (cp > 1) does not cover multi-head latent attention yet"
     if L.pp > 1 and L.offload != "none":
         return "pipeline stages do not run with optimizer offload yet"
     if L.ep > 1 and L.tp > 1 and not L.sp:

@@ -1,7 +1,7 @@
 """Harnesses shared by the tests of the trainer and the ``shardwise`` command: dotted
 config values as command-line arguments, a refused command's one line, one rank's
-training (module-level, so :func:`shardwise.testing.run_ranks` can pickle it), and what a
-run logged."""
+training and several runs' in one launch of ranks (module-level, so
+:func:`shardwise.testing.run_ranks` can pickle them), and what a run logged."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cli_args", "refused", "train_rank", "logged"]
+__all__ = ["cli_args", "refused", "train_rank", "train_runs", "logged"]
 
 
 def cli_args(values: dict[str, str]) -> list[str]:
@@ -36,6 +36,17 @@ def train_rank(cfg: Any, data: Any) -> None:
     from shardwise.train.trainer import build_env, train
 
     train(cfg, data, build_env(cfg))
+
+
+def train_runs(runs: list) -> None:
+    """One rank of several runs, each ``(cfg, data)`` prepared by ``preflight`` for the same
+    world size, trained in turn on one process group: a grid of layouts costs one launch of
+    ranks instead of one per run."""
+    from shardwise.train.trainer import build_env, train
+
+    env = build_env(runs[0][0])
+    for cfg, data in runs:
+        train(cfg, data, env)
 
 
 def logged(log_dir: str | Path, key: str = "loss", name: str = "metrics.jsonl") -> list[dict]:

@@ -2,17 +2,20 @@
 
 Composition order (docs/design.md, "The trainer"): the model is built on the meta device ->
 ``apply_tp`` (tensor + sequence parallelism over the mesh's ``tp`` axis) -> ``apply_ep``
-(MoE experts split over ``ep``, their tokens dispatched by all-to-all) -> activation
-checkpointing -> compile -> sharded by the ZeRO engine over the data axes (experts over
-``edp``) with the run's stage, precision, quantised communication and offload, which
-materialises it module by module. The optimizer is wrapped when optimizer state is
-offloaded; accumulation micro-batches run without gradient communication; clipping is over
-the sharded gradients; the loss is vocab-parallel under tensor parallelism. The trainer
-calls these and nothing else of the engine.
+(MoE experts split over ``ep``, their tokens dispatched by all-to-all) -> ``apply_cp``
+(attention over sequences split across the ``cp`` axis, RoPE at global positions) ->
+activation checkpointing -> compile -> sharded by the ZeRO engine over the data axes
+(``dp_shard x cp``; experts over ``edp``) with the run's stage, precision, quantised
+communication and offload, which materialises it module by module. The optimizer is
+wrapped when optimizer state is offloaded; accumulation micro-batches run without gradient
+communication; clipping is over the sharded gradients; the loss is vocab-parallel under
+tensor parallelism. The trainer calls these and nothing else of the engine.
 
 Batch semantics (every layout): ``train.batch_size`` sequences per data-parallel rank per
 micro-batch; the global batch is ``batch_size x grad_accum x dp_replicate x dp_shard``; the
-tensor ranks of one data rank see the same sequences (:func:`data_rank`).
+tensor and context-parallel ranks of one data rank see the same sequences
+(:func:`data_rank`), and each cp rank feeds its part of them
+(:func:`shardwise.train.context.local_sequences`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from shardwise.parallel.tensor import default_plan, tp_context, vocab_parallel_c
 from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
 from shardwise.train.config.checks import sequence_parallel
+from shardwise.train.context import describe_cp
 from shardwise.train.moe import apply_moe
 from shardwise.train.pipeline import build_pipeline_model
 
@@ -81,25 +85,27 @@ def build_loss_scaler(cfg: Config) -> LossScaler:
 
 
 def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
-    """The run's degrees (``parallel.pp``, ``dp_replicate``, ``dp_shard``, ``tp``, ``ep``),
-    resolved."""
+    """The run's degrees (``parallel.pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``,
+    ``ep``), resolved."""
     par = cfg.parallel
-    return ParallelDims(par.dp_replicate, par.dp_shard, world_size, pp=par.pp, tp=par.tp,
-                        ep=par.ep).resolved()
+    return ParallelDims(par.dp_replicate, par.dp_shard, world_size, pp=par.pp, cp=par.cp,
+                        tp=par.tp, ep=par.ep).resolved()
 
 
 def data_rank(cfg: Config, env: dist_env.DistEnv) -> tuple[int, int]:
     """(this rank's data-parallel index, the number of data-parallel ranks): what the
-    loader, validation and token counts use. Tensor ranks of one data rank share it."""
+    loader, validation and token counts use. Tensor and context-parallel ranks of one data
+    rank share it."""
     dims = parallel_dims(cfg, env.world_size)
     ranks = dims.axis_ranks("dp", env.rank)
     return ranks.index(env.rank), len(ranks)
 
 
 def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
-    """Build the model on the meta device, apply tensor parallelism, checkpoint and compile
-    its blocks as ``train.activation_checkpoint`` and ``train.compile`` ask, and shard it
-    with the ZeRO engine (the composition order of the module doc).
+    """Build the model on the meta device, apply tensor, expert and context parallelism,
+    checkpoint and compile its blocks as ``train.activation_checkpoint`` and
+    ``train.compile`` ask, and shard it with the ZeRO engine (the composition order of the
+    module doc).
 
     Each rank initialises the model one module at a time and keeps only its shard, so no
     rank ever holds the whole model; the weights are bitwise those of eager init with
@@ -114,7 +120,8 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     Returns:
         The sharded model (parameter names unchanged); its MoE layers, if any, have the
         ``[moe]`` settings and reduce their balance statistics over every rank that routes
-        its own tokens (the data ranks, and the tensor ranks under sequence parallelism).
+        its own tokens (the data and context-parallel ranks, and the tensor ranks under
+        sequence parallelism).
         With ``parallel.pp > 1``, this rank's pipeline part, its executor attached
         (:mod:`shardwise.train.pipeline`).
     """
@@ -124,9 +131,12 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     par = cfg.parallel
     dims = parallel_dims(cfg, env.world_size)
     # The fixed composition order (docs/design.md), each step leaving a plain nn.Module:
-    # build on meta -> tensor / sequence parallelism -> expert parallelism -> activation
-    # checkpointing -> compile -> pipeline split -> shard -> materialise (inside shard).
-    # EP after TP: each tensor rank dispatches its own sequence shard. Checkpointing before
+    # build on meta -> tensor / sequence parallelism -> expert parallelism -> context
+    # parallelism -> activation checkpointing -> compile -> pipeline split -> shard ->
+    # materialise (inside shard). EP after TP: each tensor rank dispatches its own sequence
+    # shard. CP after TP: its all-to-all degree is bounded by the key/value heads each
+    # tensor rank holds; before checkpointing and compile: its attention is a custom
+    # operator both recompute and trace like any other. Checkpointing before
     # compile: the compiled graph then holds the recompute (one graph per block). Compile
     # before shard: compile_blocks replaces each block's forward, and the engine's hooks,
     # installed by shard on the block's __call__, run eagerly around the compiled graph
@@ -137,12 +147,14 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
             reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch,
             mixed_precision=build_mixed_precision(cfg), comm=build_comm_quant(cfg)))
     mesh = (dims.build_mesh(env.device.type)
-            if dims.dp_replicate > 1 or dims.tp > 1 or dims.ep > 1 else None)
+            if dims.dp_replicate > 1 or dims.tp > 1 or dims.ep > 1 or dims.cp > 1 else None)
     model = build(model_cfg, device="meta")
     if dims.tp > 1:  # before sharding: the engine shards each tensor rank's pieces
         shardwise.apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
     if dims.ep > 1:  # after TP, before ZeRO (experts sharded over edp)
         shardwise.apply_ep(model, mesh)
+    if dims.cp > 1:  # after TP (it reads the heads per tensor rank), before AC and compile
+        shardwise.apply_cp(model, mesh["cp"], impl=par.cp_impl, load_balance=par.cp_load_balance)
     t = cfg.train
     shardwise.checkpoint_activations(model, t.activation_checkpoint, blocks=TransformerBlock)
     if t.compile:
@@ -155,10 +167,11 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
                             comm=build_comm_quant(cfg), offload=build_offload(cfg),
                             device=env.device)
     # Balance over the global batch: under sequence parallelism every rank routes its own
-    # tokens and the data ranks are the replicas; otherwise the data ranks route them.
+    # tokens and the data ranks (x cp: every rank holding other tokens) are the replicas;
+    # otherwise the data and cp ranks route them (dp_cp is dp's group at cp 1).
     if dims.tp > 1 and sequence_parallel(par):
-        return apply_moe(model, cfg, None, replicas=dims.degree("dp"))
-    return apply_moe(model, cfg, mesh.group("dp") if mesh is not None else None)
+        return apply_moe(model, cfg, None, replicas=dims.degree("dp_cp"))
+    return apply_moe(model, cfg, mesh.group("dp_cp") if mesh is not None else None)
 
 
 def cross_entropy(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor
@@ -227,26 +240,33 @@ def validate_ep(cfg: Config, model_cfg: Any) -> None:
 
 def describe_layout(cfg: Config, world_size: int) -> str:
     """The layout in words for the start line, e.g. ``"tp 2 (sequence parallel) x dp_shard
-    2, ZeRO stage 3"``, ``"pp 2 x tp 2 (sequence parallel) x dp_shard 1, ZeRO stage 3"`` or
-    ``"dp_shard 4 (ep 2)"`` with expert parallelism."""
+    2, ZeRO stage 3"``, ``"pp 2 x tp 2 (sequence parallel) x dp_shard 1, ZeRO stage 3"``,
+    ``"dp_shard 4 (ep 2)"`` with expert parallelism or ``"cp 2 (ring, zigzag) x dp_shard
+    2, ZeRO stage 3"`` with context parallelism."""
     dims, par = parallel_dims(cfg, world_size), cfg.parallel
     parts = [f"pp {dims.pp}"] if dims.pp > 1 else []  # outermost first ([Note: rank order])
     if dims.tp > 1:
         parts.append(f"tp {dims.tp}" + (" (sequence parallel)" if sequence_parallel(par)
                                         else ""))
+    parts += describe_cp(dims, par)
     if dims.dp_replicate > 1:
         parts.append(f"dp_replicate {dims.dp_replicate}")
-    parts.append(f"dp_shard {dims.dp_shard}" + (f" (ep {dims.ep})" if dims.ep > 1 else ""))
+    ep = f"ep {dims.ep}" + (" over dp_shard x cp" if dims.cp > 1 else "")
+    parts.append(f"dp_shard {dims.dp_shard}" + (f" ({ep})" if dims.ep > 1 else ""))
     return " x ".join(parts) + f", ZeRO stage {par.stage}"
 
 
 def layout_record(cfg: Config, world_size: int) -> dict[str, Any]:
-    """The layout for ``summary.json``: every degree, sequence parallelism, the stage."""
-    dims = parallel_dims(cfg, world_size)
-    return {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-            "cp": dims.cp, "tp": dims.tp, "ep": dims.ep,
-            "sequence_parallel": sequence_parallel(cfg.parallel) and dims.tp > 1,
-            "stage": cfg.parallel.stage}
+    """The layout for ``summary.json``: every degree, sequence parallelism, the stage, and
+    with cp > 1 the context-parallel implementation and load balance."""
+    dims, par = parallel_dims(cfg, world_size), cfg.parallel
+    record = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+              "cp": dims.cp, "tp": dims.tp, "ep": dims.ep,
+              "sequence_parallel": sequence_parallel(par) and dims.tp > 1,
+              "stage": par.stage}
+    if dims.cp > 1:
+        record.update(cp_impl=par.cp_impl, cp_load_balance=par.cp_load_balance)
+    return record
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:

@@ -8,14 +8,20 @@
     shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.ep 2 \\
         --model.name debug-moe                                           # MoE, EP x PP
 
-Checks that refuse a pipeline before any rank starts, the world split into pipeline, data
-and tensor ranks (one ParallelMesh: pp outermost, tp innermost, ep carved out of each
-stage's data ranks), the pipelined model (built on the meta device, tensor-parallel over
-the mesh's tp axis, expert-parallel over its ep axis, split, each piece sharded with the
-run's ZeRO stage over its stage's data ranks, experts over ``edp``, initialised with the
-unsplit model's numbers, MoE balance statistics over the stage's data ranks), and what the
-loop needs from it: the step, validation, the global gradient norm and the data-parallel
-rank that picks the batch.
+    shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.cp 2   # pp x cp
+
+Checks that refuse a pipeline before any rank starts, the world split into pipeline, data,
+context and tensor ranks (one ParallelMesh: pp outermost, tp innermost, ep carved out of
+each stage's data x cp ranks), the pipelined model (built on the meta device,
+tensor-parallel over the mesh's tp axis, expert-parallel over its ep axis,
+context-parallel over its cp axis, split, each piece sharded with the run's ZeRO stage over
+its stage's data x cp ranks, experts over ``edp``, initialised with the unsplit model's
+numbers, MoE balance statistics over the stage's data x cp ranks), and what the loop needs
+from it: the step, validation, the global gradient norm and the data-parallel rank that
+picks the batch. Under context parallelism the stages run on each cp rank's part of the
+sequences: the loop shards the batch before the schedule, and every stage's RoPE tables
+are at the part's global positions (the model's ``RotaryEmbedding``, shared by the
+stages, carries the layout).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 from torch import nn
 
 from shardwise.distributed.parallel_dims import ParallelDims
+from shardwise.parallel.context import apply_cp, share_cp_context
 from shardwise.parallel.expert import apply_ep
 from shardwise.parallel.pipeline import (PipelineExecutor, PipelinePart, build_schedule,
                                          pipeline_grad_norm, schedule_spec, shard_stages,
@@ -136,7 +143,7 @@ def pipeline_world(cfg: Any, world_size: int) -> int:
     pp = cfg.parallel.pp
     if world_size % pp:
         raise ValueError(f"parallel.pp={pp} must divide the world size {world_size} (pp x "
-                         f"dp_replicate x dp_shard ranks)")
+                         f"dp_replicate x dp_shard x cp x tp ranks)")
     return world_size // pp
 
 
@@ -169,8 +176,9 @@ def check_pipeline_model(cfg: Any, model_cfg: Any) -> None:
 def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict) -> PipelinePart:
     """This rank's stages, sharded, initialised, with their executor (``pipeline_of``);
     tensor-parallel inside each stage when ``parallel.tp > 1``, expert-parallel when
-    ``parallel.ep > 1``; MoE layers with the ``[moe]`` settings, balancing over the stage's
-    data ranks.
+    ``parallel.ep > 1``, context-parallel when ``parallel.cp > 1`` (the part answers
+    ``cp_context``); MoE layers with the ``[moe]`` settings, balancing over the stage's
+    data x cp ranks.
 
     Args:
         cfg: the run config.
@@ -188,8 +196,8 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     par = cfg.parallel
     pp, v, layers = _layout(cfg)
     schedule = build_schedule(par.pp_schedule, pp, resolve_microbatches(cfg), v)
-    dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size, pp=pp, tp=par.tp,
-                        ep=par.ep)
+    dims = ParallelDims(par.dp_replicate, par.dp_shard, env.world_size, pp=pp, cp=par.cp,
+                        tp=par.tp, ep=par.ep)
     mesh = dims.build_mesh(env.device.type)
     model = build_model(model_cfg, device="meta")
     if par.tp > 1:  # on the whole model, before the split (the composition order)
@@ -197,7 +205,10 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     # The executor's loss is then the vocab-parallel cross-entropy (default_loss).
     if par.ep > 1:  # after TP, before the split: each stage's experts split over its ep ranks
         apply_ep(model, mesh)
+    if par.cp > 1:  # before the split: the stages' attention and RoPE carry the layout
+        apply_cp(model, mesh["cp"], impl=par.cp_impl, load_balance=par.cp_load_balance)
     part = split_stages(model, mesh, v, layers, placement=schedule.placement)
+    share_cp_context(model, part)  # the loop shards each batch by the part's layout
     # Checkpointing and compile wrap each block of this rank's stages, before sharding (the
     # composition order of shardwise.train.parallelize).
     t = cfg.train
@@ -207,13 +218,15 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     torch.manual_seed(cfg.train.seed)
     shard_stages(part, stage=par.stage, init_weights=init_module_weights, device=env.device,
                  **shard_kwargs)
-    # The ranks of one stage whose tokens make the global micro-batch: its data ranks, and
-    # under sequence parallelism its data x tensor ranks, the data ranks the replicas
-    # ([Note: balance losses in a pipeline]); the executor adds each forward's balance losses.
+    # The ranks of one stage whose tokens make the global micro-batch: its data x cp ranks
+    # (dp_cp, the data ranks' group at cp 1), and under sequence parallelism its data x cp x
+    # tensor ranks, the data x cp ranks the replicas ([Note: balance losses in a pipeline]);
+    # the executor adds each forward's balance losses.
     if par.tp > 1 and sequence_parallel(par):
-        apply_moe(part, cfg, (mesh.group("dp"), mesh.group("tp")), replicas=dims.degree("dp"))
+        apply_moe(part, cfg, (mesh.group("dp_cp"), mesh.group("tp")),
+                  replicas=dims.degree("dp_cp"))
     else:
-        apply_moe(part, cfg, mesh.group("dp"))
+        apply_moe(part, cfg, mesh.group("dp_cp"))
     part.executor = PipelineExecutor(part, schedule,
                                      keep_gathered=not par.reshard_after_forward)
     return part

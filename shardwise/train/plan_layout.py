@@ -5,18 +5,20 @@
 
 [Note: layouts the trainer plans] A planner :class:`~shardwise.planner.Layout` maps onto
 these config keys (``PLAN_KEYS``): ``zero`` <-> ``parallel.stage``, ``dp_replicate`` /
-``dp_shard`` / ``tp``, ``sp`` <-> ``parallel.sequence_parallel``, ``microbatch`` <->
-``train.batch_size``, ``pp_microbatches`` <-> ``train.grad_accum``, ``ac`` <->
+``dp_shard`` / ``cp`` / ``tp``, ``sp`` <-> ``parallel.sequence_parallel``, ``microbatch``
+<-> ``train.batch_size``, ``pp_microbatches`` <-> ``train.grad_accum``, ``ac`` <->
 ``train.activation_checkpoint``, ``pp`` and the ``pp_*`` keys <-> the schedule,
-``ep`` <-> ``parallel.ep``. The trainer builds no context parallelism yet, so ``cp = 1``;
-the expert-parallel degree, offload and quantised communication stay as configured (the
-user's choice of where experts live, of numerics and of host memory); ``ep`` composes with
-every pipeline layout the search offers (EP x PP). The global batch
-(``batch_size x grad_accum x dp_replicate x dp_shard`` sequences), the sequence length,
-optimizer and learning-rate schedule are never changed: only how the same batch is split.
-Keys the user set (``parallel.plan_fixed``) are fixed in the search. A layout the planner
-ranks is kept only if the trainer's own checks accept it (heads, vocabulary and widths
-divisible by tp, sequence parallelism dividing the sequence, checkpointing of dense models).
+``ep`` <-> ``parallel.ep``. The context-parallel implementation and load balance
+(``parallel.cp_impl``, ``cp_load_balance``), the expert-parallel degree, offload and
+quantised communication stay as configured (the user's choice of attention algorithm, of
+where experts live, of numerics and of host memory); ``ep`` composes with every pipeline
+layout the search offers (EP x PP). The global batch (``batch_size x grad_accum x
+dp_replicate x dp_shard`` sequences: cp, like tp, does not multiply it), the sequence
+length, optimizer and learning-rate schedule are never changed: only how the same batch is
+split. Keys the user set (``parallel.plan_fixed``) are fixed in the search. A layout the
+planner ranks is kept only if the trainer's own checks accept it (heads, vocabulary and
+widths divisible by tp, sequence parallelism and the cp chunks dividing the sequence, the
+cp implementation fitting the key/value heads, checkpointing of dense models).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.search import search
 from shardwise.planner.workload import Workload
 from shardwise.train.config import Config, resolve_world, validate
-from shardwise.train.config.checks import check_model_combinations, sequence_parallel
+from shardwise.train.config.checks import (check_model_combinations, check_sequence_split,
+                                           sequence_parallel)
+from shardwise.train.context import validate_cp
 from shardwise.train.parallelize import validate_ep, validate_tp
 from shardwise.train.pipeline import (check_pipeline_config, check_pipeline_model,
                                       pipeline_world, resolve_microbatches)
@@ -50,7 +54,7 @@ def layout_of(cfg: Config) -> Layout:
     pipeline, ``train.batch_size`` is split into the schedule's micro-batches; without, the
     micro-batches are ``train.grad_accum`` micro-batches of ``batch_size``."""
     par, t = cfg.parallel, cfg.train
-    common = dict(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
+    common = dict(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp, tp=par.tp,
                   ep=par.ep, zero=par.stage, ac=t.activation_checkpoint,
                   sp=sequence_parallel(par) and par.tp > 1,
                   offload="cpu" if cfg.offload.device == "cpu" else "none",
@@ -66,7 +70,7 @@ def layout_of(cfg: Config) -> Layout:
 def with_layout(cfg: Config, L: Layout) -> Config:
     """``cfg`` with the layout keys of ``L`` (the other keys unchanged)."""
     par = dataclasses.replace(cfg.parallel, stage=L.zero, dp_replicate=L.dp_replicate,
-                              dp_shard=L.dp_shard, tp=L.tp, ep=L.ep,
+                              dp_shard=L.dp_shard, cp=L.cp, tp=L.tp, ep=L.ep,
                               sequence_parallel=L.sp if L.tp > 1 else None, pp=L.pp)
     if L.pp > 1:  # the schedule's micro-batches are the accumulation
         par = dataclasses.replace(par, pp_schedule=L.pp_schedule,
@@ -84,7 +88,7 @@ def with_layout(cfg: Config, L: Layout) -> Config:
 def trainer_keys(L: Layout) -> dict[str, Any]:
     """The layout as the config keys it sets (for plan_history.jsonl)."""
     out = {"parallel.stage": L.zero, "parallel.dp_replicate": L.dp_replicate,
-           "parallel.dp_shard": L.dp_shard, "parallel.tp": L.tp,
+           "parallel.dp_shard": L.dp_shard, "parallel.cp": L.cp, "parallel.tp": L.tp,
            "parallel.sequence_parallel": L.sp, "parallel.pp": L.pp, "parallel.ep": L.ep}
     if L.pp > 1:
         out.update({"parallel.pp_schedule": L.pp_schedule,
@@ -102,6 +106,7 @@ def describe(L: Layout) -> str:
     """A layout in a few words: ``"tp 2 (sp) x dp_shard 1, stage 0, batch 8 x 1, ac none"``."""
     parts = [f"pp {L.pp} ({L.pp_schedule})"] if L.pp > 1 else []
     parts += [f"tp {L.tp}" + (" (sp)" if L.sp else "")] if L.tp > 1 else []
+    parts += [f"cp {L.cp}"] if L.cp > 1 else []
     if L.dp_replicate > 1:
         parts.append(f"dp_replicate {L.dp_replicate}")
     parts.append(f"dp_shard {L.dp_shard}" + (f" (ep {L.ep})" if L.ep > 1 else ""))
@@ -138,7 +143,7 @@ def plan_constraints(cfg: Config) -> dict[str, Any]:
     """The planner's fixed keys: what the trainer cannot build or must not change, plus the
     layout keys the user set (``parallel.plan_fixed``)."""
     L = layout_of(cfg)
-    fixed: dict[str, Any] = {"cp": 1, "ep": L.ep, "offload": L.offload,
+    fixed: dict[str, Any] = {"ep": L.ep, "offload": L.offload,
                              "comm_weights": L.comm_weights, "comm_grads": L.comm_grads}
     if cfg.model.num_experts or cfg.train.compile:
         fixed["ac"] = L.ac  # checkpointing is refused with experts; compile keeps its graphs
@@ -147,7 +152,7 @@ def plan_constraints(cfg: Config) -> dict[str, Any]:
     # Keys that are one layout field each prune the search; every fixed key is also
     # checked on the resulting config (_keeps_fixed), which covers the batch split.
     names = {"parallel.stage": "zero", "parallel.dp_replicate": "dp_replicate",
-             "parallel.dp_shard": "dp_shard", "parallel.tp": "tp",
+             "parallel.dp_shard": "dp_shard", "parallel.cp": "cp", "parallel.tp": "tp",
              "parallel.sequence_parallel": "sp", "parallel.pp": "pp",
              "train.activation_checkpoint": "ac"}
     for key in cfg.parallel.plan_fixed:
@@ -177,7 +182,7 @@ def _buildable(cfg: Config, model_cfg: Any, world_size: int) -> bool:
         return False
     try:
         validate(cfg)
-        resolve_world(cfg, world_size)
+        check_sequence_split(resolve_world(cfg, world_size))
         check_model_combinations(cfg, model_cfg)
         check_pipeline_config(cfg)
         check_pipeline_model(cfg, model_cfg)
@@ -186,6 +191,7 @@ def _buildable(cfg: Config, model_cfg: Any, world_size: int) -> bool:
             warnings.simplefilter("ignore")  # tp across nodes: a warning, said at launch
             validate_tp(cfg, model_cfg, world_size)
         validate_ep(cfg, model_cfg)
+        validate_cp(cfg, model_cfg)
     except ValueError:
         return False
     return True

@@ -19,6 +19,7 @@ from shardwise.train.config import io as config_io
 from shardwise.train.resume_checks import check_fault_spec, check_resume
 from shardwise.train.config import Config, check_output_dir, resolve_world, to_toml
 from shardwise.train.config.checks import check_model_combinations, check_sequence_split
+from shardwise.train.context import validate_cp
 from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
@@ -168,7 +169,9 @@ def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True
             settings for a model without MoE layers, heads / vocabulary / widths not
             divisible by ``parallel.tp``, ``parallel.ep`` for a dense model or not dividing
             the number of experts, compile or activation checkpointing with an MoE model, a
-            pipeline the model or the config cannot take.
+            pipeline the model or the config cannot take, ``data.seq_len`` not cut into
+            ``parallel.cp``'s equal chunks, a ``parallel.cp_impl`` the key/value heads cannot
+            take, context parallelism with multi-head latent attention.
     """
     cfg = resolve_world(cfg, world_size)  # the layout first, then the shapes against it
     check_sequence_split(cfg)
@@ -194,6 +197,7 @@ def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True
     from shardwise.train.parallelize import validate_ep, validate_tp  # degrees vs the shape
     validate_tp(cfg, model_cfg, world_size)
     validate_ep(cfg, model_cfg)
+    validate_cp(cfg, model_cfg)
     resume = check_resume(cfg, model_cfg, verify=verify_checkpoint)
     if resume is not None and cfg.checkpoint.resume == "auto" and verify_checkpoint:
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(

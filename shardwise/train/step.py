@@ -5,7 +5,10 @@
 
 Host syncs are a constant number per step (tests/test_host_syncs.py): the loss, the agreed
 gradient norm and each rank's memory are read in one small all-gather. A pipelined model
-runs its schedule instead of the accumulation loop; everything else is the same.
+runs its schedule instead of the accumulation loop; everything else is the same. Under
+context parallelism each rank feeds its part of every sequence (``local_sequences``) and
+the logged loss is still the global batch's ([Note: the loss under context parallelism] in
+parallelize.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from shardwise.distributed import comm
 from shardwise.distributed import env as dist_env
 from shardwise.shard import clip_grads_with_norm_
 from shardwise.train.config import Config
+from shardwise.train.context import local_sequences
 from shardwise.train.metrics import rss_mib
 from shardwise.train.moe import finish_moe_record, with_moe_loss
 from shardwise.train.parallelize import cross_entropy, data_rank, no_sync
@@ -76,11 +80,14 @@ def _forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.
     accum = cfg.train.grad_accum
     pipe = pipeline_of(model)
     if pipe is not None:  # the schedule's micro-batches are the accumulation (grad_accum 1)
-        inputs, targets = (t.to(env.device) for t in loader.next_batch())
+        inputs, targets = local_sequences(model, *(t.to(env.device)
+                                                   for t in loader.next_batch()))
         return pipe.step(inputs, targets).to(env.device)
     loss_sum = torch.zeros((), dtype=torch.float32, device=env.device)
     for micro in range(accum):
-        inputs, targets = (t.to(env.device) for t in loader.next_batch())
+        # The whole sequences of this data rank; this cp rank's part of them.
+        inputs, targets = local_sequences(model, *(t.to(env.device)
+                                                   for t in loader.next_batch()))
         # Gradients are communicated once per step, on the last micro-batch.
         with no_sync(model) if micro < accum - 1 else contextlib.nullcontext():
             loss = _loss(model, inputs, targets) / accum
@@ -174,7 +181,7 @@ def evaluate(model: nn.Module, val_ids: torch.Tensor, cfg: Config, env: dist_env
     """
     from shardwise.data import iter_eval_batches
 
-    rank, ranks = data_rank(cfg, env)  # tensor ranks of one data rank share its batches
+    rank, ranks = data_rank(cfg, env)  # tensor and cp ranks of one data rank share batches
     batches = iter_eval_batches(val_ids, seq_len=cfg.data.seq_len,
                                 batch_size=cfg.train.batch_size, rank=rank,
                                 world_size=ranks, max_batches=cfg.train.eval_batches)
@@ -183,7 +190,8 @@ def evaluate(model: nn.Module, val_ids: torch.Tensor, cfg: Config, env: dist_env
     model.eval()
     total, count = 0.0, 0
     for inputs, targets in batches:
-        total += loss_fn(inputs.to(env.device), targets.to(env.device)).item()
+        inputs, targets = local_sequences(model, inputs.to(env.device), targets.to(env.device))
+        total += loss_fn(inputs, targets).item()
         count += 1
     model.train()
     mean = gather_stats([total / count], env)[:, 0].mean().item()

@@ -143,9 +143,13 @@ def resolve_pipeline_groups(mesh=None) -> PipelineGroups:
 def _from_parallel_mesh(mesh: ParallelMesh) -> PipelineGroups:
     """Groups from the job's N-D mesh: ``pp``, the data axes of the stage, the tensor ranks.
     Its ``ep`` / ``edp`` axes (carved out of the stage's data ranks) are ``apply_ep``'s: the
-    expert parameters' placements name them, and the engine shards those over ``edp``."""
+    expert parameters' placements name them, and the engine shards those over ``edp``.
+    With context parallelism the stage's ranks of one data rank hold different tokens of
+    its sequences: they shard and average like data ranks (``dp_shard_cp``, as
+    ``shardwise.shard`` does over a ParallelMesh)."""
     pp = mesh.group("pp")
-    data = ("dp_replicate", "dp_shard") if mesh.size("dp_replicate") > 1 else ("dp_shard",)
+    shard = "dp_shard_cp" if mesh.size("cp") > 1 else "dp_shard"
+    data = ("dp_replicate", shard) if mesh.size("dp_replicate") > 1 else (shard,)
     return PipelineGroups(pp, dist.get_rank(pp), dist.get_world_size(pp), mesh[data],
                           tuple(mesh.ranks("tp")))
 

@@ -97,11 +97,11 @@ class TrainConfig:
     steps: int = 150
     """Optimizer steps to run."""
     batch_size: int = 4
-    """Sequences per micro-batch on each data-parallel rank (the tp ranks of one data rank
-    share them)."""
+    """Sequences per micro-batch on each data-parallel rank (the tp and cp ranks of one data
+    rank share them)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (global batch = batch_size * grad_accum
-    * dp_replicate * dp_shard sequences; tp does not multiply it)."""
+    * dp_replicate * dp_shard sequences; tp and cp do not multiply it)."""
     seed: int = 0
     """Seed of the model initialisation (identical on every rank)."""
     eval_interval: int = 50

@@ -15,16 +15,19 @@ from typing import Any
 
 __all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel",
            "check_sequence_split", "check_model_combinations", "AC_POLICIES",
-           "COMPILE_BACKENDS", "PLAN_KEYS"]
+           "COMPILE_BACKENDS", "CP_IMPLS", "CP_LOAD_BALANCES", "PLAN_KEYS"]
 
-# Kept equal to shardwise.parallel.AC_POLICIES by tests/test_activation_checkpoint.py (this
-# module stays free of torch imports: the command line loads configs before torch).
+# Kept equal to shardwise.parallel.AC_POLICIES by tests/test_activation_checkpoint.py, and
+# the cp choices to shardwise.parallel.context's by tests/test_cp_train.py (this module
+# stays free of torch imports: the command line loads configs before torch).
 AC_POLICIES = ("none", "full", "selective")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-PLAN_KEYS = ("parallel.stage", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
-             "parallel.sequence_parallel", "parallel.pp", "parallel.pp_schedule",
-             "parallel.pp_microbatches", "parallel.pp_virtual", "train.batch_size",
-             "train.grad_accum", "train.activation_checkpoint")
+CP_IMPLS = ("ring", "ulysses", "hybrid")
+CP_LOAD_BALANCES = ("zigzag", "none")
+PLAN_KEYS = ("parallel.stage", "parallel.dp_replicate", "parallel.dp_shard", "parallel.cp",
+             "parallel.tp", "parallel.sequence_parallel", "parallel.pp",
+             "parallel.pp_schedule", "parallel.pp_microbatches", "parallel.pp_virtual",
+             "train.batch_size", "train.grad_accum", "train.activation_checkpoint")
 """The config keys of a layout that ``parallel.plan = "auto"`` chooses (see plan_fixed)."""
 
 
@@ -82,6 +85,9 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.dp_replicate", _positive, "a positive int"),
     ("parallel.dp_shard", lambda v: v == -1 or v > 0, "a positive int or -1 (infer)"),
     ("parallel.tp", _positive, "a positive int (tensor-parallel degree)"),
+    ("parallel.cp", _positive, "a positive int (context-parallel degree)"),
+    ("parallel.cp_impl", lambda v: v in CP_IMPLS, "'ring', 'ulysses' or 'hybrid'"),
+    ("parallel.cp_load_balance", lambda v: v in CP_LOAD_BALANCES, "'zigzag' or 'none'"),
     ("parallel.ep", _positive, "a positive int (expert-parallel degree)"),
     ("parallel.prefetch", _non_negative, "an int >= 0"),
     ("parallel.backend", lambda v: v in ("auto", "gloo", "nccl"), "'auto', 'gloo' or 'nccl'"),
@@ -186,7 +192,8 @@ def sequence_parallel(par) -> bool:
     return par.tp > 1 if par.sequence_parallel is None else bool(par.sequence_parallel)
 
 
-_CHOICES = {"train.activation_checkpoint": AC_POLICIES, "train.compile_backend": COMPILE_BACKENDS}
+_CHOICES = {"train.activation_checkpoint": AC_POLICIES, "train.compile_backend": COMPILE_BACKENDS,
+            "parallel.cp_impl": CP_IMPLS, "parallel.cp_load_balance": CP_LOAD_BALANCES}
 
 
 def _suggest(key: str, value: Any) -> str:
@@ -222,12 +229,30 @@ def check_sequence_split(config) -> None:
     first: a degree the ranks cannot hold is the first thing to say).
 
     Raises:
-        ValueError: ``data.seq_len`` not divisible by ``parallel.tp`` under sequence
-            parallelism.
+        ValueError: ``data.seq_len`` not divisible by the context-parallel chunks (``2 x
+            parallel.cp`` for zigzag, ``parallel.cp`` otherwise), or each cp rank's part not
+            divisible by ``parallel.tp`` under sequence parallelism.
     """
-    par = config.parallel
-    if sequence_parallel(par) and config.data.seq_len % par.tp:
-        raise ValueError(f"data.seq_len={config.data.seq_len} must be divisible by parallel.tp="
+    par, seq_len = config.parallel, config.data.seq_len
+    if par.cp > 1:
+        zigzag = par.cp_load_balance == "zigzag"
+        chunks = 2 * par.cp if zigzag else par.cp
+        if seq_len % chunks:
+            how = (f"2 x parallel.cp = 2 x {par.cp} = {chunks}" if zigzag
+                   else f"parallel.cp={par.cp}")
+            raise ValueError(f"data.seq_len={seq_len} must be divisible by {how} "
+                             f"(parallel.cp_load_balance={par.cp_load_balance!r} cuts every "
+                             f"sequence, training and validation, into {chunks} equal "
+                             f"chunks); change data.seq_len or parallel.cp")
+    local = seq_len // par.cp
+    if sequence_parallel(par) and local % par.tp:
+        if par.cp > 1:
+            raise ValueError(f"data.seq_len={seq_len} / parallel.cp={par.cp} = {local} "
+                             f"positions per context-parallel rank must be divisible by "
+                             f"parallel.tp={par.tp} with sequence parallelism (each tensor "
+                             f"rank holds a tp-th of them); set parallel.sequence_parallel="
+                             f"false or change data.seq_len")
+        raise ValueError(f"data.seq_len={seq_len} must be divisible by parallel.tp="
                          f"{par.tp} with sequence parallelism (each tensor rank holds "
                          f"seq_len / tp positions); set parallel.sequence_parallel=false or "
                          f"change data.seq_len")
@@ -244,35 +269,43 @@ def resolve_world(config, world_size: int):
         The config with ``parallel.dp_shard`` resolved.
 
     Raises:
-        ValueError: if ``dp_replicate * dp_shard * tp != world_size``, naming each degree.
+        ValueError: if ``dp_replicate * dp_shard * cp * tp != world_size / pp``, naming each
+            degree; ``ep`` or ``comm.hierarchy`` not dividing ``dp_shard x cp``.
     """
     par = config.parallel
     if world_size % par.pp:  # pp is the outermost axis: the rest splits world / pp
         raise ValueError(f"parallel.pp={par.pp} must divide the world size {world_size} (pp x "
-                         f"dp_replicate x dp_shard x tp ranks)")
+                         f"dp_replicate x dp_shard x cp x tp ranks)")
     world_size //= par.pp
     per_pp = f" / parallel.pp={par.pp}" if par.pp > 1 else ""
-    shard, others = par.dp_shard, par.dp_replicate * par.tp
-    names = "parallel.dp_replicate" + (" * parallel.tp" if par.tp > 1 else "")
-    degrees = f"{par.dp_replicate}" + (f" * {par.tp}" if par.tp > 1 else "")
+    # The degrees besides dp_shard, named only when above 1 (dp_replicate always).
+    inner = [(f"parallel.{k}", getattr(par, k)) for k in ("cp", "tp") if getattr(par, k) > 1]
+    shard, others = par.dp_shard, par.dp_replicate * par.cp * par.tp
+    names = " * ".join(["parallel.dp_replicate"] + [n for n, _ in inner])
+    degrees = " * ".join(str(d) for d in [par.dp_replicate] + [d for _, d in inner])
     if shard == -1:
         if world_size % others != 0:
-            what = f"{names} = {degrees} = {others}" if par.tp > 1 else f"{names}={others}"
+            what = f"{names} = {degrees} = {others}" if inner else f"{names}={others}"
             raise ValueError(f"{what} does not divide the world size {world_size}{per_pp}; "
                              f"expected a divisor of {world_size}")
         shard = world_size // others
     if others * shard != world_size:
-        tp_names, tp_deg = (" * parallel.tp", f" * {par.tp}") if par.tp > 1 else ("", "")
-        raise ValueError(f"parallel.dp_replicate * parallel.dp_shard{tp_names} = "
-                         f"{par.dp_replicate} * {shard}{tp_deg} = {others * shard}, expected "
-                         f"the world size {world_size}{per_pp}")
-    if shard % par.ep:
-        raise ValueError(f"parallel.ep={par.ep} must divide parallel.dp_shard={shard} (the "
-                         f"experts are spread over the data ranks of a replica)")
+        all_names = " * ".join(["parallel.dp_replicate", "parallel.dp_shard"]
+                               + [n for n, _ in inner])
+        all_degrees = " * ".join(str(d) for d in [par.dp_replicate, shard]
+                                 + [d for _, d in inner])
+        raise ValueError(f"{all_names} = {all_degrees} = {others * shard}, expected the "
+                         f"world size {world_size}{per_pp}")
+    data = shard * par.cp  # the ranks parameters are sharded over, experts carved from
+    data_name = (f"parallel.dp_shard x parallel.cp = {shard} x {par.cp} = {data}"
+                 if par.cp > 1 else f"parallel.dp_shard={shard}")
+    if data % par.ep:
+        raise ValueError(f"parallel.ep={par.ep} must divide {data_name} (the experts are "
+                         f"spread over the data ranks of a replica)")
     hierarchy = config.comm.hierarchy
-    if hierarchy and shard % hierarchy:
-        raise ValueError(f"comm.hierarchy={hierarchy} must divide parallel.dp_shard={shard} "
-                         f"(ranks per node inside each shard group)")
+    if hierarchy and data % hierarchy:
+        raise ValueError(f"comm.hierarchy={hierarchy} must divide {data_name} (ranks per "
+                         f"node inside each shard group)")
     return dataclasses.replace(config, parallel=dataclasses.replace(par, dp_shard=shard))
 
 

@@ -19,20 +19,36 @@ class ParallelConfig:
     stage: int = 3
     """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 + gradients, 3 + params."""
     dp_replicate: int = 1
-    """Data-parallel replicas (HSDP outer axis); pp x dp_replicate x dp_shard x tp = world
-    size."""
+    """Data-parallel replicas (HSDP outer axis); pp x dp_replicate x dp_shard x cp x tp =
+    world size."""
     dp_shard: int = -1
-    """Ranks each replica is sharded over (-1: world size // (pp x dp_replicate x tp))."""
+    """Ranks each replica is sharded over (-1: world size // (pp x dp_replicate x cp x tp));
+    parameters are sharded over dp_shard x cp."""
     tp: int = 1
     """Tensor-parallel degree: ranks each layer's matrices are split over (Megatron style,
     consecutive ranks of one node); heads, vocabulary and feed-forward width must divide."""
     sequence_parallel: bool | None = None
     """With tp > 1, split norms and residual activations along the sequence between
     tensor-parallel regions (1/tp of their memory; seq_len must divide). Unset: on if tp > 1."""
+    cp: int = 1
+    """Context-parallel degree: ranks each sequence is split over (attention sees the whole
+    sequence through cp_impl; every token-wise activation is 1/cp). The cp ranks of one data
+    rank share its sequences, like tp ranks: pp x dp_replicate x dp_shard x cp x tp = world
+    size, and cp does not multiply the global batch. data.seq_len must divide by 2 x cp
+    (cp_load_balance "zigzag") or cp ("none")."""
+    cp_impl: str = "ring"
+    """Context-parallel attention: "ring" (key/value blocks passed around the cp ranks),
+    "ulysses" (all-to-all from sequence to head shards: cp must divide the key/value heads
+    per tensor rank) or "hybrid" (all-to-all inside groups of consecutive cp ranks, ring
+    across them)."""
+    cp_load_balance: str = "zigzag"
+    """How a sequence is cut over the cp ranks: "zigzag" (2 x cp chunks, rank r holding
+    chunks r and 2 cp - 1 - r: equal causal work) or "none" (cp contiguous pieces)."""
     ep: int = 1
     """Expert-parallel degree: ranks each MoE layer's experts are split over, carved out of
-    the data ranks (it divides dp_shard and the number of experts; does not multiply the
-    world size). Expert weights are ZeRO-sharded over the dp_shard / ep ranks holding them.
+    the data ranks (it divides dp_shard x cp and the number of experts; does not multiply the
+    world size). Expert weights are ZeRO-sharded over the dp_shard x cp / ep ranks holding
+    them.
     With pp > 1 it splits each stage's experts over that stage's data ranks."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (stage 3) and gather them again for backward."""
@@ -48,7 +64,7 @@ class ParallelConfig:
     before it runs: slower) or "off"."""
     pp: int = 1
     """Pipeline-parallel degree: ranks the layers are split over in stages (pp outermost;
-    pp x dp_replicate x dp_shard = world size; docs/parallelism.md)."""
+    pp x dp_replicate x dp_shard x cp x tp = world size; docs/parallelism.md)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zb1" (ZB-H1), "zbv",
     "dualpipev" or "looped_bfs"."""
