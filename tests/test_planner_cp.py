@@ -328,3 +328,29 @@ def test_cpu_ranks_charge_the_collective_overhead_on_every_cp_call(impl, calls):
     over = hw.replace(cpu=dataclasses.replace(hw.cpu, collective_overhead=1e-3))
     charged = CostModel(spec, over, wl).estimate(L).breakdown["cp_comm"]
     assert charged - plain == pytest.approx(1e-3 * calls * spec.n_layers)
+
+
+@pytest.mark.parametrize("impl, buildable", [("ring", True), ("ulysses", True),
+                                             ("allgather", False)])
+def test_the_trainer_builds_the_impls_the_planner_says(impl, buildable, tmp_path):
+    """[Note: buildable layouts]: ring and Ulysses at cp 2 are built (the config carries
+    ``cp_impl`` both ways), Llama 3's all-gather is priced only; a plan auto run keeps the
+    configured implementation fixed."""
+    from shardwise.models import get_model_config
+    from shardwise.planner.buildable import not_buildable
+    from shardwise.planner.catalogue import from_llama_config
+    from shardwise.train import plan_layout
+    from shardwise.train.config import load_config, resolve_world
+
+    L = Layout(cp=2, microbatch=2, zero=2, cp_impl=impl)
+    cfg = resolve_world(load_config(None, {"model.name": "debug", "log.dir": str(tmp_path)}), 2)
+    new = plan_layout.with_layout(cfg, L)
+    if buildable:
+        assert plan_layout.layout_of(new) == L
+        assert plan_layout.trainer_keys(L)["parallel.cp_impl"] == impl
+    model_cfg = get_model_config("debug")
+    assert plan_layout._buildable(new, model_cfg, 2) is buildable
+    assert (not_buildable(L, from_llama_config(model_cfg, "debug")) is None) is buildable
+    uly = load_config(None, {"model.name": "debug", "parallel.cp_impl": "ulysses",
+                             "log.dir": str(tmp_path)})
+    assert plan_layout.plan_constraints(resolve_world(uly, 2))["cp_impl"] == "ulysses"
