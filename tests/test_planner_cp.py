@@ -175,14 +175,15 @@ def test_cpu_ranks_price_the_messages_from_their_calibration():
     wl = Workload(seq_len=512, global_batch=4, compute_dtype="fp32")
     s = context_sends(spec, "ring", 2, 1, 4, 512, 4)
     w = layer_work(spec, False, 4 * 256, 512, act_bytes=4, fused=False, cp_scores=4 * s.scores,
-                   cp_calls=s.blocks, cp_area=4 * s.area)
-    # [Note: context-parallel kernels]: per call, on the rectangles (5 calls: chunks of 128)
-    assert s.blocks == 5 and s.area == 128 * 128 * (1 + 2 + 2)
+                   cp_calls=s.blocks, cp_area=4 * s.area, cp_queries=4 * s.queries)
+    # [Note: context-parallel kernels]: per call, on the rectangles and query chunks (5
+    # calls of 128 x 128)
+    assert s.blocks == 5 and s.area == 128 * 128 * 5 and s.queries == 128 * 5
     ker = hw.cpu.kernel_compose
     fwd, bwd = dev.attention_seconds(spec, wl, w, 1)
-    area = 4 * 8 * s.area * 32  # sequences x heads x rectangles x head_dim
-    assert fwd == pytest.approx(ker * (5 * 1e-4 + 1e-9 * area))
-    assert bwd == pytest.approx(ker * (5 * 2e-4 + 2e-9 * area))
+    area, queries = (4 * 8 * x * 32 for x in (s.area, s.queries))  # x sequences, heads, hd
+    assert fwd == pytest.approx(ker * (2 * 5 * 1e-4 + 1e-9 * (area + queries)))
+    assert bwd == pytest.approx(ker * (2 * 5 * 2e-4 + 2e-9 * (area + queries)))
     # a calibration from before cp_attention: the one-rank fits, per call
     old = local_cpu(cores=8)
     old = old.replace(cpu=dataclasses.replace(old.cpu, kernels={

@@ -174,6 +174,8 @@ class ContextSends:
             meets: ``_calls`` in shardwise/parallel/context/runtime.py).
         area: the calls' query x key rectangles per sequence and query head (what the
             CPU flash kernel computes, causal or not, up to its 512-key blocks).
+        queries: the calls' query tokens per sequence and query head (what the operator
+            merges and accumulates around each call).
     """
 
     impl: str
@@ -190,6 +192,7 @@ class ContextSends:
     scores: float = 0.0
     blocks: int = 1
     area: float = 0.0
+    queries: float = 0.0
 
     def sent(self, pass_: str) -> float:
         """Bytes the messages of ``pass_`` (``forward``, ``backward``) add up to: equal to
@@ -244,17 +247,17 @@ def context_sends(spec, impl: str, cp: int, tp: int, microbatch: int, seq_len: i
         sent = total["forward"] - ring_b["forward"]
         parts = (heads, kv, kv, heads)
         a2a = tuple(sent * p / sum(parts) * u / (u - 1) for p in parts)
-    steps, scores, blocks, area = _ring_work(seq_len, cp, ring, u, CP_LOAD_BALANCE)
+    steps, scores, blocks, area, queries = _ring_work(seq_len, cp, ring, u, CP_LOAD_BALANCE)
     return ContextSends(impl, cp, ring, u, total["forward"], total["backward"], kv_b, dkv_b, a2a,
-                        steps=steps, scores=scores, blocks=blocks, area=area)
+                        steps=steps, scores=scores, blocks=blocks, area=area, queries=queries)
 
 
 @functools.lru_cache(maxsize=256)
 def _ring_work(seq_len: int, cp: int, ring: int, u: int, load_balance: str
-               ) -> tuple[tuple[float, ...], float, int, float]:
+               ) -> tuple[tuple[float, ...], float, int, float, float]:
     """(each ring step's share of the rank's causal entries, entries per query head and
-    sequence, kernel calls per pass, the calls' query x key rectangles per query head and
-    sequence) of the busiest ring member, as ``ring_forward`` meets the chunks: member ``m`` holds its
+    sequence, kernel calls per pass, the calls' query x key rectangles and their query
+    tokens per query head and sequence) of the busiest ring member, as ``ring_forward`` meets the chunks: member ``m`` holds its
     all-to-all group's ranges and at step ``s`` the block of member ``(m - s) mod ring``,
     computed in the runtime's own kernel calls (``_calls`` in runtime.py: a query chunk
     against a run of key chunks it sees whole, or one causal chunk)."""
@@ -264,17 +267,18 @@ def _ring_work(seq_len: int, cp: int, ring: int, u: int, load_balance: str
 
     best = None
     for m in range(ring):
-        per_step, calls, area = [], 0, 0
+        per_step, calls, area, queries = [], 0, 0, 0
         for s in range(ring):
             step = kernel_calls(ranges(m), ranges((m - s) % ring))
             per_step.append(sum(_entries(qr, kr) for _, qr, _, krs, _ in step for kr in krs))
             calls += len(step)
             area += sum((qb - qa) * (kb - ka) for (qa, qb), _, (ka, kb), _, _ in step)
+            queries += sum(qb - qa for (qa, qb), _, _, _, _ in step)
         if best is None or (sum(per_step), calls) > (sum(best[0]), best[1]):
-            best = (per_step, calls, area)  # the most entries, then the most calls
-    per_step, calls, area = best
+            best = (per_step, calls, area, queries)  # the most entries, then calls
+    per_step, calls, area, queries = best
     total = sum(per_step)
-    return tuple(e / total for e in per_step), total / u, calls, area / u
+    return tuple(e / total for e in per_step), total / u, calls, area / u, queries / u
 
 
 def _entries(q: tuple[int, int], k: tuple[int, int]) -> int:

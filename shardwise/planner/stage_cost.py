@@ -16,7 +16,14 @@ device model (its own links or calibrated Gloo calls, its own attention kernels)
   ``max(0, transfer - block compute)`` is exposed, the block being the step's share of the
   rank's causal entries times its attention forward (or backward); in the backward the
   transfer in flight during a block is the next key/value block and the previous step's
-  ``dK``, ``dV``, and the last ``dK``, ``dV`` arrive after the last block, exposed whole;
+  ``dK``, ``dV``, and the last ``dK``, ``dV`` arrive after the last block, exposed whole.
+  Where the device hides no communication behind compute (``DeviceModel.overlaps``: CPU
+  ranks on saturated cores, whose Gloo threads need the cores the blocks run on: [Note:
+  CPU ranks share the cores]) every transfer is exposed. Measured on 2 Gloo ranks on 2
+  cores (debug, 1024 tokens, cp 2 ring), a layer's forward and backward waited 1.0 and
+  5.6 ms beyond their compute threads' time: one key/value block forward, and backward
+  the block and two gradient blocks, about 1.9 ms each at the calibrated send/receive;
+  the overlapped rule would have exposed only the last, 1.25 ms;
 - Ulysses' all-to-alls (four a pass) run before and after the attention, exposed whole;
 - hybrid is both, the all-to-alls over its groups of ``u``, the ring over the groups;
 - Llama 3's all-gather hides behind the layer's attention forward, its backward's
@@ -146,20 +153,24 @@ class StageCoster:
 
     # ------------------------------------------------------------------ one layer
     def layer(self, moe: bool, tp: int, cp: int, sp: bool, ep: int, mb: int, ac: str,
-              cp_impl: str = "ring") -> LayerTimes:
+              cp_impl: str = "ring", overlap: bool = True) -> LayerTimes:
         """One layer (``moe``: a mixture-of-experts feed-forward) for one micro-batch of
-        ``mb`` sequences under checkpointing policy ``ac`` (cached)."""
-        key = (moe, tp, cp, sp, ep, mb, ac, cp_impl if cp > 1 else "ring")
+        ``mb`` sequences under checkpointing policy ``ac`` (cached); ``overlap``: whether
+        the device hides communication behind compute for this many ranks
+        (``DeviceModel.overlaps``)."""
+        key = (moe, tp, cp, sp, ep, mb, ac, cp_impl if cp > 1 else "ring",
+               overlap if cp > 1 else True)
         if key not in self._layers:
             self._layers[key] = self._price_layer(*key)
         return self._layers[key]
 
-    def _price_layer(self, moe, tp, cp, sp, ep, mb, ac, cp_impl) -> LayerTimes:
+    def _price_layer(self, moe, tp, cp, sp, ep, mb, ac, cp_impl, overlap) -> LayerTimes:
         s, wl, hw, spec = self.wl.seq_len, self.wl, self.hw, self.spec
         tokens = mb * s / cp
         sends = context_sends(spec, cp_impl, cp, tp, mb, s, wl.act_bytes) if cp > 1 else None
         blocks = {} if sends is None or sends.impl == "allgather" else dict(
-            cp_scores=mb * sends.scores, cp_calls=sends.blocks, cp_area=mb * sends.area)
+            cp_scores=mb * sends.scores, cp_calls=sends.blocks, cp_area=mb * sends.area,
+            cp_queries=mb * sends.queries)
         w = layer_work(spec, moe, tokens, s, tp, ep, wl.attention, wl.act_bytes,
                        wl.fused_kernels, wl.fused_norm, **blocks)
         fwd, bwd, wgrad, cheap = self.device.layer_seconds(spec, wl, w, tp, sp, moe)
@@ -178,7 +189,7 @@ class StageCoster:
         cp_comm = 0.0
         if sends is not None:  # [Note: context-parallel exposure]
             attn = dev.attention_seconds(spec, wl, w, tp)
-            cp_comm = cp_exposed_seconds(dev, sends, attn, tp, g, passes - 1)
+            cp_comm = cp_exposed_seconds(dev, sends, attn, tp, g, passes - 1, overlap)
         ep_comm = 0.0
         if moe and ep > 1:
             grp = comm_model.place(ep, tp, g)
@@ -198,8 +209,9 @@ class StageCoster:
         spec = self.spec
         sums = [0.0] * 10
         working = 0.0
+        overlap = self.device.overlaps(L.gpus)
         for moe, ac, count in self._layer_kinds(layers, L.ac):
-            t = self.layer(moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, ac, L.cp_impl)
+            t = self.layer(moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, ac, L.cp_impl, overlap)
             vals = (t.fwd, t.bwd + t.recompute, t.wgrad, t.tp_comm, t.cp_comm, t.ep_comm,
                     t.model_flops, t.recompute_flops, t.saved, 0.0)
             sums = [a + count * b for a, b in zip(sums, vals, strict=True)]
@@ -221,7 +233,7 @@ class StageCoster:
             flops += hf
             if spec.mtp_layers:  # DeepSeek's multi-token prediction: one more layer + head
                 t = self.layer(spec.is_moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, L.ac,
-                               L.cp_impl)
+                               L.cp_impl, overlap)
                 k = spec.mtp_layers
                 fwd, bwd = fwd + k * (t.fwd + head), bwd + k * (t.bwd + t.recompute + 2 * head)
                 flops += k * (t.model_flops + hf)
@@ -261,7 +273,7 @@ class StageCoster:
 
 
 def cp_exposed_seconds(dev, sends: ContextSends, attn: tuple[float, float], tp: int,
-                       gpus_per_node: int, replays: int = 1) -> float:
+                       gpus_per_node: int, replays: int = 1, overlap: bool = True) -> float:
     """Exposed seconds of one layer's context-parallel exchanges per micro-batch ([Note:
     context-parallel exposure]).
 
@@ -272,8 +284,10 @@ def cp_exposed_seconds(dev, sends: ContextSends, attn: tuple[float, float], tp: 
         tp: the tensor-parallel degree (the cp ranks' stride on the mesh).
         gpus_per_node: ranks per node (the groups' placement).
         replays: how often the forward runs (2 with full recomputation).
+        overlap: whether the device hides transfers behind compute at all
+            (``DeviceModel.overlaps``: CPU ranks on saturated cores do not).
     """
-    fwd_attn, bwd_attn = attn
+    fwd_attn, bwd_attn = attn if overlap else (0.0, 0.0)
     if sends.impl == "allgather":
         grp = comm_model.place(sends.cp, tp, gpus_per_node)
         gather = dev.all_gather(sends.gather, grp)

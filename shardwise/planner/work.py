@@ -116,6 +116,8 @@ class LayerWork:
             rank's query heads (0: the one-rank causal half, ``tokens x seq x heads / 2``).
         attn_area: the context-parallel operator's calls' query x key rectangles, summed
             over this rank's query heads (what the CPU flash kernel computes per call).
+        attn_queries: those calls' query tokens, summed over this rank's query heads (what
+            the operator merges around each call).
     """
 
     gemms: tuple[tuple[float, int], ...]
@@ -137,6 +139,7 @@ class LayerWork:
     attn_calls: int = 1
     attn_scores: float = 0.0
     attn_area: float = 0.0
+    attn_queries: float = 0.0
 
     @property
     def gemm_flops(self) -> float:
@@ -229,7 +232,7 @@ def _ffn(spec, moe: bool, t: float, tp: int, ep: int, a: int, fused: bool):
 def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 1,
                attention: str = "flash", act_bytes: int = 2, fused: bool = True,
                fused_norm: bool = False, cp_scores: float = 0.0, cp_calls: int = 1,
-               cp_area: float = 0.0) -> LayerWork:
+               cp_area: float = 0.0, cp_queries: float = 0.0) -> LayerWork:
     """The forward work of one layer (see the module docstring).
 
     Args:
@@ -250,7 +253,7 @@ def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 
             all-gathered keys and values ([Note: context-parallel activations]).
         cp_calls: the blocks that operator computes them in (kernel calls per pass).
         cp_area: the query x key rectangles of those calls per query head over the
-            micro-batch.
+            micro-batch; cp_queries: their query tokens.
     """
     t, a, d = float(tokens), act_bytes, spec.dim
     lw, lio = _linears(spec, moe, tp, ep)
@@ -276,7 +279,8 @@ def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 
         cheap_tp=(cheap_att + cheap_ffn) * t if flash else 0.0, saved_input=a * d * t, tokens=t,
         linear_weights=lw, linear_io=lio, attn_calls=calls,
         attn_scores=spec.n_heads // tp * cp_scores,
-        attn_area=spec.n_heads // tp * cp_area if cp_scores else 0.0)
+        attn_area=spec.n_heads // tp * cp_area if cp_scores else 0.0,
+        attn_queries=spec.n_heads // tp * cp_queries if cp_scores else 0.0)
 
 
 def _linears(spec, moe: bool, tp: int, ep: int) -> tuple[float, float]:

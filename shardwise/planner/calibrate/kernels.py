@@ -166,6 +166,33 @@ def _cp_blocks(quick: bool) -> Kernel:
     return Kernel(Fit(*fit_terms(fwd)), Fit(*fit_terms(bwd)))
 
 
+def _cp_calls(quick: bool, blocks: Kernel) -> Kernel:
+    """What the context-parallel operator spends per kernel call beyond the kernel
+    (``blocks``): merging each call's output into the running one by log-sum-exp, adding
+    its gradients into dQ, dK, dV, slicing, in fp32 ([Note: context-parallel kernels] in
+    devices/cpu/kernels.py). Timed as ``ContextParallel.ring_forward`` and ``ring_backward``
+    of one process on a zigzag sequence (3 calls: the diagonal chunks and the whole one
+    between), less the calls' kernels at ``blocks``' fits, fitted per call to the call's
+    query elements (``sequences x heads x query tokens x head_dim``)."""
+    from shardwise.parallel.context.runtime import ContextParallel
+
+    one = ContextParallel("ring", "zigzag", (0,), None, (0,), None, (0,), None)
+    fwd, bwd = [], []
+    for t in (256, 512) if quick else (256, 512, 1024):
+        q, (k, v) = torch.randn(2, 8, t, 32), (torch.randn(2, 4, t, 32) for _ in range(2))
+        out, lse = one.ring_forward(q, k, v, None)
+        d = torch.randn_like(out)
+        c = t // 2  # two chunks: c x c causal, c x c whole, c x c causal
+        rect = 2 * 8 * c * c * 32
+        x = (3.0, 3.0 * 2 * 8 * c * 32)
+        tf = _best(lambda q=q, k=k, v=v: one.ring_forward(q, k, v, None))
+        tb = _best(lambda q=q, k=k, v=v, o=out, lse=lse, d=d:
+                   one.ring_backward(d, q, k, v, o, lse, None))
+        fwd.append((x, max(tf - 3 * blocks.fwd(rect), 1e-7)))
+        bwd.append((x, max(tb - 3 * blocks.bwd(rect), 1e-7)))
+    return Kernel(Fit(*fit_terms(fwd)), Fit(*fit_terms(bwd)))
+
+
 def _embedding_and_loss(engine: float = 0.0) -> tuple[Kernel, Kernel]:
     emb_f, emb_b, ce_f, ce_b = [], [], [], []
     for vocab, t in ((256, 512), (8192, 512), (8192, 2048)):
@@ -194,6 +221,7 @@ def measure_kernels(quick: bool = False) -> dict[str, Kernel]:
     out["copy"] = _fwd_bwd(lambda n: _elementwise("copy", n), [1 << 18, 1 << 22, 1 << 25])
     out["attention"], out["softmax"] = _attention(quick, engine)
     out["cp_attention"] = _cp_blocks(quick)
+    out["cp_call"] = _cp_calls(quick, out["cp_attention"])
     out["embedding"], out["cross_entropy"] = _embedding_and_loss(engine)
     return out
 

@@ -21,8 +21,10 @@ fitted jointly over head widths, as a narrow head spends more of its time in the
 the embedding's backward (``vocab x dim + tokens x dim``: it zeroes the whole table),
 ``copy`` (bytes: the engine's gather copy-out, gradient packing and averaging) and
 ``cp_attention`` (the context-parallel operator's per-block flash calls, fitted to the
-block's rectangle: [Note: context-parallel kernels] in kernels.py; a calibration written
-before it has none, and those blocks are priced with ``attention`` and ``softmax``). A backward
+block's rectangle) and ``cp_call`` (what the operator spends around each call: its merge
+and gradient additions, fitted to the call's query elements; [Note: context-parallel
+kernels] in kernels.py; a calibration written before them has neither, and those blocks
+are priced with ``attention`` and ``softmax``). A backward
 is timed as one ``autograd.grad`` call, whose own fixed cost (a training step pays it
 once) is subtracted. The optimizer update (the engine's foreach norm, the clip and
 ``torch.optim.AdamW.step`` over per-parameter tensors) is fitted per tensor and per
@@ -74,7 +76,7 @@ from shardwise.planner.devices.cpu.fits import Crowd, Fit, Kernel, fit_terms
 __all__ = ["Fit", "Kernel", "Crowd", "CpuCosts", "KERNELS", "COLLECTIVES", "fit_terms"]
 
 KERNELS = ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual", "attention", "softmax",
-           "embedding", "cross_entropy", "copy", "cp_attention")
+           "embedding", "cross_entropy", "copy", "cp_attention", "cp_call")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
 
 
