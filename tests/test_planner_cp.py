@@ -355,3 +355,22 @@ def test_the_trainer_builds_the_impls_the_planner_says(impl, buildable, tmp_path
     uly = load_config(None, {"model.name": "debug", "parallel.cp_impl": "ulysses",
                              "log.dir": str(tmp_path)})
     assert plan_layout.plan_constraints(resolve_world(uly, 2))["cp_impl"] == "ulysses"
+
+
+def test_cpu_ranks_on_saturated_cores_expose_every_ring_transfer():
+    """[Note: context-parallel exposure]: with as many ranks as cores Gloo's threads need the
+    cores the blocks run on, so a ring exposes every transfer; with cores to spare it hides
+    them behind the blocks (``DeviceModel.overlaps``, as for every other collective)."""
+    spec = get_model_spec("debug")
+    wl = Workload(seq_len=2048, global_batch=1, compute_dtype="fp32")
+    L = Layout(cp=2, microbatch=1, zero=2)
+    s = context_sends(spec, "ring", 2, 1, 1, 2048, 4)
+    t = 1e-3 + 1e-9 * s.kv  # planner_helpers' send/receive fit (kv and dkv: same size)
+    per_layer = {}
+    for cores in (2, 8):
+        hw = local_cpu(cores=cores)
+        hw = hw.replace(cpu=dataclasses.replace(hw.cpu, collective_overhead=0.0))
+        per_layer[cores] = CostModel(spec, hw, wl).estimate(L).breakdown["cp_comm"] / 4
+    assert s.kv == s.dkv
+    assert per_layer[2] == pytest.approx(t + (t + 2 * t))  # forward 1, backward 3
+    assert per_layer[8] == pytest.approx(t)  # the last gradient block
