@@ -10,7 +10,9 @@ thread, the engine's Gloo collectives per kind on 2 and 4 ranks: [Note: CPU kern
 shardwise/planner/devices/cpu/costs.py) and are written as the ``local`` device, with the cores
 this process may use (unless ``--calibration`` names an existing file). Then,
 for each case of the grid (the debug and small models at 1, 2 and 4 ranks, ZeRO stages 0-3,
-tensor parallelism 2, a 2-stage 1F1B pipeline), every round launches the ranks (one thread
+tensor parallelism 2, a 2-stage 1F1B pipeline; and context parallelism, ring and Ulysses
+at cp 2 and hybrid at cp 4, on sequences of 1024 tokens: ``--only cp`` runs those alone,
+``--out`` elsewhere to keep the committed grid), every round launches the ranks (one thread
 each), builds the model exactly as ``shardwise train`` does (``build_parallel_model``) and
 measures:
 
@@ -69,7 +71,11 @@ from bench.planner_measure import SavedPeak, WholeGrads, parameter_storages  # n
 from bench.planner_report import OUT, write_results  # noqa: E402
 
 _MIB = 2 ** 20
-# (model, ranks, overrides): the grid; tp = tensor parallelism inside the ranks.
+_CP = {"parallel.stage": "2", "data.seq_len": "1024", "model.max_seq_len": "1024",
+       "train.batch_size": "2"}
+"""The context-parallel rows' job: the debug model on sequences of 1024 tokens."""
+# (model, ranks, overrides): the grid; tp = tensor parallelism inside the ranks, cp =
+# context parallelism (every rank of a cp group holds a part of each sequence).
 GRID = [("debug", 1, {"parallel.stage": "0"}),
         ("debug", 2, {"parallel.stage": "0"}), ("debug", 2, {"parallel.stage": "1"}),
         ("debug", 2, {"parallel.stage": "2"}), ("debug", 2, {"parallel.stage": "3"}),
@@ -85,7 +91,12 @@ GRID = [("debug", 1, {"parallel.stage": "0"}),
         ("small", 2, {"parallel.tp": "2", "parallel.stage": "2", "train.batch_size": "8"}),
         ("small", 2, {"parallel.pp": "2", "parallel.pp_microbatches": "2",
                       "parallel.stage": "2", "train.batch_size": "8"}),
-        ("small", 4, {"parallel.stage": "3"})]
+        ("small", 4, {"parallel.stage": "3"}),
+        # context parallelism (issue 32): sequences 8x the grid's, so attention and the
+        # exchanges weigh; 2 sequences a step
+        ("debug", 2, {**_CP, "parallel.cp": "2", "parallel.cp_impl": "ring"}),
+        ("debug", 2, {**_CP, "parallel.cp": "2", "parallel.cp_impl": "ulysses"}),
+        ("debug", 4, {**_CP, "parallel.cp": "4", "parallel.cp_impl": "hybrid"})]
 STEPS = {"debug": 16, "small": 8}  # timed steps (after the first, memory-tracked step)
 KINDS = ("params", "grads", "optimizer", "whole_grads", "transient", "activations")
 
@@ -224,8 +235,12 @@ def _factors(hw) -> dict[str, Any]:
 
 def _name(model: str, ranks: int, over: dict[str, str]) -> str:
     keys = {"parallel.stage": "stage", "parallel.tp": "tp", "parallel.pp": "pp",
-            "parallel.pp_microbatches": "microbatches", "train.batch_size": "batch"}
-    return f"{model} x{ranks} " + ",".join(f"{keys[k]} {v}" for k, v in over.items())
+            "parallel.pp_microbatches": "microbatches", "train.batch_size": "batch",
+            "parallel.cp": "cp", "parallel.cp_impl": "impl", "data.seq_len": "seq"}
+    first = ["parallel.cp", "parallel.cp_impl"]  # the cp rows read "cp 2,impl ring,..."
+    order = [k for k in first if k in over] + [k for k in over if k not in first]
+    return f"{model} x{ranks} " + ",".join(f"{keys[k]} {over[k]}" for k in order
+                                           if k in keys)
 
 
 def _inputs(rows: list[dict[str, Any]], seq: int, batch: int, hw) -> list[tuple]:

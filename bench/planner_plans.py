@@ -44,8 +44,10 @@ def _args(line: str) -> dict:
 def _layout(L) -> str:
     from shardwise.planner.parallel_layout import Layout
     default, keep = Layout(), ("tp", "pp", "dp_shard", "zero", "microbatch", "ac", "sp")
+    keep += ("cp_impl",) if L.cp > 1 else ()
     return " ".join(f"{k}={str(v).lower()}" for k, v in L.as_dict().items()
-                    if (k in keep or v != getattr(default, k)) and k != "pp_microbatches")
+                    if (k in keep or (v != getattr(default, k) and k != "cp_impl"))
+                    and k != "pp_microbatches")
 
 
 def plan(image: str, line: str) -> str:
@@ -65,10 +67,10 @@ def plan(image: str, line: str) -> str:
                     f"{e.memory.total / _GIB:.1f} | {e.bottleneck} |")
     best = result.ranked[0]
     mem = ", ".join(f"{k} {v / _GIB:.1f}" for k, v in best.memory.as_dict().items()
-                    if k not in ("stage", "total"))
+                    if k not in ("pp_rank", "total"))
     step = ", ".join(f"{k} {v:.3g}" for k, v in best.breakdown.items() if v)
     rows += ["", f"Memory of the best layout's largest rank (pipeline rank "
-                 f"{best.memory.stage}), GiB: {mem}; total {best.memory.total / _GIB:.1f} of "
+                 f"{best.memory.pp_rank}), GiB: {mem}; total {best.memory.total / _GIB:.1f} of "
                  f"{hw.hbm_bytes / _GIB:.1f}.",
              f"Step time of the best layout, s: {step}."]
     plot_estimate(best, CostModel(spec, hw, wl), str(IMAGES / image))

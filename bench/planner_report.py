@@ -212,13 +212,15 @@ def refit_report(rows: list[dict[str, Any]], fitted, preds: list[float]) -> str:
 def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], hw, inputs: list[tuple],
                   out: Path = OUT) -> str:
     """Refit, then write ``out``/planner_bench.{md,json}; returns the markdown."""
-    fitted, preds = refit(rows, hw, inputs)
-    for r, p in zip(rows, preds, strict=True):
-        r["refit_step_time"] = p
-    meta["refit"] = {"cases": list(FIT_CASES), "matmul_max": fitted.matmul_max,
-                     "memory_efficiency": fitted.memory_efficiency,
-                     "cpu_busy": _busy(fitted)}
-    text = report(rows, meta) + "\n" + refit_report(rows, fitted, preds)
+    text = report(rows, meta)
+    if any(r["case"] in FIT_CASES for r in rows):  # a run of some rows (--only) may have none
+        fitted, preds = refit(rows, hw, inputs)
+        for r, p in zip(rows, preds, strict=True):
+            r["refit_step_time"] = p
+        meta["refit"] = {"cases": list(FIT_CASES), "matmul_max": fitted.matmul_max,
+                         "memory_efficiency": fitted.memory_efficiency,
+                         "cpu_busy": _busy(fitted)}
+        text += "\n" + refit_report(rows, fitted, preds)
     out.mkdir(parents=True, exist_ok=True)
     (out / "planner_bench.json").write_text(json.dumps({"meta": meta, "rows": rows},
                                                        indent=1) + "\n")

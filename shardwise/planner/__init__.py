@@ -13,12 +13,15 @@ for the hardware entry by ``devices.registry.device_model`` (a GPU's roofline, o
 calibrated CPU rank). The protocol (devices/base.py) has three parts:
 
 * per-layer compute seconds: ``layer_seconds`` of a layer's work (work.py: multiplies,
-  kernels' bytes), ``composition`` factors, ``edge_seconds`` of the embedding and loss,
-  ``accumulate_seconds`` of gradient accumulation, ``optimizer_seconds``;
+  kernels' bytes), ``attention_seconds`` of its attention core alone (what a
+  context-parallel ring step hides behind), ``composition`` factors, ``edge_seconds`` of
+  the embedding and loss, ``accumulate_seconds`` of gradient accumulation,
+  ``optimizer_seconds``;
 * per-collective seconds: ``all_gather``, ``reduce_scatter``, ``all_reduce``,
-  ``dispatch``, ``p2p`` on a placed group (comm_model.Group), and the exposed seconds of
-  what tensor parallelism sends (``tp_seconds``, ``tp_edge_seconds``), read from the one
-  list of what each parallelism sends (sends.py);
+  ``all_to_all``, ``dispatch``, ``p2p`` on a placed group (comm_model.Group), and the
+  exposed seconds of what tensor parallelism sends (``tp_seconds``, ``tp_edge_seconds``),
+  read from the one list of what each parallelism sends (sends.py; context parallelism's
+  ring steps and all-to-alls are exposed by stage_cost.py from the same list);
 * how a step's parts combine: ``overlaps`` (may collectives hide behind compute),
   ``transient_bytes`` (gathered parameters and buffers at the peak), ``combine`` (the
   step's components once the device's own effects are in: a GPU's engine copies, CPU

@@ -35,6 +35,9 @@ def not_buildable(L: Layout, spec) -> str | None:
         return f"model {spec.name!r} is a shape only the planner prices"
     if L.cp > 1 and spec.is_mla:
         return "context parallelism (cp > 1) does not cover multi-head latent attention yet"
+    if L.cp > 1 and L.cp_impl == "allgather":
+        return ("cp_impl=allgather (Llama 3's all-gather) is priced, not built: the trainer "
+                "builds ring, ulysses and hybrid")
     if L.pp > 1 and L.offload != "none":
         return "pipeline stages do not run with optimizer offload yet"
     if L.ep > 1 and L.tp > 1 and not L.sp:

@@ -121,9 +121,10 @@ def _table(result, spec, hw, wl, gpus: int, top: int) -> str:
 def _short(L) -> str:
     from shardwise.planner.parallel_layout import Layout
     default = Layout()
-    keep = ("tp", "pp", "dp_shard", "zero", "microbatch", "ac")
+    keep = ("tp", "pp", "dp_shard", "zero", "microbatch", "ac") + (
+        ("cp_impl",) if L.cp > 1 else ())
     return ",".join(f"{k}={str(v).lower()}" for k, v in L.as_dict().items()
-                    if k in keep or v != getattr(default, k))
+                    if k in keep or (v != getattr(default, k) and k != "cp_impl"))
 
 
 def _record(e, spec) -> dict:

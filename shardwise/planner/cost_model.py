@@ -185,7 +185,7 @@ class CostModel:
 
     def _priced_ranks(self, L: Layout, which: str, picks) -> Ranks:
         key = (which, L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch,
-               L.ac, self.stages.accum_bytes(L))
+               L.ac, self.stages.accum_bytes(L), L.cp_impl if L.cp > 1 else "ring")
         if key not in self._ranks:
             plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
             self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0]) for r in picks]

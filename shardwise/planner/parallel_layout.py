@@ -23,7 +23,15 @@ sp                 sequence parallelism with tensor parallelism (true / false)
 offload            none or cpu (optimizer state and fp32 masters in host memory)
 comm_weights       fp, int8 or fp8 parameter all-gathers
 comm_grads         fp, int8 or int4 gradient reduce-scatters
+cp_impl            how context parallelism attends (cp > 1): ring (shardwise's default),
+                   ulysses, hybrid (shardwise.parallel.context builds all three) or
+                   allgather (Llama 3's all-gather of keys and values, priced for the
+                   published runs that used it and for multi-head latent attention, which
+                   apply_cp does not cover); at cp 1 it changes nothing
 =================  ========================================================================
+
+``cp_impl`` is the last field, so layout strings and JSON records written before it parse
+to the same layouts (ring, the trainer's default).
 """
 
 from __future__ import annotations
@@ -32,17 +40,22 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
+from shardwise.parallel.context import ulysses_degree
 from shardwise.parallel.pipeline.schedules import SCHEDULE_NAMES, schedule_spec
 
-__all__ = ["Layout", "LAYOUT_KEYS", "SCHEDULES", "parse_layout", "check_layout"]
+__all__ = ["Layout", "LAYOUT_KEYS", "SCHEDULES", "CP_IMPLS", "parse_layout", "check_layout",
+           "cp_degrees", "cp_impl_error"]
 
 SCHEDULES = ("none",) + tuple(n for n in SCHEDULE_NAMES if n != "looped_bfs")
 """``none`` (pp 1) and the generators of ``shardwise.parallel`` (looped BFS, which holds
 every micro-batch like GPipe and is never faster than interleaved 1F1B, is left out)."""
+CP_IMPLS = ("ring", "ulysses", "hybrid", "allgather")
+"""Context-parallel attention: the three ``shardwise.parallel.context`` builds
+(``CP_IMPLS`` there) and Llama 3's all-gather of keys and values."""
 _V_FIXED = {"zbv": 2, "dualpipev": 2}
 _CHOICES = {"pp_schedule": SCHEDULES, "ac": ("none", "selective", "full"),
             "offload": ("none", "cpu"), "comm_weights": ("fp", "int8", "fp8"),
-            "comm_grads": ("fp", "int8", "int4")}
+            "comm_grads": ("fp", "int8", "int4"), "cp_impl": CP_IMPLS}
 _INTS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "zero", "microbatch",
          "pp_microbatches", "pp_virtual")
 
@@ -67,6 +80,7 @@ class Layout:
     offload: str = "none"
     comm_weights: str = "fp"
     comm_grads: str = "fp"
+    cp_impl: str = "ring"
 
     @property
     def dp(self) -> int:
@@ -149,7 +163,9 @@ def check_layout(layout: Layout, spec, gpus: int, seq_len: int, global_batch: in
     Raises:
         ValueError: the mesh does not multiply to ``gpus``, ``ep`` does not divide
             ``dp_shard x cp`` or the experts, the batch does not split, a schedule's
-            virtual stages or micro-batches do not fit, or a key contradicts another.
+            virtual stages or micro-batches do not fit, the context-parallel
+            implementation does not fit the key/value heads (:func:`cp_degrees`), or a key
+            contradicts another.
     """
     L = layout
     if L.gpus != gpus:
@@ -167,6 +183,8 @@ def check_layout(layout: Layout, spec, gpus: int, seq_len: int, global_batch: in
     if seq_len % (2 * L.cp) and L.cp > 1:
         raise ValueError(f"cp={L.cp}: the sequence length {seq_len} must be a multiple of "
                          f"2 x cp (load-balanced causal chunks)")
+    if L.cp > 1:
+        cp_degrees(L.cp_impl, L.cp, L.tp, spec)
     if L.dp * L.microbatch * L.pp_microbatches != global_batch:
         raise ValueError(f"dp_replicate x dp_shard x microbatch x pp_microbatches = {L.dp} x "
                          f"{L.microbatch} x {L.pp_microbatches} = "
@@ -180,6 +198,39 @@ def check_layout(layout: Layout, spec, gpus: int, seq_len: int, global_batch: in
                          f"zero >= 1: stage 0 all-reduces whole gradients")
     if L.sp and L.tp == 1:
         raise ValueError("sp=true needs tp > 1 (sequence parallelism lives in tp regions)")
+
+
+def cp_degrees(impl: str, cp: int, tp: int, spec) -> tuple[int, int]:
+    """(ring ranks, all-to-all degree) of context-parallel attention ``impl`` over ``cp``
+    ranks for ``spec``'s attention split ``tp`` ways: ``(cp, 1)`` for ring, ``(1, cp)``
+    for ulysses, ``(cp / u, u)`` for hybrid (``u`` as ``apply_cp`` chooses it,
+    ``shardwise.parallel.context.ulysses_degree``), ``(1, 1)`` for allgather (neither).
+
+    Raises:
+        ValueError: an all-to-all degree the key/value heads per tensor rank do not allow
+            (each rank takes whole heads), or ring / ulysses / hybrid on multi-head latent
+            attention (``apply_cp`` does not cover it); each names the numbers.
+    """
+    if cp == 1 or impl == "allgather":
+        return 1, 1
+    if impl not in CP_IMPLS:
+        raise ValueError(f"cp_impl={impl!r}, expected one of {', '.join(CP_IMPLS)}")
+    if spec.is_mla:
+        raise ValueError(f"cp_impl={impl!r}: shardwise.parallel.context covers grouped-query "
+                         f"attention, not the multi-head latent attention of {spec.name}; "
+                         f"use cp_impl=allgather (its latent keys all-gathered)")
+    u = ulysses_degree(impl, cp, max(1, spec.kv_heads // tp))
+    return cp // u, u
+
+
+def cp_impl_error(impl: str, cp: int, tp: int, spec) -> str | None:
+    """Why ``impl`` cannot run at ``cp`` x ``tp`` on ``spec`` (None: it can); see
+    :func:`cp_degrees`."""
+    try:
+        cp_degrees(impl, cp, tp, spec)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _check_pipeline(L: Layout, spec) -> None:

@@ -11,7 +11,12 @@ count, the data-parallel degree dividing the global batch), ``ep`` dividing
 ``dp_shard x cp`` and the expert count, every ZeRO stage, micro-batch size (a power of two
 up to 16 sequences, or the one the user fixes), schedule (interleaved 1F1B with 2, 3, 4,
 6 or 8 stages per rank), checkpointing policy and sequence-parallel choice. It is pruned
-before anything is priced and priced best-first:
+before anything is priced and priced best-first. Each mesh with ``cp > 1`` is searched
+with every context-parallel implementation ``apply_cp`` builds whose all-to-all degree the
+key/value heads per tensor rank allow (ring always; ulysses and hybrid where they fit:
+``parallel_layout.cp_degrees``), or Llama 3's all-gather for multi-head latent attention,
+which ``apply_cp`` does not cover; a fixed ``cp_impl`` is the only one, and a layout it
+cannot run is refused by ``check_layout`` with the reason:
 
 1. a mesh and ZeRO stage whose parameters, gradients and optimizer state alone exceed the
    device's memory is dropped with every micro-batch, schedule and policy below it (unless
@@ -45,7 +50,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardwise.planner.cost_model import CostModel, Estimate
-from shardwise.planner.parallel_layout import Layout, check_layout
+from shardwise.planner.parallel_layout import Layout, check_layout, cp_impl_error
 from shardwise.planner.rank_memory import state_bytes
 from shardwise.planner.pipeline import min_microbatches
 from shardwise.planner.stage_cost import stage_layers
@@ -173,8 +178,23 @@ class _Searcher:
                     m = per_rank // mb
                     if f.get("pp_microbatches", m) != m:
                         continue
-                    base = Layout(rep, shard, cp, tp, pp, ep, zero, mb, m)
-                    yield from self._below(base, pp, m)
+                    for impl in self._cp_impls(cp, tp):
+                        base = Layout(rep, shard, cp, tp, pp, ep, zero, mb, m, cp_impl=impl)
+                        yield from self._below(base, pp, m)
+
+    def _cp_impls(self, cp: int, tp: int) -> list[str]:
+        """The context-parallel implementations searched at ``cp`` x ``tp`` ([Note: search
+        order]): the fixed one; else at cp 1 ring (nothing differs), and above it the three
+        ``apply_cp`` builds whose degree fits the key/value heads per tensor rank, or for
+        multi-head latent attention, which it does not cover, Llama 3's all-gather."""
+        if "cp_impl" in self.fixed:
+            return [self.fixed["cp_impl"]]
+        if cp == 1:
+            return ["ring"]
+        if self.spec.is_mla:
+            return ["allgather"]
+        return [i for i in ("ring", "ulysses", "hybrid")
+                if cp_impl_error(i, cp, tp, self.spec) is None]
 
     def space(self) -> Iterator[Layout]:
         """Every layout of the search space, dominated ones included (for membership)."""
@@ -198,7 +218,8 @@ class _Searcher:
         for sched, v in scheds:
             for sp in sps:
                 yield [Layout(b.dp_replicate, b.dp_shard, b.cp, b.tp, b.pp, b.ep, b.zero,
-                              b.microbatch, b.pp_microbatches, sched, v, ac, sp, off, cw, cg)
+                              b.microbatch, b.pp_microbatches, sched, v, ac, sp, off, cw, cg,
+                              b.cp_impl)
                        for ac in acs]
 
     def _price(self, L: Layout) -> Estimate | None:
@@ -348,14 +369,16 @@ def explain_empty(spec, hw, wl: Workload, gpus: int, fixed: dict) -> str:
                pp_schedule=sched, pp_virtual=f.get("pp_virtual", 2 if sched in (
                    "zbv", "dualpipev", "interleaved_1f1b") else 1),
                ac=f.get("ac", "none"), sp=f.get("sp", False), offload=f.get("offload", "none"),
-               comm_weights=f.get("comm_weights", "fp"), comm_grads=f.get("comm_grads", "fp"))
+               comm_weights=f.get("comm_weights", "fp"), comm_grads=f.get("comm_grads", "fp"),
+               cp_impl=f.get("cp_impl", "ring"))
     try:
         check_layout(L, spec, gpus, wl.seq_len, wl.global_batch)
     except ValueError as exc:
         return f"no layout matches the fixed keys {fixed}: {exc}"
     return (f"no layout matches the fixed keys {fixed} within the search space (tp inside a "
             f"node of {hw.gpus_per_node}, micro-batch <= {_MAX_MICROBATCH} dividing the batch "
-            f"per data-parallel rank, cp halving the sequence, pp <= {spec.n_layers} layers)")
+            f"per data-parallel rank, cp halving the sequence, pp <= {spec.n_layers} layers, "
+            f"cp_impl fitting the key/value heads)")
 
 
 def evaluate(spec, hw, wl: Workload, layout: Layout, gpus: int) -> Estimate:

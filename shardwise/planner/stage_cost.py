@@ -4,9 +4,34 @@ A layer's work (work.py: its multiplies, kernels' bytes and saved activations) i
 the device model (devices/: per-layer compute seconds, per-collective seconds); this module
 adds up what a pipeline rank runs per micro-batch: its layers under their checkpointing
 policies, the embedding and head, the exposed tensor-, context- and expert-parallel
-communication (what each sends: sends.py), and the gradient accumulation. Context-parallel
-key/value gathers and expert all-to-alls are counted as exposed unless the workload
-overlaps them (then only what exceeds the compute they hide behind).
+communication (what each sends: sends.py), and the gradient accumulation. Expert
+all-to-alls are counted as exposed unless the workload overlaps them (then only what
+exceeds the compute they hide behind); context-parallel exchanges as below.
+
+[Note: context-parallel exposure] What a context-parallel layer exposes, from what it sends
+(sends.py, [Note: context-parallel sends]), each message and the attention priced by the
+device model (its own links or calibrated Gloo calls, its own attention kernels):
+
+- a ring step's transfer is posted before that step's block is computed, so per step only
+  ``max(0, transfer - block compute)`` is exposed, the block being the step's share of the
+  rank's causal entries times its attention forward (or backward); in the backward the
+  transfer in flight during a block is the next key/value block and the previous step's
+  ``dK``, ``dV``, and the last ``dK``, ``dV`` arrive after the last block, exposed whole.
+  Where the device hides no communication behind compute (``DeviceModel.overlaps``: CPU
+  ranks on saturated cores, whose Gloo threads need the cores the blocks run on: [Note:
+  CPU ranks share the cores]) every transfer is exposed. Measured on 2 Gloo ranks on 2
+  cores (debug, 1024 tokens, cp 2 ring), a layer's forward and backward waited 1.0 and
+  5.6 ms beyond their compute threads' time: one key/value block forward, and backward
+  the block and two gradient blocks, about 1.9 ms each at the calibrated send/receive;
+  the overlapped rule would have exposed only the last, 1.25 ms;
+- Ulysses' all-to-alls (four a pass) run before and after the attention, exposed whole;
+- hybrid is both, the all-to-alls over its groups of ``u``, the ring over the groups;
+- Llama 3's all-gather hides behind the layer's attention forward, its backward's
+  reduce-scatter behind twice that (as the planner priced every cp layout before);
+- full recomputation replays the forward's exchanges (the operator runs again).
+
+The groups sit on the mesh as ``apply_cp`` builds them: the cp ranks just outside tp, an
+all-to-all group of ``u`` consecutive cp ranks, a ring of every ``u``-th.
 
 [Note: gradient accumulation] With several micro-batches per step, each backward adds its
 weight gradients into the ones accumulated so far. Megatron-LM since February 2022
@@ -39,10 +64,12 @@ from dataclasses import dataclass
 from shardwise.planner import comm_model
 from shardwise.planner.pipeline import placement
 from shardwise.planner.recompute import layer_ac, replayed_matmuls
+from shardwise.planner.sends import ContextSends, context_sends
 from shardwise.planner.work import head_saved, head_work, layer_work, saved_bytes
 from shardwise.planner.workload import DTYPE_BYTES
 
-__all__ = ["LayerTimes", "RankTimes", "StageCoster", "stage_layers", "fbw_seconds"]
+__all__ = ["LayerTimes", "RankTimes", "StageCoster", "stage_layers", "fbw_seconds",
+           "cp_exposed_seconds"]
 
 
 @dataclass(frozen=True)
@@ -125,23 +152,28 @@ class StageCoster:
         self._layers: dict[tuple, LayerTimes] = {}
 
     # ------------------------------------------------------------------ one layer
-    def layer(self, moe: bool, tp: int, cp: int, sp: bool, ep: int, mb: int, ac: str
-              ) -> LayerTimes:
+    def layer(self, moe: bool, tp: int, cp: int, sp: bool, ep: int, mb: int, ac: str,
+              cp_impl: str = "ring", overlap: bool = True) -> LayerTimes:
         """One layer (``moe``: a mixture-of-experts feed-forward) for one micro-batch of
-        ``mb`` sequences under checkpointing policy ``ac`` (cached)."""
-        key = (moe, tp, cp, sp, ep, mb, ac)
+        ``mb`` sequences under checkpointing policy ``ac`` (cached); ``overlap``: whether
+        the device hides communication behind compute for this many ranks
+        (``DeviceModel.overlaps``)."""
+        key = (moe, tp, cp, sp, ep, mb, ac, cp_impl if cp > 1 else "ring",
+               overlap if cp > 1 else True)
         if key not in self._layers:
             self._layers[key] = self._price_layer(*key)
         return self._layers[key]
 
-    def _price_layer(self, moe, tp, cp, sp, ep, mb, ac) -> LayerTimes:
+    def _price_layer(self, moe, tp, cp, sp, ep, mb, ac, cp_impl, overlap) -> LayerTimes:
         s, wl, hw, spec = self.wl.seq_len, self.wl, self.hw, self.spec
         tokens = mb * s / cp
+        sends = context_sends(spec, cp_impl, cp, tp, mb, s, wl.act_bytes) if cp > 1 else None
+        blocks = {} if sends is None or sends.impl == "allgather" else dict(
+            cp_scores=mb * sends.scores, cp_calls=sends.blocks, cp_area=mb * sends.area,
+            cp_queries=mb * sends.queries)
         w = layer_work(spec, moe, tokens, s, tp, ep, wl.attention, wl.act_bytes,
-                       wl.fused_kernels, wl.fused_norm)
+                       wl.fused_kernels, wl.fused_norm, **blocks)
         fwd, bwd, wgrad, cheap = self.device.layer_seconds(spec, wl, w, tp, sp, moe)
-        attn_fwd = w.attn_exec_flops / (hw.peak("bf16") * hw.matmul_efficiency(
-            w.attn_unit_flops)) if w.attn_exec_flops else 0.0
         replayed = replayed_matmuls(spec, moe, tokens, tp, w.gemms) \
             if ac == "selective" and wl.selective_ac == "alternate_mm" else []
         replay_gemm = self.device.composition(spec)[0] * sum(
@@ -155,12 +187,9 @@ class StageCoster:
         if tp > 1:  # [Note: tensor-parallel collectives] in sends.py
             tp_comm = dev.tp_seconds(wl, tokens, spec.dim, tp, sp, ac, wgrad, replay_gemm)
         cp_comm = 0.0
-        if cp > 1:
-            kv = (spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.is_mla else \
-                2 * max(1, spec.kv_heads // tp) * spec.hd
-            grp = comm_model.place(cp, tp, g)
-            gather = dev.all_gather(tokens * kv * wl.act_bytes, grp)
-            cp_comm = max(0.0, gather - attn_fwd) * (passes - 1) + max(0.0, gather - 2 * attn_fwd)
+        if sends is not None:  # [Note: context-parallel exposure]
+            attn = dev.attention_seconds(spec, wl, w, tp)
+            cp_comm = cp_exposed_seconds(dev, sends, attn, tp, g, passes - 1, overlap)
         ep_comm = 0.0
         if moe and ep > 1:
             grp = comm_model.place(ep, tp, g)
@@ -180,8 +209,9 @@ class StageCoster:
         spec = self.spec
         sums = [0.0] * 10
         working = 0.0
+        overlap = self.device.overlaps(L.gpus)
         for moe, ac, count in self._layer_kinds(layers, L.ac):
-            t = self.layer(moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, ac)
+            t = self.layer(moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, ac, L.cp_impl, overlap)
             vals = (t.fwd, t.bwd + t.recompute, t.wgrad, t.tp_comm, t.cp_comm, t.ep_comm,
                     t.model_flops, t.recompute_flops, t.saved, 0.0)
             sums = [a + count * b for a, b in zip(sums, vals, strict=True)]
@@ -202,7 +232,8 @@ class StageCoster:
                                 self.wl.fused_kernels)
             flops += hf
             if spec.mtp_layers:  # DeepSeek's multi-token prediction: one more layer + head
-                t = self.layer(spec.is_moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, L.ac)
+                t = self.layer(spec.is_moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, L.ac,
+                               L.cp_impl, overlap)
                 k = spec.mtp_layers
                 fwd, bwd = fwd + k * (t.fwd + head), bwd + k * (t.bwd + t.recompute + 2 * head)
                 flops += k * (t.model_flops + hf)
@@ -239,3 +270,40 @@ class StageCoster:
         kinds = Counter((self.spec.is_moe_layer(i), layer_ac(ac, self.wl.selective_ac, i))
                         for i in layers)
         return [(moe, a, n) for (moe, a), n in sorted(kinds.items())]
+
+
+def cp_exposed_seconds(dev, sends: ContextSends, attn: tuple[float, float], tp: int,
+                       gpus_per_node: int, replays: int = 1, overlap: bool = True) -> float:
+    """Exposed seconds of one layer's context-parallel exchanges per micro-batch ([Note:
+    context-parallel exposure]).
+
+    Args:
+        dev: the device model pricing each message.
+        sends: what the layer sends (``sends.context_sends``).
+        attn: the rank's attention (forward, backward) seconds (``dev.attention_seconds``).
+        tp: the tensor-parallel degree (the cp ranks' stride on the mesh).
+        gpus_per_node: ranks per node (the groups' placement).
+        replays: how often the forward runs (2 with full recomputation).
+        overlap: whether the device hides transfers behind compute at all
+            (``DeviceModel.overlaps``: CPU ranks on saturated cores do not).
+    """
+    fwd_attn, bwd_attn = attn if overlap else (0.0, 0.0)
+    if sends.impl == "allgather":
+        grp = comm_model.place(sends.cp, tp, gpus_per_node)
+        gather = dev.all_gather(sends.gather, grp)
+        scatter = dev.reduce_scatter(sends.gather, grp)
+        return max(0.0, gather - fwd_attn) * replays + max(0.0, scatter - 2 * fwd_attn)
+    a2a_grp = comm_model.place(sends.ulysses, tp, gpus_per_node)
+    a2a = sum(dev.all_to_all(t, a2a_grp) for t in sends.a2a)
+    fwd = bwd = a2a
+    n = sends.ring
+    if n > 1:
+        ring_grp = comm_model.place(n, sends.ulysses * tp, gpus_per_node)
+        kv = dev.p2p(sends.kv, ring_grp.nodes > 1)
+        dkv = dev.p2p(sends.dkv, ring_grp.nodes > 1)
+        for s, share in enumerate(sends.steps):
+            nxt = kv if s < n - 1 else 0.0
+            fwd += max(0.0, nxt - share * fwd_attn)
+            bwd += max(0.0, nxt + (dkv if s > 0 else 0.0) - share * bwd_attn)
+        bwd += dkv  # the last block's dK, dV, behind nothing
+    return fwd * replays + bwd

@@ -15,6 +15,18 @@ per layer without parallelism, ``sbh (10 + 24/t + 5as/(ht))`` with tensor parall
 (RMSNorm, SwiGLU, flash attention, no dropout) is listed the same way. Full recomputation
 keeps only each layer's input.
 
+[Note: context-parallel activations] ``shardwise.parallel.context``'s operator (ring,
+Ulysses, hybrid) takes the keys and values unexpanded (it repeats each block for grouped
+query heads in its kernels), so it saves them at the key/value heads' width, not every query
+head's; and it returns its output in ``(B, H, T, hd)`` order, so the output projection's
+input (``transpose(1, 2).reshape``) is a copy, saved beside the operator's own output
+([Note: flash output] holds only for the one-rank kernel). Every token-wise tensor is
+still this rank's ``tokens`` (micro-batch x seq / cp): activations per rank scale as 1/cp.
+The attention core executes the causal entries of this rank's tokens (``cp_scores``, from
+the layout's chunks: ``shardwise.parallel.context.attention_entries``), not half of its
+rows against the whole sequence, and in ``cp_calls`` blocks. Llama 3's all-gather keeps
+the one-rank kernel on the gathered keys and values, and is priced as it was.
+
 [Note: fused and eager kernels] Bandwidth-bound ops cost what their kernels move. Fused
 kernels (Megatron-LM's, Transformer Engine's, or what torch.compile generates) read their
 inputs and write their outputs once. Eager PyTorch, which shardwise.models and torchtitan
@@ -98,6 +110,14 @@ class LayerWork:
         linear_weights: weight elements of the layer's linears on this rank.
         linear_io: input + output widths of the linears a token passes through (what
             fp8 training casts per token).
+        attn_calls: kernel calls the attention core runs as (1; context parallelism's
+            blocks: [Note: context-parallel sends] in sends.py).
+        attn_scores: causal score entries the attention core computes, summed over this
+            rank's query heads (0: the one-rank causal half, ``tokens x seq x heads / 2``).
+        attn_area: the context-parallel operator's calls' query x key rectangles, summed
+            over this rank's query heads (what the CPU flash kernel computes per call).
+        attn_queries: those calls' query tokens, summed over this rank's query heads (what
+            the operator merges around each call).
     """
 
     gemms: tuple[tuple[float, int], ...]
@@ -116,6 +136,10 @@ class LayerWork:
     tokens: float
     linear_weights: float = 0.0
     linear_io: float = 0.0
+    attn_calls: int = 1
+    attn_scores: float = 0.0
+    attn_area: float = 0.0
+    attn_queries: float = 0.0
 
     @property
     def gemm_flops(self) -> float:
@@ -127,8 +151,11 @@ class LayerWork:
         return self.gemm_flops + self.attn_model_flops
 
 
-def _attention(spec, t: float, seq: int, tp: int, attention: str, a: int, fused: bool):
-    """(gemms, model FLOPs, executed FLOPs, saved (rep, tp, core), rope bytes, core bytes)."""
+def _attention(spec, t: float, seq: int, tp: int, attention: str, a: int, fused: bool,
+               cp_scores: float = 0.0):
+    """(gemms, model FLOPs, executed FLOPs, saved (rep, tp, core), rope bytes, core bytes);
+    ``cp_scores`` > 0: the context-parallel operator ([Note: context-parallel
+    activations])."""
     d, h = spec.dim, spec.n_heads // tp
     qk, vd = spec.qk_dim, spec.v_dim
     gemms: list[tuple[float, int]] = []
@@ -152,7 +179,14 @@ def _attention(spec, t: float, seq: int, tp: int, attention: str, a: int, fused:
     per_head = 2 * t * seq * (qk + vd)
     model = h * per_head
     executed = model * (0.5 if attention == "flash" else 1.0)
-    saved_tp = a * (h * qk + k_width * qk + v_width * vd) + a * h * vd  # q, k, v, wo input
+    saved_k = saved_v = k_width
+    if cp_scores:  # [Note: context-parallel activations]
+        if attention == "flash":
+            executed = h * 2 * cp_scores * (qk + vd)
+        saved_k = saved_v = max(1, spec.kv_heads // tp)
+    saved_tp = a * (h * qk + saved_k * qk + saved_v * vd) + a * h * vd  # q, k, v, wo input
+    if cp_scores:
+        saved_tp += a * h * vd  # the operator's output, beside wo's input
     if attention == "flash":
         saved_core = 4 * h  # fp32 log-sum-exp; its output is wo's input ([Note: flash output])
         core_bytes = 0.0
@@ -197,7 +231,8 @@ def _ffn(spec, moe: bool, t: float, tp: int, ep: int, a: int, fused: bool):
 
 def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 1,
                attention: str = "flash", act_bytes: int = 2, fused: bool = True,
-               fused_norm: bool = False) -> LayerWork:
+               fused_norm: bool = False, cp_scores: float = 0.0, cp_calls: int = 1,
+               cp_area: float = 0.0, cp_queries: float = 0.0) -> LayerWork:
     """The forward work of one layer (see the module docstring).
 
     Args:
@@ -212,11 +247,18 @@ def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 
             eager kernels]).
         fused_norm: the norms alone run as fused kernels in an otherwise eager model
             (torchtitan's ``fused_rmsnorm``).
+        cp_scores: with context parallelism's own operator (``shardwise.parallel.context``:
+            ring, Ulysses, hybrid), the causal score entries this rank computes per query
+            head over the micro-batch; 0 (default): attention on one rank, or Llama 3's
+            all-gathered keys and values ([Note: context-parallel activations]).
+        cp_calls: the blocks that operator computes them in (kernel calls per pass).
+        cp_area: the query x key rectangles of those calls per query head over the
+            micro-batch; cp_queries: their query tokens.
     """
     t, a, d = float(tokens), act_bytes, spec.dim
     lw, lio = _linears(spec, moe, tp, ep)
     gemms, model, executed, (rep_att, tp_att, core, cheap_att), rope, core_bytes = _attention(
-        spec, t, seq, tp, attention, a, fused)
+        spec, t, seq, tp, attention, a, fused, cp_scores)
     f_gemms, tp_ffn, rep_ffn, f_bytes, cheap_ffn = _ffn(spec, moe, t, tp, ep, a, fused)
     nf = fused or fused_norm
     norm_saved = _norm_saved(spec, a, nf) * d + (0 if spec.norm == "layernorm" else 4)
@@ -227,14 +269,18 @@ def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 
     norms = 2 * op_bytes(spec.norm, a, nf) * d
     residual = 2 * op_bytes("residual", a, fused) * d
     dropout = 2 * op_bytes("dropout", a, fused) * d if spec.dropout else 0
+    calls = cp_calls if cp_scores else 1
     return LayerWork(
         gemms=tuple(gemms + f_gemms), attn_model_flops=model, attn_exec_flops=executed,
-        attn_unit_flops=executed, elementwise_rep=(norms + residual + dropout) * t,
+        attn_unit_flops=executed / calls, elementwise_rep=(norms + residual + dropout) * t,
         elementwise_tp=rope * t + f_bytes,
         core_bytes=core_bytes * t, saved_rep=saved_rep * t, saved_tp=(tp_att + tp_ffn) * t,
         saved_core=core * t, cheap_rep=cheap_rep * t,
         cheap_tp=(cheap_att + cheap_ffn) * t if flash else 0.0, saved_input=a * d * t, tokens=t,
-        linear_weights=lw, linear_io=lio)
+        linear_weights=lw, linear_io=lio, attn_calls=calls,
+        attn_scores=spec.n_heads // tp * cp_scores,
+        attn_area=spec.n_heads // tp * cp_area if cp_scores else 0.0,
+        attn_queries=spec.n_heads // tp * cp_queries if cp_scores else 0.0)
 
 
 def _linears(spec, moe: bool, tp: int, ep: int) -> tuple[float, float]:

@@ -8,8 +8,9 @@ these config keys (``PLAN_KEYS``): ``zero`` <-> ``parallel.stage``, ``dp_replica
 ``dp_shard`` / ``cp`` / ``tp``, ``sp`` <-> ``parallel.sequence_parallel``, ``microbatch``
 <-> ``train.batch_size``, ``pp_microbatches`` <-> ``train.grad_accum``, ``ac`` <->
 ``train.activation_checkpoint``, ``pp`` and the ``pp_*`` keys <-> the schedule,
-``ep`` <-> ``parallel.ep``. The context-parallel implementation and load balance
-(``parallel.cp_impl``, ``cp_load_balance``), the expert-parallel degree, offload and
+``ep`` <-> ``parallel.ep``, ``cp_impl`` <-> ``parallel.cp_impl``. The context-parallel
+implementation and load balance (``parallel.cp_impl``, fixed in the search and priced as
+configured; ``cp_load_balance``, priced as zigzag), the expert-parallel degree, offload and
 quantised communication stay as configured (the user's choice of attention algorithm, of
 where experts live, of numerics and of host memory); ``ep`` composes with every pipeline
 layout the search offers (EP x PP). The global batch (``batch_size x grad_accum x
@@ -58,7 +59,8 @@ def layout_of(cfg: Config) -> Layout:
                   ep=par.ep, zero=par.stage, ac=t.activation_checkpoint,
                   sp=sequence_parallel(par) and par.tp > 1,
                   offload="cpu" if cfg.offload.device == "cpu" else "none",
-                  comm_weights=cfg.comm.weights, comm_grads=cfg.comm.grads)
+                  comm_weights=cfg.comm.weights, comm_grads=cfg.comm.grads,
+                  cp_impl=par.cp_impl)
     if par.pp == 1:
         return Layout(microbatch=t.batch_size, pp_microbatches=t.grad_accum, **common)
     m = resolve_microbatches(cfg)
@@ -71,7 +73,8 @@ def with_layout(cfg: Config, L: Layout) -> Config:
     """``cfg`` with the layout keys of ``L`` (the other keys unchanged)."""
     par = dataclasses.replace(cfg.parallel, stage=L.zero, dp_replicate=L.dp_replicate,
                               dp_shard=L.dp_shard, cp=L.cp, tp=L.tp, ep=L.ep,
-                              sequence_parallel=L.sp if L.tp > 1 else None, pp=L.pp)
+                              sequence_parallel=L.sp if L.tp > 1 else None, pp=L.pp,
+                              cp_impl=L.cp_impl)
     if L.pp > 1:  # the schedule's micro-batches are the accumulation
         par = dataclasses.replace(par, pp_schedule=L.pp_schedule,
                                   pp_microbatches=L.pp_microbatches, pp_virtual=L.pp_virtual)
@@ -89,7 +92,8 @@ def trainer_keys(L: Layout) -> dict[str, Any]:
     """The layout as the config keys it sets (for plan_history.jsonl)."""
     out = {"parallel.stage": L.zero, "parallel.dp_replicate": L.dp_replicate,
            "parallel.dp_shard": L.dp_shard, "parallel.cp": L.cp, "parallel.tp": L.tp,
-           "parallel.sequence_parallel": L.sp, "parallel.pp": L.pp, "parallel.ep": L.ep}
+           "parallel.sequence_parallel": L.sp, "parallel.pp": L.pp, "parallel.ep": L.ep,
+           "parallel.cp_impl": L.cp_impl}
     if L.pp > 1:
         out.update({"parallel.pp_schedule": L.pp_schedule,
                     "parallel.pp_microbatches": L.pp_microbatches,
@@ -106,7 +110,7 @@ def describe(L: Layout) -> str:
     """A layout in a few words: ``"tp 2 (sp) x dp_shard 1, stage 0, batch 8 x 1, ac none"``."""
     parts = [f"pp {L.pp} ({L.pp_schedule})"] if L.pp > 1 else []
     parts += [f"tp {L.tp}" + (" (sp)" if L.sp else "")] if L.tp > 1 else []
-    parts += [f"cp {L.cp}"] if L.cp > 1 else []
+    parts += [f"cp {L.cp} ({L.cp_impl})"] if L.cp > 1 else []
     if L.dp_replicate > 1:
         parts.append(f"dp_replicate {L.dp_replicate}")
     parts.append(f"dp_shard {L.dp_shard}" + (f" (ep {L.ep})" if L.ep > 1 else ""))
@@ -143,7 +147,7 @@ def plan_constraints(cfg: Config) -> dict[str, Any]:
     """The planner's fixed keys: what the trainer cannot build or must not change, plus the
     layout keys the user set (``parallel.plan_fixed``)."""
     L = layout_of(cfg)
-    fixed: dict[str, Any] = {"ep": L.ep, "offload": L.offload,
+    fixed: dict[str, Any] = {"ep": L.ep, "offload": L.offload, "cp_impl": L.cp_impl,
                              "comm_weights": L.comm_weights, "comm_grads": L.comm_grads}
     if cfg.model.num_experts or cfg.train.compile:
         fixed["ac"] = L.ac  # checkpointing is refused with experts; compile keeps its graphs

@@ -31,8 +31,9 @@ pipeline's sends are met the same way: issued and waited for from hooks between 
 operators, on ranks whose peers jitter, and their excess is the same size. So the cost
 model charges ``collective_overhead`` on every collective of a step
 (``devices.cpu.step.collective_overhead_seconds``): each tensor-parallel one, each of the
-engine's (``sends.engine_calls``, counted as comm_stats counts them) and each pipeline
-send or receive, while the ranks keep a core each; beyond the cores the crowded
+engine's (``sends.engine_calls``, counted as comm_stats counts them), each pipeline
+send or receive and each context-parallel all-to-all and ring exchange
+(``sends.cp_calls_per_layer``), while the ranks keep a core each; beyond the cores the crowded
 collectives, measured amid the other ranks at the tensor-parallel and the layer gap, price
 what a call meets instead ([Note: crowded collectives] in devices/cpu/step.py). What it
 was worth on the committed bench: bench/results/planner_bench.md.

@@ -138,6 +138,61 @@ def _attention(quick: bool, engine: float = 0.0) -> tuple[Kernel, Kernel]:
             Kernel(Fit(0.0, cf[2]), Fit(0.0, cb[2])))
 
 
+CP_BLOCKS = [(2, 64, 64, True), (2, 128, 128, True), (2, 128, 256, False),
+             (2, 256, 256, True), (2, 256, 512, False), (1, 512, 512, False)]
+"""(sequences, query tokens, key tokens, causal) of the context-parallel operator's kernel
+calls the calibration times: diagonal chunks and runs of whole chunks, 8 query heads on 4
+key/value heads of 32 features ([Note: context-parallel kernels] in
+devices/cpu/kernels.py)."""
+
+
+def _cp_blocks(quick: bool) -> Kernel:
+    """The CPU flash kernel as ``shardwise.parallel.context`` calls it per block (ATen's
+    forward and its backward directly, grouped-query heads natively), fitted to the block's
+    rectangle ``sequences x heads x query tokens x key tokens x head_dim``: up to 512 keys
+    a causal block costs what the whole rectangle does (measured: the kernel computes its
+    key blocks whole), so one fit prices both kinds."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    grad = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    fwd, bwd = [], []
+    for b, tq, tk, causal in CP_BLOCKS[:4] if quick else CP_BLOCKS:
+        q, (k, v) = torch.randn(b, 8, tq, 32), (torch.randn(b, 4, tk, 32) for _ in range(2))
+        out, lse = flash(q, k, v, 0.0, causal)[:2]
+        d = torch.randn_like(out)
+        x = (1.0, float(b * 8 * tq * tk * 32))
+        fwd.append((x, _best(lambda q=q, k=k, v=v, c=causal: flash(q, k, v, 0.0, c))))
+        bwd.append((x, _best(lambda q=q, k=k, v=v, o=out, lse=lse, d=d, c=causal:
+                             grad(d, q, k, v, o, lse, 0.0, c))))
+    return Kernel(Fit(*fit_terms(fwd)), Fit(*fit_terms(bwd)))
+
+
+def _cp_calls(quick: bool, blocks: Kernel) -> Kernel:
+    """What the context-parallel operator spends per kernel call beyond the kernel
+    (``blocks``): merging each call's output into the running one by log-sum-exp, adding
+    its gradients into dQ, dK, dV, slicing, in fp32 ([Note: context-parallel kernels] in
+    devices/cpu/kernels.py). Timed as ``ContextParallel.ring_forward`` and ``ring_backward``
+    of one process on a zigzag sequence (3 calls: the diagonal chunks and the whole one
+    between), less the calls' kernels at ``blocks``' fits, fitted per call to the call's
+    query elements (``sequences x heads x query tokens x head_dim``)."""
+    from shardwise.parallel.context.runtime import ContextParallel
+
+    one = ContextParallel("ring", "zigzag", (0,), None, (0,), None, (0,), None)
+    fwd, bwd = [], []
+    for t in (256, 512) if quick else (256, 512, 1024):
+        q, (k, v) = torch.randn(2, 8, t, 32), (torch.randn(2, 4, t, 32) for _ in range(2))
+        out, lse = one.ring_forward(q, k, v, None)
+        d = torch.randn_like(out)
+        c = t // 2  # two chunks: c x c causal, c x c whole, c x c causal
+        rect = 2 * 8 * c * c * 32
+        x = (3.0, 3.0 * 2 * 8 * c * 32)
+        tf = _best(lambda q=q, k=k, v=v: one.ring_forward(q, k, v, None))
+        tb = _best(lambda q=q, k=k, v=v, o=out, lse=lse, d=d:
+                   one.ring_backward(d, q, k, v, o, lse, None))
+        fwd.append((x, max(tf - 3 * blocks.fwd(rect), 1e-7)))
+        bwd.append((x, max(tb - 3 * blocks.bwd(rect), 1e-7)))
+    return Kernel(Fit(*fit_terms(fwd)), Fit(*fit_terms(bwd)))
+
+
 def _embedding_and_loss(engine: float = 0.0) -> tuple[Kernel, Kernel]:
     emb_f, emb_b, ce_f, ce_b = [], [], [], []
     for vocab, t in ((256, 512), (8192, 512), (8192, 2048)):
@@ -165,6 +220,8 @@ def measure_kernels(quick: bool = False) -> dict[str, Kernel]:
            for name in ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual")}
     out["copy"] = _fwd_bwd(lambda n: _elementwise("copy", n), [1 << 18, 1 << 22, 1 << 25])
     out["attention"], out["softmax"] = _attention(quick, engine)
+    out["cp_attention"] = _cp_blocks(quick)
+    out["cp_call"] = _cp_calls(quick, out["cp_attention"])
     out["embedding"], out["cross_entropy"] = _embedding_and_loss(engine)
     return out
 

@@ -34,6 +34,11 @@ class DeviceModel(Protocol):
                      last: bool) -> tuple[float, float]:
         """(forward, backward) seconds of the embedding and the final norm and loss."""
 
+    def attention_seconds(self, spec, wl, w, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of ``w``'s attention core alone: what a
+        context-parallel ring step's transfer hides behind ([Note: context-parallel
+        exposure] in stage_cost.py)."""
+
     def accumulate_seconds(self, spec, wl, shapes: list, per_param: float,
                            kernel_factor: float) -> float:
         """Seconds a micro-batch adds ``per_param`` bytes a parameter of ``shapes``."""
@@ -49,6 +54,8 @@ class DeviceModel(Protocol):
     def dispatch(self, token_bytes: float, tokens: float, top_k: int, g,
                  node_limit: int = 0) -> float: ...
     def p2p(self, nbytes: float, across_nodes: bool) -> float: ...
+    def all_to_all(self, nbytes: float, g) -> float:
+        """An all-to-all of a ``nbytes`` tensor per rank, spread evenly over ``g``."""
 
     def tp_seconds(self, wl, tokens: float, dim: int, tp: int, sp: bool, ac: str,
                    gemm: float, replay_gemm: float) -> float:

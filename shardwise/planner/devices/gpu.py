@@ -92,6 +92,16 @@ class GpuDevice:
         return ((gemm + attn + mem + cast_f) * slow, (2 * gemm + attn_bwd + 2 * mem + cast_b)
                 * slow, gemm * slow, cheap * slow)
 
+    def attention_seconds(self, spec, wl, w, tp: int) -> tuple[float, float]:
+        """The attention kernel's forward at the efficiency of its size (each call's
+        FLOPs), its backward 2.5x that with flash attention (2x unfused): what
+        :meth:`layer_seconds` charges for it, before the cores overlapped communication
+        occupies (``comm_sm_fraction``: the kernel the transfers hide behind)."""
+        adt = ATTENTION_DTYPE.get(wl.compute_dtype, wl.compute_dtype)
+        attn = w.attn_exec_flops / (self.hw.peak(adt) * self.hw.matmul_efficiency(
+            w.attn_unit_flops)) if w.attn_exec_flops else 0.0
+        return attn, attn * (2.5 if wl.attention == "flash" else 2.0)
+
     def composition(self, spec) -> tuple[float, float]:
         """(1, 1): the efficiency curve and the bandwidth price parts as a layer runs them."""
         return 1.0, 1.0
@@ -134,6 +144,9 @@ class GpuDevice:
 
     def p2p(self, nbytes: float, across_nodes: bool) -> float:
         return comm_model.p2p_time(nbytes, across_nodes, self.hw)
+
+    def all_to_all(self, nbytes: float, g) -> float:
+        return comm_model.all_to_all_time(nbytes, g, self.hw)
 
     def tp_seconds(self, wl, tokens: float, dim: int, tp: int, sp: bool, ac: str,
                    gemm: float, replay_gemm: float) -> float:

@@ -18,8 +18,13 @@ cross-entropy) at a few sizes, and fits ``seconds = latency + per_unit * size`` 
 and pass (calibrate/kernels.py). The size is elements, except attention (its executed
 forward FLOPs, work.py's ``attn_exec_flops``, plus a ``softmax`` term per causal score:
 fitted jointly over head widths, as a narrow head spends more of its time in the softmax),
-the embedding's backward (``vocab x dim + tokens x dim``: it zeroes the whole table) and
-``copy`` (bytes: the engine's gather copy-out, gradient packing and averaging). A backward
+the embedding's backward (``vocab x dim + tokens x dim``: it zeroes the whole table),
+``copy`` (bytes: the engine's gather copy-out, gradient packing and averaging) and
+``cp_attention`` (the context-parallel operator's per-block flash calls, fitted to the
+block's rectangle) and ``cp_call`` (what the operator spends around each call: its merge
+and gradient additions, fitted to the call's query elements; [Note: context-parallel
+kernels] in kernels.py; a calibration written before them has neither, and those blocks
+are priced with ``attention`` and ``softmax``). A backward
 is timed as one ``autograd.grad`` call, whose own fixed cost (a training step pays it
 once) is subtracted. The optimizer update (the engine's foreach norm, the clip and
 ``torch.optim.AdamW.step`` over per-parameter tensors) is fitted per tensor and per
@@ -71,7 +76,7 @@ from shardwise.planner.devices.cpu.fits import Crowd, Fit, Kernel, fit_terms
 __all__ = ["Fit", "Kernel", "Crowd", "CpuCosts", "KERNELS", "COLLECTIVES", "fit_terms"]
 
 KERNELS = ("rmsnorm", "rope", "repeat_kv", "swiglu", "residual", "attention", "softmax",
-           "embedding", "cross_entropy", "copy")
+           "embedding", "cross_entropy", "copy", "cp_attention", "cp_call")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
 
 

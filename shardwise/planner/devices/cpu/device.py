@@ -15,7 +15,8 @@ import math
 from shardwise.planner import comm_model
 from shardwise.planner.devices.cpu import step
 from shardwise.planner.devices.cpu.engine_buffers import rank_transient
-from shardwise.planner.devices.cpu.kernels import (cpu_pricable, head_kernels, layer_kernels,
+from shardwise.planner.devices.cpu.kernels import (attention_kernels, cpu_pricable,
+                                                   head_kernels, layer_kernels,
                                                    optimizer_seconds)
 from shardwise.planner.devices.gpu import GpuDevice
 from shardwise.planner.sends import LOSS_ALL_REDUCES, TP_REGIONS, tp_edges, tp_region
@@ -43,9 +44,19 @@ class CpuDevice:
         if wl.compute_dtype == "fp8" or not cpu_pricable(spec, moe):
             return self.roofline.layer_seconds(spec, wl, w, tp, sp, moe)
         gemm = sum(n * self.hw.matmul_time(f, wl.compute_dtype) for f, n in w.gemms)
-        kf, kb = layer_kernels(self.hw, spec, w.tokens, wl.seq_len, tp, sp, w.attn_exec_flops)
+        kf, kb = layer_kernels(self.hw, spec, w.tokens, wl.seq_len, tp, sp, w.attn_exec_flops,
+                               w)
         mm, ker = self.composition(spec)
         return mm * gemm + ker * kf, 2 * mm * gemm + ker * kb, mm * gemm, ker * kf
+
+    def attention_seconds(self, spec, wl, w, tp: int) -> tuple[float, float]:
+        """The attention core's calibrated kernels (per block under context parallelism:
+        [Note: context-parallel kernels] in kernels.py) with the kernels' factor."""
+        if wl.compute_dtype == "fp8" or not cpu_pricable(spec):
+            return self.roofline.attention_seconds(spec, wl, w, tp)
+        f, b = attention_kernels(self.hw, spec, w, wl.seq_len, tp)
+        ker = self.composition(spec)[1]
+        return ker * f, ker * b
 
     def layer_parts(self, spec, wl, tp: int, sp: bool, mb: int) -> tuple[float, float, float]:
         """(forward multiplies, forward kernels, backward kernels) seconds of one dense
@@ -111,8 +122,19 @@ class CpuDevice:
         return self.roofline.dispatch(token_bytes, tokens, top_k, g, node_limit)
 
     def p2p(self, nbytes: float, across_nodes: bool) -> float:
+        """The calibrated send/receive pair (one message each way, as a ring step and a
+        pipeline send exchange them)."""
         t = self.hw.cpu.collective("send_recv", 2, nbytes)
         return self.roofline.p2p(nbytes, across_nodes) if t is None else t
+
+    def all_to_all(self, nbytes: float, g) -> float:
+        """The calibrated reduce-scatter whose shard is ``nbytes / g.size``: on Gloo the
+        engine's reduce-scatter is that all-to-all (``all_to_all_single`` of the whole
+        tensor) plus a local sum ([Note: reduce-scatter on Gloo] in
+        shardwise/distributed/comm), so its fit prices the exchange (and the sum, a little
+        above it)."""
+        return self._measured("reduce_scatter", g, nbytes / g.size,
+                              lambda: self.roofline.all_to_all(nbytes, g))
 
     def _tp_times(self, wl, tokens: float, dim: int, tp: int) -> dict[str, float]:
         grp = comm_model.place(tp, 1, self.hw.gpus_per_node)

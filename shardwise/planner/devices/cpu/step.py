@@ -58,8 +58,8 @@ from shardwise.planner.devices.cpu.pipeline import contended_pipeline
 from shardwise.planner.pipeline import (gather_rounds, rounded, simulated_microbatches,
                                         stage_costs)
 from shardwise.planner.recompute import layer_ac
-from shardwise.planner.sends import (engine_calls, pipeline_sends, tp_calls_per_layer,
-                                     tp_edge_calls)
+from shardwise.planner.sends import (context_sends, cp_calls_per_layer, engine_calls,
+                                     pipeline_sends, tp_calls_per_layer, tp_edge_calls)
 from shardwise.planner.stage_cost import fbw_seconds
 
 __all__ = ["saturated", "time_shared", "combine", "collective_overhead_seconds"]
@@ -105,20 +105,34 @@ def _tp_calls(cm, L, layers, first: bool, last: bool) -> int:
                for i in layers) + tp_edge_calls(L.sp, first, last)
 
 
+def _cp_calls(cm, L, layers) -> int:
+    """Context-parallel calls per micro-batch on a rank holding ``layers``."""
+    if L.cp <= 1:
+        return 0
+    sends = context_sends(cm.spec, L.cp_impl, L.cp, L.tp, L.microbatch, cm.wl.seq_len,
+                          cm.wl.act_bytes)
+    return sum(cp_calls_per_layer(sends, layer_ac(L.ac, cm.wl.selective_ac, i) == "full")
+               for i in layers)
+
+
 def collective_overhead_seconds(hw, cm, L, layers, first: bool, last: bool
                                 ) -> dict[str, float]:
     """What a rank holding ``layers`` pays per step beyond its collectives' fits, by
     component: ``CpuCosts.collective_overhead`` for each tensor-parallel collective, each
-    of the engine's gathers and reductions and each pipeline send or receive ([Note:
-    collectives between operators] in calibrate/blocks.py), while the ranks keep a core
-    each; nothing beyond the cores, where the crowded collectives price what a call meets."""
+    context-parallel all-to-all and ring exchange, each of the engine's gathers and
+    reductions and each pipeline send or receive ([Note: collectives between operators] in
+    calibrate/blocks.py), while the ranks keep a core each; nothing beyond the cores, where
+    the crowded collectives price what a call meets."""
     each = hw.cpu.collective_overhead
     if not each or (hw.cores and L.gpus > hw.cores):
         return {}
     units = cm.rank_units(L, layers, first, last)
-    return {"tp_comm": each * L.pp_microbatches * _tp_calls(cm, L, layers, first, last),
-            "dp_comm": each * engine_calls(cm.spec, cm.wl, L, units, layers, first, last),
-            "pp_comm": each * pipeline_sends(L)}
+    out = {"tp_comm": each * L.pp_microbatches * _tp_calls(cm, L, layers, first, last),
+           "dp_comm": each * engine_calls(cm.spec, cm.wl, L, units, layers, first, last),
+           "pp_comm": each * pipeline_sends(L)}
+    if L.cp > 1:
+        out["cp_comm"] = each * L.pp_microbatches * _cp_calls(cm, L, layers)
+    return out
 
 
 def _contended(hw, cm, L) -> tuple[float, float]:
