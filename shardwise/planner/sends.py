@@ -257,8 +257,9 @@ def _ring_work(seq_len: int, cp: int, ring: int, u: int, load_balance: str
                ) -> tuple[tuple[float, ...], float, int, float, float]:
     """(each ring step's share of the rank's causal entries, entries per query head and
     sequence, kernel calls per pass, the calls' query x key rectangles and their query
-    tokens per query head and sequence) of the busiest ring member, as ``ring_forward`` meets the chunks: member ``m`` holds its
-    all-to-all group's ranges and at step ``s`` the block of member ``(m - s) mod ring``,
+    tokens per query head and sequence) of the busiest ring member, as ``ring_forward``
+    meets the chunks: member ``m`` holds its all-to-all group's ranges and at step ``s``
+    the block of member ``(m - s) mod ring``,
     computed in the runtime's own kernel calls (``_calls`` in runtime.py: a query chunk
     against a run of key chunks it sees whole, or one causal chunk)."""
     def ranges(member: int) -> tuple:

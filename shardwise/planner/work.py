@@ -166,14 +166,14 @@ def _attention(spec, t: float, seq: int, tp: int, attention: str, a: int, fused:
             gemms.append((2 * t * d * h * qk, 1))
         gemms.append((2 * t * d * (spec.kv_lora_rank + spec.qk_rope_head_dim), 1))
         gemms.append((2 * t * spec.kv_lora_rank * h * (spec.qk_nope_head_dim + vd), 1))
-        k_width = v_width = h  # MLA materialises per-head keys and values
+        k_width = h  # MLA materialises per-head keys and values
         rep = 2 * 2 * (spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_head_dim)
     else:
         kv = max(1, spec.kv_heads // tp)
         gemms.append((2 * t * d * (h + 2 * kv) * spec.hd, 1))
         # Llama code repeats grouped kv heads before the kernel, which then saves them
         # expanded (shardwise.models and torchtitan both do); GPT has kv == heads.
-        k_width = v_width = h
+        k_width = h
         rep = 0.0
     gemms.append((2 * t * h * vd * d, 1))
     per_head = 2 * t * seq * (qk + vd)
