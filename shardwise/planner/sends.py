@@ -51,7 +51,7 @@ import functools
 from dataclasses import dataclass
 
 from shardwise.parallel.context import bytes_per_layer, rank_ranges
-from shardwise.parallel.context.runtime import _calls as kernel_calls
+from shardwise.parallel.context.runtime import kernel_calls
 from shardwise.planner import comm_model
 from shardwise.planner.parallel_layout import cp_degrees
 from shardwise.planner.pipeline import gather_rounds
@@ -171,7 +171,7 @@ class ContextSends:
             ``(1.0,)`` without a ring).
         scores: causal score entries the rank computes per sequence and query head.
         blocks: attention kernel calls per pass (a query chunk against the key chunks it
-            meets: ``_calls`` in shardwise/parallel/context/runtime.py).
+            meets: ``kernel_calls`` in shardwise/parallel/context/runtime.py).
         area: the calls' query x key rectangles per sequence and query head (what the
             CPU flash kernel computes, causal or not, up to its 512-key blocks).
         queries: the calls' query tokens per sequence and query head (what the operator
@@ -260,7 +260,7 @@ def _ring_work(seq_len: int, cp: int, ring: int, u: int, load_balance: str
     tokens per query head and sequence) of the busiest ring member, as ``ring_forward``
     meets the chunks: member ``m`` holds its all-to-all group's ranges and at step ``s``
     the block of member ``(m - s) mod ring``,
-    computed in the runtime's own kernel calls (``_calls`` in runtime.py: a query chunk
+    computed in the runtime's own kernel calls (``kernel_calls`` in runtime.py: a query chunk
     against a run of key chunks it sees whole, or one causal chunk)."""
     def ranges(member: int) -> tuple:
         return tuple(r for k in range(u)

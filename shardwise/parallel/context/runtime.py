@@ -35,7 +35,7 @@ from shardwise.distributed.comm import p2p
 from shardwise.parallel.context import kernels
 from shardwise.parallel.context.layout import Range, rank_positions, rank_ranges, shard_sequence
 
-__all__ = ["CP_IMPLS", "ContextParallel"]
+__all__ = ["CP_IMPLS", "ContextParallel", "kernel_calls"]
 
 CP_IMPLS = ("ring", "ulysses", "hybrid")
 
@@ -230,7 +230,7 @@ class ContextParallel:
 
 
 @functools.lru_cache(maxsize=4096)
-def _calls(q_ranges: tuple[Range, ...], k_ranges: tuple[Range, ...]) -> tuple:
+def kernel_calls(q_ranges: tuple[Range, ...], k_ranges: tuple[Range, ...]) -> tuple:
     """The kernel calls of a query block against a key block: ``(q offsets, q range, k
     offsets, k ranges, mode)`` per call. Consecutive key chunks that a query chunk sees whole
     (``full``) go into one call, so a ring step costs one call per query chunk where it
@@ -261,7 +261,7 @@ def _call(qo, qr, k_offsets, k_ranges, js: list[int], mode: str) -> tuple:
 
 def _forward_block(acc: list, q, k, v, q_ranges, k_ranges, documents, scale) -> None:
     index = {qr: i for i, qr in enumerate(q_ranges)}
-    for (qa, qb), qr, (ka, kb), krs, mode in _calls(tuple(q_ranges), tuple(k_ranges)):
+    for (qa, qb), qr, (ka, kb), krs, mode in kernel_calls(tuple(q_ranges), tuple(k_ranges)):
         mask = kernels.block_mask(mode, qr, krs, documents)
         out, lse = kernels.block_forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], mode,
                                          mask, scale)
@@ -271,7 +271,7 @@ def _forward_block(acc: list, q, k, v, q_ranges, k_ranges, documents, scale) -> 
 
 def _backward_block(dq, dkv, dout, q, k, v, out, lse, q_ranges, k_ranges, documents,
                     scale) -> None:
-    for (qa, qb), qr, (ka, kb), krs, mode in _calls(tuple(q_ranges), tuple(k_ranges)):
+    for (qa, qb), qr, (ka, kb), krs, mode in kernel_calls(tuple(q_ranges), tuple(k_ranges)):
         mask = kernels.block_mask(mode, qr, krs, documents)
         g_q, g_k, g_v = kernels.block_backward(
             dout[:, :, qa:qb], q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
