@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.distributed import comm
 from shardwise.distributed.parallel_dims import ParallelMesh
-from shardwise.models.layers import RotaryEmbedding, document_ids
+from shardwise.models.layers import RotaryEmbedding
 from shardwise.models.llama import Attention
 from shardwise.models.mla import LatentAttention
 from shardwise.parallel.context.hf import check_hf_model, install_hf, is_hf_model
-from shardwise.parallel.context.layout import LOAD_BALANCES, unshard_sequence
+from shardwise.parallel.context.layout import LOAD_BALANCES
 from shardwise.parallel.context.ops import cp_attention, register
 from shardwise.parallel.context.runtime import CP_IMPLS, ContextParallel
 from shardwise.shard.registry import engine_states
@@ -188,12 +186,7 @@ def _documents_hook(runtime: ContextParallel):
         positions = kwargs.get("positions")
         if positions is None or kwargs.get("documents") is not None:
             return None
-        parts = torch.empty((runtime.cp, *positions.shape), dtype=positions.dtype,
-                            device=positions.device)
-        comm.all_gather_into_tensor(parts, positions.contiguous(), group=runtime.group,
-                                    label="cp.positions")
-        whole = unshard_sequence(list(parts.unbind(0)), runtime.load_balance)
-        return args, {**kwargs, "documents": document_ids(whole)}
+        return args, {**kwargs, "documents": runtime.documents(positions)}
 
     return hook
 

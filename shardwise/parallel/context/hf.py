@@ -43,9 +43,6 @@ import sys
 import torch
 from torch import nn
 
-from shardwise.distributed import comm
-from shardwise.models.layers import document_ids
-from shardwise.parallel.context.layout import unshard_sequence
 from shardwise.parallel.context.ops import cp_attention
 from shardwise.parallel.context.runtime import ContextParallel
 
@@ -160,12 +157,7 @@ def _positions_hook(model: nn.Module, runtime: ContextParallel):
         else:
             if positions.dim() == 1:
                 positions = positions[None]
-            parts = torch.empty((runtime.cp, *positions.shape), dtype=positions.dtype,
-                                device=positions.device)
-            comm.all_gather_into_tensor(parts, positions.contiguous(), group=runtime.group,
-                                        label="cp.positions")
-            whole = unshard_sequence(list(parts.unbind(0)), runtime.load_balance)
-            kwargs[_KW_DOCUMENTS] = document_ids(whole)
+            kwargs[_KW_DOCUMENTS] = runtime.documents(positions)
         kwargs[_KW_RUNTIME] = runtime
         return (), kwargs
 

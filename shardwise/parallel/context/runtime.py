@@ -33,7 +33,9 @@ import torch.distributed as dist
 from shardwise.distributed import comm
 from shardwise.distributed.comm import p2p
 from shardwise.parallel.context import kernels
-from shardwise.parallel.context.layout import Range, rank_positions, rank_ranges, shard_sequence
+from shardwise.models.layers import document_ids
+from shardwise.parallel.context.layout import (Range, rank_positions, rank_ranges, shard_sequence,
+                                               unshard_sequence)
 
 __all__ = ["CP_IMPLS", "ContextParallel", "kernel_calls"]
 
@@ -98,6 +100,15 @@ class ContextParallel:
                                                   self.load_balance, device)
         return self._positions[key]
 
+    def documents(self, positions: torch.Tensor) -> torch.Tensor:
+        """The WHOLE sequence's document ids from this rank's part of the position ids
+        (``(B, T / cp)``): one all-gather over the cp group per forward, not per layer."""
+        parts = torch.empty((self.cp, *positions.shape), dtype=positions.dtype,
+                            device=positions.device)
+        comm.all_gather_into_tensor(parts, positions.contiguous(), group=self.group,
+                                    label="cp.positions")
+        return document_ids(unshard_sequence(list(parts.unbind(0)), self.load_balance))
+
     def ring_ranges(self, ring_index: int, seq_len: int) -> tuple[Range, ...]:
         """The global ranges a ring member holds once its all-to-all group's sequences are
         gathered (its own ranges for ``ring``, every rank's for ``ulysses``)."""
@@ -107,6 +118,16 @@ class ContextParallel:
                                           self.load_balance))
 
     # ---- ring --------------------------------------------------------------------------
+
+    def _pass_on(self, block: torch.Tensor, nxt: int, prev: int, label: str
+                 ) -> tuple[torch.Tensor, list]:
+        """Send ``block`` to the next ring member and receive the previous one's into a
+        fresh buffer (never one a later step still reads); returns (buffer, handles)."""
+        incoming = torch.empty_like(block)
+        works = p2p.batch_isend_irecv([p2p.Message(block, nxt, True, label),
+                                       p2p.Message(incoming, prev, False, label)],
+                                      group=self.ring_group)
+        return incoming, works
 
     def _neighbours(self) -> tuple[int, int, int]:
         me = self.ring_ranks.index(dist.get_rank()) if dist.is_initialized() else 0
@@ -129,11 +150,7 @@ class ContextParallel:
         for step in range(n):
             works = []
             if step < n - 1:
-                incoming = torch.empty_like(kv)
-                works = p2p.batch_isend_irecv(
-                    [p2p.Message(kv, nxt_rank, True, f"cp.kv{step}"),
-                     p2p.Message(incoming, prev_rank, False, f"cp.kv{step}")],
-                    group=self.ring_group)
+                incoming, works = self._pass_on(kv, nxt_rank, prev_rank, f"cp.kv{step}")
             src = (me - step) % n
             _forward_block(acc, q, cur_k, cur_v, q_ranges, self.ring_ranges(src, seq_len),
                            documents, scale)
@@ -165,11 +182,8 @@ class ContextParallel:
         for step in range(n):
             kv_works = []
             if step < n - 1:
-                incoming = torch.empty_like(kv)
-                kv_works = p2p.batch_isend_irecv(
-                    [p2p.Message(kv, nxt_rank, True, f"cp.bwd_kv{step}"),
-                     p2p.Message(incoming, prev_rank, False, f"cp.bwd_kv{step}")],
-                    group=self.ring_group)
+                incoming, kv_works = self._pass_on(kv, nxt_rank, prev_rank,
+                                                   f"cp.bwd_kv{step}")
             src = (me - step) % n
             dkv = torch.zeros((2, *k.shape), dtype=f, device=k.device)
             _backward_block(dq, dkv, dout, q, cur_k, cur_v, out, lse, q_ranges,
@@ -178,11 +192,8 @@ class ContextParallel:
                 if dkv_recv is not None:
                     dkv_recv.wait()
                     dkv += dkv_in
-                dkv_in = torch.empty_like(dkv)
-                send, dkv_recv = p2p.batch_isend_irecv(
-                    [p2p.Message(dkv, nxt_rank, True, f"cp.dkv{step}"),
-                     p2p.Message(dkv_in, prev_rank, False, f"cp.dkv{step}")],
-                    group=self.ring_group)
+                dkv_in, (send, dkv_recv) = self._pass_on(dkv, nxt_rank, prev_rank,
+                                                         f"cp.dkv{step}")
                 sends.append((send, dkv))
             for w in kv_works:
                 w.wait()
