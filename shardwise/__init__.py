@@ -4,6 +4,7 @@ expert parallelism, offload, low precision).
     import shardwise
     env = shardwise.distributed.init()                 # torchrun, SLURM or one process
     mesh = shardwise.ParallelDims(world_size=env.world_size, tp=2).build_mesh()
+    model = shardwise.apply_low_precision(model, recipe="fp8_rowwise")  # optional: fp8 matmuls
     model = shardwise.apply_tp(model, mesh["tp"])      # optional: Megatron TP + SP
     model = shardwise.apply_ep(model, mesh)            # optional: MoE experts over ep
     model = shardwise.apply_cp(model, mesh["cp"])      # optional: sequences over cp
@@ -22,6 +23,7 @@ from shardwise.distributed.placement import Placement, placement_of
 from shardwise.parallel import checkpoint_activations, compile_blocks
 from shardwise.parallel.context import apply_cp, cp_context
 from shardwise.parallel.expert import apply_ep
+from shardwise.parallel.lowbit import apply_low_precision, low_precision_report
 from shardwise.parallel.tensor import apply_tp, vocab_parallel_cross_entropy
 from shardwise.shard import (CommQuant, LossScaler, MemoryReport, MixedPrecision,
                              NonFiniteReport, Offload, OffloadedOptimizer, clip_grad_norm_,
@@ -42,6 +44,8 @@ __all__ = [
     "apply_ep",
     "apply_cp",
     "cp_context",
+    "apply_low_precision",
+    "low_precision_report",
     "vocab_parallel_cross_entropy",
     "ParallelDims",
     "ParallelMesh",

@@ -7,6 +7,14 @@ swapped for one whose forward adds Megatron's operators ([Note: f and g] in ops.
 the ZeRO engine shards them like any parameter, and the engine's own swapping of gathered
 parameters keeps working because the new forward reads ``self.weight`` at call time. The
 communication is explicit autograd functions, as in Megatron.
+
+[Note: low-bit under TP] A layer converted by ``apply_low_precision`` keeps its style; its
+matmul goes through ``module_linear``, which casts this rank's piece with scales of its own
+(per shard: a column-parallel weight's scale covers its output features, a row-parallel
+one's its input features, and the row-parallel partial sums are summed after dequantising),
+so no amax crosses the tp group. Under sequence parallelism the low-bit layer reads the
+gathered input and saves it for its backward (``sequence_linear``'s re-gather is for
+high-precision layers); the saved bytes are those of tensor parallelism without SP.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from torch import nn
 
 from shardwise.distributed.mesh import split_axis
 from shardwise.distributed.placement import Axis, Placement, placement_of, set_placement
+from shardwise.parallel.lowbit.linear import lowbit_state, module_linear
 from shardwise.shard.memory import MemoryTracker
 from shardwise.parallel.tensor.ops import (SequenceInput, copy_to_region, gather_last_dim,
                                            reduce_from_region, scatter_sequence,
@@ -119,10 +128,10 @@ class ColwiseParallel:
         tp: ModuleTP = self._shardwise_tp
         full, src = tp.ctx.region_input(x, tp.label)
         weight, bias = self.weight, getattr(self, "bias", None)
-        if src is not None:
+        if src is not None and lowbit_state(self) is None:
             out = sequence_linear(full, x, src, weight, bias)  # (B, T, F/tp)
-        else:
-            out = F.linear(full, weight, bias)  # (..., F/tp)
+        else:  # a low-bit layer casts the gathered input itself ([Note: low-bit under SP])
+            out = module_linear(self, full, weight, bias)  # (..., F/tp)
         if tp.gather_output:
             out = gather_last_dim(out, tp.ctx.group, f"{tp.label}.tp_all_gather_output")
         return out
@@ -134,7 +143,7 @@ class RowwiseParallel:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp: ModuleTP = self._shardwise_tp
-        out = tp.ctx.leave_region(F.linear(x, self.weight), tp.label)  # (B, T[/tp], C)
+        out = tp.ctx.leave_region(module_linear(self, x, self.weight), tp.label)  # (B, T[/tp], C)
         return out if self.bias is None else out + self.bias
 
 
