@@ -1,6 +1,7 @@
 """Everything the trainer knows about parallelism, in one place.
 
 Composition order (docs/design.md, "The trainer"): the model is built on the meta device ->
+``apply_low_precision`` (``precision.matmul``'s low-bit recipe in the blocks' linears) ->
 ``apply_tp`` (tensor + sequence parallelism over the mesh's ``tp`` axis) -> ``apply_ep``
 (MoE experts split over ``ep``, their tokens dispatched by all-to-all) -> ``apply_cp``
 (attention over sequences split across the ``cp`` axis, RoPE at global positions) ->
@@ -149,6 +150,7 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     mesh = (dims.build_mesh(env.device.type)
             if dims.dp_replicate > 1 or dims.tp > 1 or dims.ep > 1 or dims.cp > 1 else None)
     model = build(model_cfg, device="meta")
+    apply_matmul_precision(model, cfg)  # first: every later step sees plain modules
     if dims.tp > 1:  # before sharding: the engine shards each tensor rank's pieces
         shardwise.apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
     if dims.ep > 1:  # after TP, before ZeRO (experts sharded over edp)
@@ -172,6 +174,19 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     if dims.tp > 1 and sequence_parallel(par):
         return apply_moe(model, cfg, None, replicas=dims.degree("dp_cp"))
     return apply_moe(model, cfg, mesh.group("dp_cp") if mesh is not None else None)
+
+
+def apply_matmul_precision(model: nn.Module, cfg: Config) -> nn.Module:
+    """Convert the blocks' linears to ``precision.matmul``'s low-bit recipe (nothing for
+    "bf16"), skipping ``precision.matmul_skip``; rank 0 prints what was kept high."""
+    prec = cfg.precision
+    if prec.matmul == "bf16":
+        return model
+    shardwise.apply_low_precision(model, prec.matmul, skip=prec.matmul_skip)
+    report = shardwise.low_precision_report(model)
+    if report.skipped and int(os.environ.get("RANK", "0")) == 0:
+        print(report.summary(), flush=True)
+    return model
 
 
 def cross_entropy(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor

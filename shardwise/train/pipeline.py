@@ -200,6 +200,8 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
                         tp=par.tp, ep=par.ep)
     mesh = dims.build_mesh(env.device.type)
     model = build_model(model_cfg, device="meta")
+    from shardwise.train.parallelize import apply_matmul_precision  # parallelize imports us
+    apply_matmul_precision(model, cfg)  # first, on the whole model (the composition order)
     if par.tp > 1:  # on the whole model, before the split (the composition order)
         apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
     # The executor's loss is then the vocab-parallel cross-entropy (default_loss).

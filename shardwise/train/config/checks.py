@@ -13,6 +13,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from shardwise.parallel.lowbit.recipes import RECIPE_NAMES
+
 __all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel",
            "check_sequence_split", "check_model_combinations", "AC_POLICIES",
            "COMPILE_BACKENDS", "CP_IMPLS", "CP_LOAD_BALANCES", "PLAN_KEYS"]
@@ -40,6 +42,7 @@ def _non_negative(v: Any) -> bool:
 
 
 _DTYPES = ("fp32", "bf16", "fp16")
+_MATMULS = ("bf16",) + RECIPE_NAMES
 
 # (key, predicate, what was expected). Checked in order; the first failure is reported.
 _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
@@ -106,6 +109,8 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("precision.reduce_dtype", lambda v: v in _DTYPES, "'fp32', 'bf16' or 'fp16'"),
     ("precision.loss_scale", _positive, "a positive number"),
     ("precision.loss_scale_growth_interval", _positive, "a positive int (steps)"),
+    ("precision.matmul", lambda v: v in _MATMULS, "'bf16' (no low-bit matmuls) or a recipe: "
+     "'fp8_tensorwise', 'fp8_rowwise', 'fp8_rowwise_gw_hp', 'fp8_blockwise', 'mxfp8', 'nvfp4'"),
     ("comm.weights", lambda v: v in ("fp", "int8", "fp8"), "'fp', 'int8' or 'fp8'"),
     ("comm.grads", lambda v: v in ("fp", "int8", "int4"), "'fp', 'int8' or 'int4'"),
     ("comm.block_size", _positive, "a positive int (elements)"),

@@ -119,6 +119,13 @@ class PrecisionConfig:
     """fp16 only: initial dynamic loss scale (halved on overflow, the step skipped)."""
     loss_scale_growth_interval: int = 2000
     """fp16 only: clean steps before the loss scale doubles."""
+    matmul: str = "bf16"
+    """Matmuls of the blocks' linear layers (attention, MLP, experts): "bf16" (no low-bit
+    matmuls: they run in param_dtype), or a low-bit recipe: "fp8_tensorwise", "fp8_rowwise",
+    "fp8_rowwise_gw_hp", "fp8_blockwise", "mxfp8", "nvfp4" (docs/precision.md)."""
+    matmul_skip: tuple[str, ...] = ()
+    """With a low-bit matmul: module-name patterns (fnmatch) kept in high precision, e.g.
+    layers.0.*,layers.7.* (embedding, head, norms and routers always are)."""
 
 
 @dataclass(frozen=True)
