@@ -1,10 +1,11 @@
 """Low-bit training compute: fp8 (tensorwise, rowwise, blockwise), MXFP8 and NVFP4 matmuls
 in the linear layers of the blocks (docs/precision.md).
 
-One concern per module: ``scaling`` (codes and scales), ``recipes`` (which cast each
-operand gets), ``matmul`` (the device's scaled kernel or its emulation), ``linear`` (the
-autograd function), ``experts`` (per-expert scales), ``gather`` (ZeRO-3 weights gathered in
-fp8 straight into the matmul), ``apply`` (which layers).
+One concern per module: ``codes`` (element formats: rounding, packing, decoding),
+``scaling`` (tiles and scales), ``recipes`` (which cast each operand gets), ``matmul`` (the
+device's scaled kernel or its emulation), ``linear`` (the autograd function), ``experts``
+(per-expert scales), ``gather`` (ZeRO-3 weights gathered in fp8 straight into the matmul),
+``apply`` (which layers).
 """
 
 from shardwise.parallel.lowbit.apply import (LowPrecisionReport, apply_low_precision,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardwise.parallel.lowbit.scaling import ScaledTensor, dequantize
+from shardwise.parallel.lowbit.scaling import ScaledTensor, Scaling, dequantize, quantize
 
 __all__ = ["scaled_matmul", "real_kernel_available", "set_kernel_policy", "KERNEL_POLICIES"]
 
@@ -62,7 +62,8 @@ def _kind(st: ScaledTensor) -> str | None:
 
 
 def _kernel_scale(st: ScaledTensor, kind: str) -> torch.Tensor:
-    inv = st.q.reciprocal()  # decode multipliers, as torchao passes them
+    """``st``'s decode scales (``1 / q``, as torchao passes them) in ``kind``'s layout."""
+    inv = st.q.reciprocal()
     if kind == "TensorWise":
         return inv.reshape(())
     if kind == "BlockWise1x32":
@@ -71,36 +72,36 @@ def _kernel_scale(st: ScaledTensor, kind: str) -> torch.Tensor:
 
 
 def _call(a: ScaledTensor, b: ScaledTensor, ka: str, kb: str, out_dtype) -> torch.Tensor:
-    st = F.ScalingType
     if ka == kb == "TensorWise" or ka == kb == "RowWise":
-        sb = _kernel_scale(b, kb)
         return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(),
-                                scale_a=_kernel_scale(a, ka),
-                                scale_b=sb if kb == "TensorWise" else sb.t(),
+                                scale_a=_kernel_scale(a, ka), scale_b=_kernel_scale(b, kb).t(),
                                 out_dtype=out_dtype)
+    st = F.ScalingType
     return F.scaled_mm(a.data.contiguous(), b.data.contiguous().t(), _kernel_scale(a, ka),
                        getattr(st, ka), _kernel_scale(b, kb).t(), getattr(st, kb),
                        output_dtype=out_dtype)
 
 
+# the tiles and scale kind a probe operand of each kernel scaling type gets
+_PROBE_TILES = {"TensorWise": ("tensor", (1, 1), "fp32"), "RowWise": ("row", (1, 1), "pow2"),
+                "BlockWise1x128": ("block", (1, 128), "fp32"),
+                "BlockWise128x128": ("block", (128, 128), "fp32"),
+                "BlockWise1x32": ("block", (1, 32), "e8m0")}
+_FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
 def _probe(device: torch.device, ka: str, kb: str, da, db, out_dtype) -> bool:
+    """Whether the device's kernel takes this combination, tried once on 128 x 128 codes."""
     key = (device.type, device.index, ka, kb, da, db, out_dtype)
     if key not in _PROBED:
         ok = True
         try:
-            from shardwise.parallel.lowbit.scaling import FORMATS, Scaling, quantize
-            fmt = {v.dtype: k for k, v in FORMATS.items()}
-            tiles = {"TensorWise": ("tensor", (1, 1), "fp32"), "RowWise": ("row", (1, 1), "pow2"),
-                     "BlockWise1x128": ("block", (1, 128), "fp32"),
-                     "BlockWise128x128": ("block", (128, 128), "fp32"),
-                     "BlockWise1x32": ("block", (1, 32), "e8m0")}
-            xs = []
-            for kind, dt in ((ka, da), (kb, db)):
-                g, blk, sc = tiles[kind]
-                xs.append(quantize(torch.randn(128, 128, device=device),
-                                   Scaling(fmt[dt], g, blk, sc))[0])
+            xs = [quantize(torch.randn(128, 128, device=device),
+                           Scaling(_FP8_NAMES[dt], *_PROBE_TILES[kind]))[0]
+                  for kind, dt in ((ka, da), (kb, db))]
             _call(xs[0], xs[1], ka, kb, out_dtype)
-        except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError):
+        except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError,
+                KeyError):
             ok = False
         _PROBED[key] = ok
     return _PROBED[key]

@@ -20,8 +20,10 @@ MX tiles (OCP MX v1.0): ``q = 2^-(floor(log2(amax)) - emax)`` with ``emax`` the 
 format's largest exponent (8 for e4m3), an e8m0 scale; values above ``fmax * 2^e`` saturate.
 NVFP4 tiles are two-level (NVIDIA's recipe): one fp32 tensor multiplier ``g = 448 * 6 /
 amax(x)`` and per 16-element tile an e4m3 scale ``s = e4m3(amax_tile / 6 * g)``; elements
-are ``e2m1(x * g / s)`` and decode as ``code * s / g``. Decoding is always ``code / q``
-(``q.reciprocal()`` as torchao passes it to ``torch._scaled_mm``).
+are ``e2m1(x * g / s)`` and decode as ``code * s / g``. Decoding is always ``code * (1 / q)``
+with ``1 / q`` rounded to fp32: the decode scale torchao passes to ``torch._scaled_mm``, and
+what the CPU kernel multiplies by (torchao's emulation divides by ``q`` instead, which can
+differ by an ulp where ``q`` is not a power of two: bench/results/lowbit_numerics.md).
 
 [Note: non-finite amax] A tile holding inf or nan has a non-finite amax: its multiplier is 0
 or nan and its codes decode to nan, never to a finite number. :func:`quantize` returns that
@@ -35,32 +37,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardwise.parallel.lowbit.codes import (FORMATS, Format, decode, e2m1_round, pack_e2m1,
+                                             unpack_e2m1)
+
 __all__ = ["Format", "FORMATS", "Scaling", "ScaledTensor", "quantize", "dequantize",
            "e2m1_round", "pack_e2m1", "unpack_e2m1"]
 
 EPS = 1e-12
 
-
-@dataclass(frozen=True)
-class Format:
-    """An element format: its name, storage dtype and largest finite value."""
-
-    name: str
-    dtype: torch.dtype
-    max: float
-    emax: int
-    """Exponent of the largest power of two the format holds (MX shared-scale rule)."""
-    bits: int
-
-
-FORMATS = {
-    "e4m3": Format("e4m3", torch.float8_e4m3fn, 448.0, 8, 8),
-    "e5m2": Format("e5m2", torch.float8_e5m2, 57344.0, 15, 8),
-    # e2m1 codes are stored two per byte (torch.float4_e2m1fn_x2's layout, low nibble first).
-    "e2m1": Format("e2m1", torch.uint8, 6.0, 2, 4),
-}
-
 SCALE_KINDS = ("fp32", "pow2", "e8m0", "nvfp4")
+_SCALE_BYTES = {"fp32": 4, "pow2": 4, "e8m0": 1, "nvfp4": 1}  # per tile, as stored
 
 
 @dataclass(frozen=True)
@@ -108,9 +94,10 @@ class Scaling:
 class ScaledTensor:
     """Codes of a ``(R, C)`` matrix and their tile multipliers.
 
-    ``data`` is ``(R, C)`` in the format's dtype (e2m1: ``(R, ceil(C / 2))`` packed bytes);
-    ``q`` holds fp32 multipliers, ``(ceil(R / br), ceil(C / bc))`` (a ``(1, 1)`` tensor for
-    tensorwise); for NVFP4 ``q`` is the tile multiplier including the tensor one.
+    ``data`` is ``(R, C)`` in the format's dtype (e2m1: the e4m3 values of the codes, one per
+    byte, [Note: e2m1 codes held as e4m3]); ``q`` holds fp32 multipliers, ``(ceil(R / br),
+    ceil(C / bc))`` (a ``(1, 1)`` tensor for tensorwise); for NVFP4 ``q`` is the tile
+    multiplier including the tensor one.
     """
 
     data: torch.Tensor
@@ -120,19 +107,33 @@ class ScaledTensor:
 
     def t(self) -> ScaledTensor:
         """The transpose, for a transpose-invariant scaling (no requantisation)."""
-        if not self.scaling.transpose_invariant or self.scaling.fmt == "e2m1":
+        if not self.scaling.transpose_invariant:
             raise ValueError(f"{self.scaling} codes cannot be transposed without requantising")
         return ScaledTensor(self.data.t(), self.q.t(), self.scaling,
                             torch.Size([self.shape[1], self.shape[0]]))
 
     @property
     def nbytes(self) -> int:
-        """Bytes of codes and scales."""
-        return self.data.numel() * self.data.element_size() + self.q.numel() * 4
+        """Bytes of the codes and scales as stored: e2m1 two codes per byte (a row's last
+        byte half used when its length is odd), fp32 scales 4 bytes, e8m0 and NVFP4's e4m3
+        tile scales 1 byte (NVFP4: plus its fp32 tensor scale)."""
+        r, c = self.shape
+        bits = FORMATS[self.scaling.fmt].bits
+        codes = r * ((c * bits + 7) // 8)
+        scales = self.q.numel() * _SCALE_BYTES[self.scaling.scale]
+        return codes + scales + (4 if self.scaling.scale == "nvfp4" else 0)
+
+    def packed(self) -> torch.Tensor:
+        """The codes as stored: fp8 codes as they are; e2m1 two per byte, ``(R, ceil(C /
+        2))`` uint8, low nibble first ([Note: e2m1 codes held as e4m3])."""
+        if self.scaling.fmt == "e2m1":
+            return pack_e2m1(self.data)
+        return self.data
 
 
 def _tiles(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
-    """``(R, C)`` -> zero-padded ``(R // br, br, C // bc, bc)`` view of whole tiles."""
+    """``(R, C)`` -> ``(R', br, C', bc)`` view of whole tiles (zero-padded when the shape
+    does not divide: a copy)."""
     r, c = x.shape
     pr, pc = -r % br, -c % bc
     if pr or pc:
@@ -140,25 +141,30 @@ def _tiles(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     return x.view((r + pr) // br, br, (c + pc) // bc, bc)
 
 
-def _expand(q: torch.Tensor, br: int, bc: int, r: int, c: int) -> torch.Tensor:
-    """Tile multipliers ``(R', C')`` -> per-element ``(r, c)``."""
-    if q.shape == (1, 1):
-        return q
-    return q.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c]
+def _untile(t: torch.Tensor, r: int, c: int) -> torch.Tensor:
+    """Inverse of :func:`_tiles`: the ``(r, c)`` matrix, padding cut off."""
+    m = t.reshape(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+    return m if m.shape == (r, c) else m[:r, :c].contiguous()
 
 
-def _amax(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
-    """Per-tile absmax of fp32 ``x``, ``(R', C')``; nan / inf propagate."""
-    r, c = x.shape
-    if (br, bc) == (r, c):
-        return x.abs().amax().reshape(1, 1) if x.numel() else x.new_zeros(1, 1)
-    if br == 1 and bc == c:
-        return x.abs().amax(dim=1, keepdim=True)
-    return _tiles(x.abs(), br, bc).amax(dim=(1, 3))
+def _tile_amax(tiles: torch.Tensor) -> torch.Tensor:
+    """Per-tile absmax of ``(R', br, C', bc)`` tiles -> ``(R', C')``; nan and inf propagate.
+
+    A tile's columns are folded in halves with ``maximum`` first: a reduction along a strided
+    dim (the rows of a transposed operand, as the weight-gradient matmul casts them) runs
+    about 10x slower than these folds, which read any layout at memory speed.
+    """
+    a = tiles.abs()
+    if a.shape[0] == a.shape[2] == 1:
+        return a.amax().reshape(1, 1)
+    while a.shape[3] > 1 and a.shape[3] % 2 == 0:
+        h = a.shape[3] // 2
+        a = torch.maximum(a[..., :h], a[..., h:])
+    return a.amax(dim=(1, 3))
 
 
-def _fp8_multiplier(amax: torch.Tensor, fmt: Format, pow2: bool) -> torch.Tensor:
-    q = (fmt.max / amax.double().clamp(min=EPS)).float()  # [Note: low-bit scale arithmetic]
+def _fp8_multiplier(amax: torch.Tensor, fmax: float, pow2: bool) -> torch.Tensor:
+    q = (fmax / amax.double().clamp(min=EPS)).float()  # [Note: low-bit scale arithmetic]
     if pow2:
         q = torch.exp2(torch.floor(torch.log2(q)))
     return torch.where(torch.isfinite(amax), q, torch.nan)
@@ -171,48 +177,38 @@ def _mx_multiplier(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), q, torch.nan)
 
 
-def _e4m3_round(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+def _nvfp4_multiplier(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Per tile ``g / s``: the fp32 tensor multiplier ``g`` lands the tile scales in e4m3's
+    range, ``s`` is the tile's e4m3 scale ([Note: low-bit scale arithmetic])."""
+    g = _fp8_multiplier(amax.amax().reshape(1, 1), 448.0 * fmt.max, False)
+    s = (amax / fmt.max * g).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return torch.where(s > 0, g / s, g)  # per tile: x * q lands in [-6, 6]
 
 
-_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 ``x`` to the nearest e2m1 value (ties to even code), saturating at 6."""
-    a = x.abs().clamp(max=6.0)
-    grid = torch.tensor(_E2M1_GRID, device=x.device)
-    mid = (grid[1:] + grid[:-1]) / 2  # (7,)
-    idx = torch.bucketize(a, mid)  # a tie lands on the lower code ...
-    tie = (idx < 7) & (a == mid[idx.clamp(max=6)])
-    idx = idx + (tie & (idx % 2 == 1)).long()  # ... and moves up when that code is odd
-    return torch.copysign(grid[idx], x)
-
-
-def pack_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """e2m1 values ``(R, C)`` -> codes packed two per byte ``(R, ceil(C / 2))``."""
-    grid = torch.tensor(_E2M1_GRID, device=v.device)
-    idx = torch.searchsorted(grid, v.abs().contiguous())
-    code = (idx | (torch.signbit(v).long() << 3)).to(torch.uint8)
-    if code.shape[1] % 2:
-        code = F.pad(code, (0, 1))
-    return code[:, 0::2] | (code[:, 1::2] << 4)
-
-
-def unpack_e2m1(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    """Codes packed two per byte -> fp32 e2m1 values ``(R, cols)``."""
-    grid = torch.tensor(_E2M1_GRID, device=packed.device)
-    code = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(1)[:, :cols].long()
-    val = grid[code & 7]
-    return torch.where(code >= 8, -val, val)
+def _multiplier(amax: torch.Tensor, scaling: Scaling, fmt: Format) -> torch.Tensor:
+    if scaling.scale == "nvfp4":
+        return _nvfp4_multiplier(amax, fmt)
+    if scaling.scale == "e8m0":
+        return _mx_multiplier(amax, fmt)
+    return _fp8_multiplier(amax, fmt.max, scaling.scale == "pow2")
 
 
 def quantize(x: torch.Tensor, scaling: Scaling) -> tuple[ScaledTensor, torch.Tensor]:
     """Quantise a 2-D ``x`` (contraction dim last) as ``scaling`` says.
 
+    Runs without a host sync: no value of ``x`` reaches Python, so a step stays asynchronous
+    on an accelerator and traces whole under ``torch.compile``.
+
+    Args:
+        x: a ``(R, C)`` floating tensor, any layout (a transposed view is read in place).
+        scaling: the tiles, element format and scale kind.
+
     Returns:
         ``(scaled, bad)``: the codes and multipliers, and a 0-d bool tensor that is true
         when a tile's amax was not finite ([Note: non-finite amax]).
+
+    Raises:
+        ValueError: ``x`` is not 2-D.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize needs a 2-D matrix, got shape {tuple(x.shape)}")
@@ -220,31 +216,25 @@ def quantize(x: torch.Tensor, scaling: Scaling) -> tuple[ScaledTensor, torch.Ten
     xf = x.float()
     r, c = xf.shape
     br, bc = scaling.tile(r, c)
-    amax = _amax(xf, br, bc)
+    tiles = _tiles(xf, br, bc)  # (R', br, C', bc)
+    amax = _tile_amax(tiles)  # (R', C')
     bad = ~torch.isfinite(amax).all()
-    if scaling.scale == "nvfp4":
-        g = _fp8_multiplier(amax.amax().reshape(1, 1), Format("", fmt.dtype, 448.0 * 6.0, 0, 0),
-                            False)  # tensor multiplier: tile scales land in e4m3's range
-        s = _e4m3_round(amax / fmt.max * g)  # e4m3 tile scales, (R', C')
-        q = torch.where(s > 0, g / s, g)  # per tile: x * q lands in [-6, 6]
-    elif scaling.scale == "e8m0":
-        q = _mx_multiplier(amax, fmt)
-    else:
-        q = _fp8_multiplier(amax, fmt, scaling.scale == "pow2")
-    y = xf * _expand(q, br, bc, r, c)
+    q = _multiplier(amax, scaling, fmt)
+    y = tiles * q[:, None, :, None]
     if fmt.name == "e2m1":
-        data = pack_e2m1(e2m1_round(y.nan_to_num(0.0)))
+        # nan (a bad tile: q is nan) -> code 0; the tile still decodes to nan through 1 / q
+        codes = e2m1_round(y.nan_to_num_(0.0)).to(fmt.dtype)
     else:
-        data = y.clamp(-fmt.max, fmt.max).to(fmt.dtype)  # saturating: finite stays finite
-    return ScaledTensor(data, q, scaling, torch.Size((r, c))), bad
+        codes = y.clamp_(-fmt.max, fmt.max).to(fmt.dtype)  # saturating: finite stays finite
+    return ScaledTensor(_untile(codes, r, c), q, scaling, torch.Size((r, c))), bad
 
 
 def dequantize(st: ScaledTensor) -> torch.Tensor:
-    """Codes -> fp32 ``(R, C)``: ``code / q`` per tile (exactly what the matmul sees)."""
+    """Codes -> fp32 ``(R, C)``: ``code * (1 / q)`` per tile (exactly what the matmul sees)."""
     r, c = st.shape
+    inv = st.q.reciprocal()
+    if inv.numel() == 1 and st.scaling.granularity == "tensor":
+        return decode(st.data, inv)  # the scale folded into the decode table
     br, bc = st.scaling.tile(r, c)
-    if st.scaling.fmt == "e2m1":
-        codes = unpack_e2m1(st.data, c)
-    else:
-        codes = st.data.float()
-    return codes * _expand(st.q.reciprocal(), br, bc, r, c)
+    tiles = _tiles(decode(st.data), br, bc).mul_(inv[:, None, :, None])
+    return _untile(tiles, r, c)
