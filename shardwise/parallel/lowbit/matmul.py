@@ -62,17 +62,23 @@ def _kind(st: ScaledTensor) -> str | None:
 
 
 def _kernel_scale(st: ScaledTensor, kind: str) -> torch.Tensor:
-    """``st``'s decode scales (``1 / q``, as torchao passes them) in ``kind``'s layout."""
+    """``st``'s decode scales (``1 / q``, as torchao passes them) in ``kind``'s layout; a
+    tensorwise operand of a rowwise call repeats its one scale per row (torchao's
+    ``preprocess_addmm``: exact, the kernel sees the same number on every row)."""
     inv = st.q.reciprocal()
     if kind == "TensorWise":
         return inv.reshape(())
+    if kind == "RowWise":
+        return inv.expand(st.shape[0], 1).contiguous()
     if kind == "BlockWise1x32":
         return inv.to(torch.float8_e8m0fnu)
     return inv.contiguous()
 
 
 def _call(a: ScaledTensor, b: ScaledTensor, ka: str, kb: str, out_dtype) -> torch.Tensor:
-    if ka == kb == "TensorWise" or ka == kb == "RowWise":
+    if {ka, kb} <= {"TensorWise", "RowWise"}:
+        if ka != kb:  # scaled_mm takes two tensorwise or two rowwise operands, not one each
+            ka = kb = "RowWise"
         return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(),
                                 scale_a=_kernel_scale(a, ka), scale_b=_kernel_scale(b, kb).t(),
                                 out_dtype=out_dtype)

@@ -19,8 +19,10 @@ Recipes (the sources they follow):
   in fp8 ([Note: fp8 weight gathers] in ``gather.py``).
 * ``fp8_rowwise``: e4m3 everywhere, one power-of-two scale per row along each contraction
   dim (torchao's "rowwise" recipe).
-* ``fp8_rowwise_gw_hp``: as rowwise, the weight-gradient matmul in high precision
-  (torchao's "rowwise_with_gw_hp"): the most precise fp8 recipe.
+* ``fp8_rowwise_gw_hp``: torchao's "rowwise_with_gw_hp": as rowwise, but the weight in the
+  input-gradient matmul takes one power-of-two scale for the whole tensor (as torchao's does;
+  the kernel repeats it per row), and the weight-gradient matmul runs in high precision: the
+  most precise fp8 recipe.
 * ``fp8_blockwise``: DeepSeek-V3's: e4m3, ``1 x 128`` tiles for activations and gradients,
   ``128 x 128`` blocks for weights, fp32 scales, fp32 accumulation.
 * ``mxfp8``: OCP MX: e4m3 elements, one e8m0 (power-of-two) scale per 32 elements along the
@@ -82,6 +84,7 @@ def _s(fmt: str, gran: str, block: tuple[int, int] = (1, 1), scale: str = "fp32"
 
 _TW, _TW_GRAD = _s("e4m3", "tensor"), _s("e5m2", "tensor")
 _ROW = _s("e4m3", "row", scale="pow2")
+_TW_POW2 = _s("e4m3", "tensor", scale="pow2")
 _TILE, _BLOCK = _s("e4m3", "block", (1, 128)), _s("e4m3", "block", (128, 128))
 _MX = _s("e4m3", "block", (1, 32), "e8m0")
 _NV = _s("e2m1", "block", (1, 16), "nvfp4")
@@ -91,8 +94,8 @@ RECIPES: dict[str, Recipe] = {
                              16, 8, "TensorWise"),
     "fp8_rowwise": Recipe("fp8_rowwise", _ROW, _ROW, _ROW, _ROW, _ROW, _ROW, 16, 8,
                           "RowWise"),
-    "fp8_rowwise_gw_hp": Recipe("fp8_rowwise_gw_hp", _ROW, _ROW, _ROW, _ROW, None, None, 16,
-                                8, "RowWise"),
+    "fp8_rowwise_gw_hp": Recipe("fp8_rowwise_gw_hp", _ROW, _ROW, _ROW, _TW_POW2, None, None,
+                                16, 8, "RowWise"),
     "fp8_blockwise": Recipe("fp8_blockwise", _TILE, _BLOCK, _TILE, _BLOCK, _TILE, _TILE, 128,
                             8, "BlockWise1x128"),
     "mxfp8": Recipe("mxfp8", _MX, _MX, _MX, _MX, _MX, _MX, 32, 8, "BlockWise1x32"),
