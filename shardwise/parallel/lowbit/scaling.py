@@ -18,6 +18,10 @@ exactly torchao's ``amax_to_scale``, so our codes equal torchao's bit for bit. T
 1e-12 keeps an all-zero tile from giving an infinite multiplier (``0 * inf`` would be nan).
 MX tiles (OCP MX v1.0): ``q = 2^-(floor(log2(amax)) - emax)`` with ``emax`` the element
 format's largest exponent (8 for e4m3), an e8m0 scale; values above ``fmax * 2^e`` saturate.
+These are torchao's MX codes (FLOOR mode) bit for bit, except in tiles torchao treats
+inconsistently: a tile whose amax is below 2^-118 torchao encodes with 2^-126 but labels
+2^-127 (its decode halves such a tile; ours encodes and decodes with 2^-127), and a tile
+holding inf torchao saturates to 448 under a 2^120 scale (ours: [Note: non-finite amax]).
 NVFP4 tiles are two-level (NVIDIA's recipe): one fp32 tensor multiplier ``g = 448 * 6 /
 amax(x)`` and per 16-element tile an e4m3 scale ``s = e4m3(amax_tile / 6 * g)``; elements
 are ``e2m1(x * g / s)`` and decode as ``code * s / g``. Decoding is always ``code * (1 / q)``
@@ -171,9 +175,15 @@ def _fp8_multiplier(amax: torch.Tensor, fmax: float, pow2: bool) -> torch.Tensor
 
 
 def _mx_multiplier(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """OCP MX shared scale: 2^(floor(log2 amax) - emax), clamped to e8m0's range."""
-    e = torch.floor(torch.log2(amax.clamp(min=2.0**-126))) - fmt.emax
-    q = torch.exp2(-e.clamp(-127, 127))
+    """OCP MX shared scale ``2^(floor(log2 amax) - emax)``, clamped to e8m0's range.
+
+    ``floor(log2 amax)`` is read from amax's fp32 exponent bits, as torchao's FLOOR mode
+    does: ``torch.log2`` rounds up to the next integer just below a power of two (2^20 less
+    an ulp gave 20), which made the scale twice too large there. A subnormal or zero amax
+    reads -127 (the multiplier then saturates at 2^127).
+    """
+    e = ((amax.contiguous().view(torch.int32) >> 23) & 0xFF) - 127 - fmt.emax
+    q = torch.exp2(-e.clamp(-127, 127).float())
     return torch.where(torch.isfinite(amax), q, torch.nan)
 
 
