@@ -12,10 +12,14 @@ scales serves one matmul. A :class:`Scaling` says how the scales are laid out:
 
 [Note: low-bit scale arithmetic] The codes are ``sat(x * q)`` where ``q`` is the *quantisation
 multiplier* of ``x``'s tile and ``sat`` clamps to the format's largest finite value before the
-cast (so nothing finite overflows to inf or nan). For fp8 tiles, ``q = fmax / max(amax,
-1e-12)`` computed in float64 and rounded to fp32, optionally rounded down to a power of two:
-exactly torchao's ``amax_to_scale``, so our codes equal torchao's bit for bit. The clamp at
-1e-12 keeps an all-zero tile from giving an infinite multiplier (``0 * inf`` would be nan).
+cast (so nothing finite overflows to inf or nan). For fp8 tiles, ``q = fmax / clamp(amax,
+1e-12, 2^127)`` computed in float64 and rounded to fp32, optionally rounded down to a power
+of two: torchao's ``amax_to_scale``, so our codes equal torchao's bit for bit wherever amax
+is below 2^127. The clamp at 1e-12 keeps an all-zero tile from giving an infinite
+multiplier (``0 * inf`` would be nan); the clamp at 2^127 keeps every decoded code finite:
+without it a tile near fp32's largest value (3.4e38) rounds its amax element's code up and
+decodes it as 2^128 = inf (torchao does), with it values above 2^127 saturate to 2^127
+(times at most 1.75 for a power-of-two multiplier, still finite).
 MX tiles (OCP MX v1.0): ``q = 2^-(floor(log2(amax)) - emax)`` with ``emax`` the element
 format's largest exponent (8 for e4m3), an e8m0 scale; values above ``fmax * 2^e`` saturate.
 These are torchao's MX codes (FLOOR mode) bit for bit, except in tiles torchao treats
@@ -48,6 +52,7 @@ __all__ = ["Format", "FORMATS", "Scaling", "ScaledTensor", "quantize", "dequanti
            "e2m1_round", "pack_e2m1", "unpack_e2m1"]
 
 EPS = 1e-12
+AMAX_CAP = 2.0 ** 127  # [Note: low-bit scale arithmetic]
 
 SCALE_KINDS = ("fp32", "pow2", "e8m0", "nvfp4")
 _SCALE_BYTES = {"fp32": 4, "pow2": 4, "e8m0": 1, "nvfp4": 1}  # per tile, as stored
@@ -168,7 +173,7 @@ def _tile_amax(tiles: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_multiplier(amax: torch.Tensor, fmax: float, pow2: bool) -> torch.Tensor:
-    q = (fmax / amax.double().clamp(min=EPS)).float()  # [Note: low-bit scale arithmetic]
+    q = (fmax / amax.double().clamp(EPS, AMAX_CAP)).float()  # [Note: low-bit scale arithmetic]
     if pow2:
         q = torch.exp2(torch.floor(torch.log2(q)))
     return torch.where(torch.isfinite(amax), q, torch.nan)
