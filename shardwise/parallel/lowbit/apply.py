@@ -68,9 +68,8 @@ def _lowbit_class(cls: type) -> type:
 
 def _in_block(name: str, lists: set[str]) -> bool:
     """Whether module ``name`` sits inside an element of one of the ModuleLists ``lists``."""
-    parts = name.split(".")
-    return any(".".join(parts[:i]) in lists and i < len(parts) - 1
-               for i in range(1, len(parts)))
+    parts = name.split(".")  # the list itself may be the root (name "")
+    return any(".".join(parts[:i]) in lists for i in range(len(parts) - 1))
 
 
 def _is_router(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
