@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,18 +107,23 @@ def _grid(layouts: bool) -> list[tuple[str, str, list[str]]]:
     return rows
 
 
-def run(layouts: bool, steps: int, seeds: list[int], workdir: Path, log) -> list[dict]:
-    """Every row of the grid for every seed; returns the records."""
-    out = []
-    for seed in seeds:
-        for layout, matmul, extra in _grid(layouts):
-            d = workdir / f"{layout.replace(' ', '_')}-{matmul}-s{seed}"
-            rec = _run([*extra, "--precision.matmul", matmul], d, steps, seed)
-            rec.update(layout=layout, matmul=matmul, seed=seed, steps=steps)
-            out.append(rec)
-            log(f"{layout:>18} {matmul:>18} seed {seed}: tail {rec.get('tail_mean')} "
-                f"({rec['wall_s']} s){' ERROR' if 'error' in rec else ''}")
-    return out
+def run(layouts: bool, steps: int, seeds: list[int], workdir: Path, log,
+        jobs: int = 1) -> list[dict]:
+    """Every row of the grid for every seed, ``jobs`` runs at a time (each run's ranks use
+    one thread: the losses do not depend on it); returns the records in grid order."""
+    rows = [(seed, *row) for seed in seeds for row in _grid(layouts)]
+
+    def one(row):
+        seed, layout, matmul, extra = row
+        d = workdir / f"{layout.replace(' ', '_')}-{matmul}-s{seed}"
+        rec = _run([*extra, "--precision.matmul", matmul], d, steps, seed)
+        rec.update(layout=layout, matmul=matmul, seed=seed, steps=steps)
+        log(f"{layout:>18} {matmul:>18} seed {seed}: tail {rec.get('tail_mean')} "
+            f"({rec['wall_s']} s){' ERROR' if 'error' in rec else ''}")
+        return rec
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, rows))
 
 
 def gaps(records: list[dict]) -> list[dict]:
@@ -138,8 +144,8 @@ def markdown(records: list[dict], steps: int, cmd: str) -> str:
              f"Regenerate: `{cmd}`. Mean train loss of the last {TAIL} steps and its gap "
              "relative to bf16 of the same seed and layout; target |gap| <= 0.25% for the "
              "fp8 recipes in every seed (mxfp8, nvfp4 reported). Step time: median seconds "
-             "per step on this 2-core CPU, emulated low-bit matmuls (it measures the "
-             "emulation's overhead, nothing about GPU speed).", ""]
+             "per step on this shared 2-core CPU, two runs at a time, emulated low-bit "
+             "matmuls (it measures the emulation's overhead, nothing about GPU speed).", ""]
     head = "| layout | matmul | " + " | ".join(f"seed {s} loss | seed {s} gap" for s in seeds)
     lines += [head + " | finite | step s | target |",
               "|" + "---|" * (3 + 2 * len(seeds) + 2)]
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--layouts", action="store_true", help="the 2-rank layout grid")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
     p.add_argument("--quick", action="store_true", help="6 steps, seed 0, results to a tmp dir")
     p.add_argument("--out", default="", help="results stem (default bench/results/lowbit_train"
                                              "[_layouts])")
@@ -185,7 +192,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     stem = Path(a.out) if a.out else (tmp / "lowbit_train" if a.quick else
                                        RESULTS / ("lowbit_train_layouts" if a.layouts
                                                   else "lowbit_train"))
-    records = gaps(run(a.layouts, steps, seeds, tmp / "runs", lambda m: print(m, flush=True)))
+    records = gaps(run(a.layouts, steps, seeds, tmp / "runs", lambda m: print(m, flush=True),
+                        a.jobs))
     cmd = "python -m bench.lowbit_train" + (" --layouts" if a.layouts else "") + \
         (f" --steps {steps}" if steps != 300 else "")
     stem.parent.mkdir(parents=True, exist_ok=True)
