@@ -343,11 +343,17 @@ class Unit:
         """[Note: hierarchical partition] Rank j of a node of k keeps the primary shards of
         shard ranks j, j + k, j + 2k, ...: an all-gather inside the node then yields every
         rank's shard, node-major, which the copy-out reorders for free. The kept rows carry
-        their identity trailers, so the node gather is checked like the primary one."""
-        k, m, row = self.node.size, self.node.count, self.wire_row
+        their identity trailers, so the node gather is checked like the primary one; a
+        quantised gather decoded its rows and brought the trailers apart, which rejoin them."""
+        k, m, row, s = self.node.size, self.node.count, self.wire_row, self.layout.shard_numel
         self.drop_secondary()
         self.secondary = POOL.take(m * row, self.compute_dtype, self.device)
-        self.secondary.view(m, row).copy_(gathered.view(m, k, row)[:, self.node.index])
+        kept, j = self.secondary.view(m, row), self.node.index
+        if self.quant.weights:
+            kept[:, :s].copy_(gathered.view(m, k, s)[:, j])
+            kept[:, s:].view(torch.uint8).copy_(self.gather_work.trailers.view(m, k, -1)[:, j])
+        else:
+            kept.copy_(gathered.view(m, k, row)[:, j])
         self.tracker.add("secondary", _nbytes(self.secondary))
 
     def drop_secondary(self) -> None:
