@@ -209,9 +209,9 @@ def _validate_comm(quant, stage: int, reshard_after_forward: bool, module: nn.Mo
                  and getattr(getattr(m, CODES_ATTR, None), "kind", None) == quant.weights), None)
     if lent is not None:
         raise ValueError(f"comm.hierarchy={quant.hierarchy} with comm.weights={quant.weights!r}: "
-                         f"module {lent!r} is gathered as {quant.weights} codes ([Note: scaled "
-                         f"gathers in the engine]) and the secondary partition keeps "
-                         f"compute-dtype rows, not codes; use one or the other")
+                         f"module {lent!r} is gathered as {quant.weights} codes and the "
+                         f"secondary partition keeps compute-dtype rows, not codes "
+                         f"(shard/scaled_gather.py); use one or the other")
 
 
 def _register_casts(module: nn.Module, mp: MixedPrecision) -> None:
