@@ -272,6 +272,15 @@ def test_the_trainer_gathers_fp8_tensorwise_weights_in_fp8(tmp_path):
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
 
 
+def test_the_start_line_says_the_converted_weights_travel_as_codes():
+    from shardwise.train.trainer import describe_features
+
+    assert "communication weights fp8 (fp8_tensorwise layers as their matmul's codes, the rest " \
+           "unquantised), gradients fp" in describe_features(load_config(None, {**TINY, **FP8}))
+    rowwise = load_config(None, {**TINY, **FP8, "precision.matmul": "fp8_rowwise"})
+    assert "communication weights fp8, gradients fp" in describe_features(rowwise)
+
+
 def test_the_trainer_refuses_hierarchy_with_fp8_codes(capsys, tmp_path):
     message = refused(capsys, *cli_args({**TINY, **FP8, "comm.hierarchy": "2",
                                          "log.dir": str(tmp_path)}), "--nproc", "4")
