@@ -23,7 +23,7 @@ from shardwise.parallel.lowbit import LowBitState, lowbit_modules, nonfinite_ama
 from shardwise.shard.scaled_gather import CODES_ATTR
 from shardwise.testing import run_ranks
 from shardwise.testing.parity import ParityConfig, make_batches, sharded_run
-from shardwise.testing.trainer import cli_args, logged, refused, train_rank
+from shardwise.testing.trainer import cli_args, logged, refused, train_runs
 from shardwise.train.config import load_config
 from shardwise.train.preflight import preflight
 
@@ -256,9 +256,10 @@ FP8 = {"parallel.stage": "3", "comm.weights": "fp8", "precision.matmul": "fp8_te
        "precision.param_dtype": "bf16"}
 
 
-def _train_counting(cfg, data) -> int:  # noqa: ANN001 - preflight's config and data
+def _train_counting(runs: list) -> int:
+    """Train ``(cfg, data)`` runs in turn on one process group; amax all-reduces counted."""
     shardwise.reset_comm_stats()
-    train_rank(cfg, data)
+    train_runs(runs)
     return shardwise.comm_stats().label("amax_all_reduce").calls
 
 
@@ -267,9 +268,23 @@ def test_the_trainer_gathers_fp8_tensorwise_weights_in_fp8(tmp_path):
     cfg, data = preflight(cfg, world_size=2)
     # one amax all-reduce per step, and one for the final validation (after the last
     # update: new shards): the flags reached the engine's fp8 gathers
-    assert run_ranks(_train_counting, 2, args=(cfg, data), timeout_s=300) == [5, 5]
+    assert run_ranks(_train_counting, 2, args=([(cfg, data)],), timeout_s=300) == [5, 5]
     losses = [r["loss"] for r in logged(tmp_path)]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
+
+
+def test_pipeline_pieces_gather_fp8_codes_bitwise(tmp_path):
+    # pp 2 x dp_shard 2: every piece is a shard call of its own; the embedding and head pieces
+    # lend no codes and still travel unquantised (CommQuant.rest_unquantised, set by the
+    # trainer), so the run is bitwise the compute-dtype gather's
+    runs = [preflight(load_config(None, {**TINY, **FP8, **wire, "parallel.pp": "2",
+                                         "parallel.pp_microbatches": "2",
+                                         "log.dir": str(tmp_path / name)}), world_size=4)
+            for name, wire in (("fp", {"comm.weights": "fp"}), ("fp8", {}))]
+    # one piece with codes per rank: one amax all-reduce a step, and the final validation's
+    assert run_ranks(_train_counting, 4, args=(runs,), timeout_s=600) == [5] * 4
+    fp, fp8 = ([r["loss"] for r in logged(tmp_path / name)] for name in ("fp", "fp8"))
+    assert fp8 == fp and len(fp) == 4, (fp8, fp)
 
 
 def test_the_start_line_says_the_converted_weights_travel_as_codes():

@@ -140,7 +140,7 @@ def _build_units(module, plans, groups, tracker, init_weights, sync_states,
     units = [Unit(p.name, p.module, p.entries, g, tracker, device, mp, nodes[id(g)],
                   quant, UnitTag(state_id, i, p.name or "<root>", names, count), streams)
              for i, (p, g) in enumerate(zip(plans, per_unit))]
-    attach_scaled_gathers(units, quant.weights if quant else None)
+    attach_scaled_gathers(units, quant)
     where = {id(sp.param): sp for u in units for sp in u.params}
     if is_meta and not do_materialize:
         pass  # planning mode: shards stay on the meta device, bytes are still accounted

@@ -8,18 +8,21 @@ recipe: it asks that object for amaxes, multipliers, codes and decoding, and tel
 gathered codes are offered and when they go stale.
 
 [Note: scaled gathers in the engine] With ``CommQuant(weights=k)``, a ``shard`` call one of
-whose weights is lent codes of kind ``k`` gathers every unit through :class:`ScaledGather`:
+whose weights is lent codes of kind ``k`` (or any call, with ``rest_unquantised``) gathers
+every unit through :class:`ScaledGather`:
 
-* scales: one :class:`AgreedScales` per gather group. At the first gather after the shards
-  of its units changed (an optimizer step, a load: the sum of their version counters, as
-  [Note: step identity] counts steps), every rank takes the amax of its rows of every lent
-  weight cast to the compute dtype (padding rows are zeros and change no maximum), and ONE
-  all-reduce(MAX) of that vector, for all units at once, gives every rank every whole
-  weight's amax, hence the multiplier the layer's own cast of the gathered compute-dtype
-  weight would compute. A nan amax travels as inf: Gloo's MAX keeps or drops a nan by the
-  order it meets it (without this, a rank missed its peer's nan), and either gives a nan
-  multiplier, as the layer's own cast would ([Note: non-finite amax]).
+* scales: one :class:`AgreedScales` per call and gather group. At the first gather after
+  the shards of its units changed (an optimizer step, a load: the sum of their version
+  counters, as [Note: step identity] counts steps), every rank takes the amax of its rows of
+  every lent weight cast to the compute dtype (padding rows are zeros and change no
+  maximum), and ONE all-reduce(MAX) of that vector, for all units at once, gives every rank
+  every whole weight's amax, hence the multiplier the layer's own cast of the gathered
+  compute-dtype weight would compute. A nan amax travels as inf: Gloo's MAX keeps or drops
+  a nan by the order it meets it (without this, a rank missed its peer's nan), and either
+  gives a nan multiplier, as the layer's own cast would ([Note: non-finite amax]).
   Micro-batches, backward regathers and prefetches of the same shards reuse the agreement.
+  A pipeline shards each piece by a call of its own, so its rank agrees once per piece
+  that has codes (a few bytes each), not once for all of them.
 * wire: one ``all_gather_quantized`` per unit, as every ``comm.weights`` gather; a row is
   the unit's other parameters unquantised in the compute dtype, then the lent weights'
   codes (1 byte per element, padding rows included), then the identity trailer ([Note:
@@ -37,6 +40,8 @@ whose weights is lent codes of kind ``k`` gathers every unit through :class:`Sca
   make the whole run bitwise that of the compute-dtype gather (the drift torchao#4300
   reports cannot happen). In a block they are a small share (norms, biases); the embedding
   and the head move the compute dtype's bytes, half of which the blockwise codec saved.
+  Sharded by calls of their own (pipeline pieces), they need ``rest_unquantised``, which
+  the trainer sets whenever the recipe gathers codes.
 
 The hierarchical partition (``comm.hierarchy``) keeps decoded compute-dtype rows for the
 backward's node gather, not codes, so ``shard`` refuses it, before any collective, in a call
@@ -54,6 +59,7 @@ import torch.distributed as dist
 
 from shardwise.distributed import comm
 from shardwise.distributed.pool import POOL
+from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.param import ShardedParam
 from shardwise.sizes import nbytes as _nbytes
 
@@ -228,14 +234,15 @@ class ScaledGather:
             self.codes = None
 
 
-def attach_scaled_gathers(units: list[Unit], kind: str | None) -> None:
+def attach_scaled_gathers(units: list[Unit], quant: CommQuant | None) -> None:
     """Give every unit of one ``shard`` call a :class:`ScaledGather` when the call gathers
-    weights as ``kind`` and one of its weights is lent codes of that kind; one
-    :class:`AgreedScales` per gather group ([Note: scaled gathers in the engine])."""
-    if kind is None or not units:
+    weights as ``quant.weights`` and one of its weights is lent codes of that kind (or
+    ``quant.rest_unquantised``); one :class:`AgreedScales` per gather group ([Note: scaled
+    gathers in the engine])."""
+    if quant is None or quant.weights is None or not units:
         return
-    plans = [ScaledGather(u, kind) for u in units]
-    if not any(p.coded for p in plans):
+    plans = [ScaledGather(u, quant.weights) for u in units]
+    if not quant.rest_unquantised and not any(p.coded for p in plans):
         return  # nothing lent: every unit keeps the blockwise codec
     groups: dict[int, tuple[object, list[Unit]]] = {}
     for u, plan in zip(units, plans):
