@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["Format", "FORMATS", "Scaling", "ScaledTensor", "quantize", "dequantize",
-           "e2m1_round", "pack_e2m1", "unpack_e2m1"]
+           "tile_amax", "multipliers", "encode", "e2m1_round", "pack_e2m1", "unpack_e2m1"]
 
 EPS = 1e-12
 
@@ -207,6 +207,39 @@ def unpack_e2m1(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.where(code >= 8, -val, val)
 
 
+def tile_amax(x: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """Per-tile absmax of a 2-D ``x`` as fp32 ``(R', C')`` (``(1, 1)`` for tensorwise); nan
+    and inf propagate."""
+    r, c = x.shape
+    return _amax(x.float(), *scaling.tile(r, c))
+
+
+def multipliers(amax: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """The quantisation multipliers ``q`` of tiles with absmax ``amax`` ([Note: low-bit scale
+    arithmetic]); nan where ``amax`` is not finite."""
+    fmt = FORMATS[scaling.fmt]
+    if scaling.scale == "nvfp4":
+        g = _fp8_multiplier(amax.amax().reshape(1, 1), Format("", fmt.dtype, 448.0 * 6.0, 0, 0),
+                            False)  # tensor multiplier: tile scales land in e4m3's range
+        s = _e4m3_round(amax / fmt.max * g)  # e4m3 tile scales, (R', C')
+        return torch.where(s > 0, g / s, g)  # per tile: x * q lands in [-6, 6]
+    if scaling.scale == "e8m0":
+        return _mx_multiplier(amax, fmt)
+    return _fp8_multiplier(amax, fmt, scaling.scale == "pow2")
+
+
+def encode(x: torch.Tensor, q: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """The codes of a 2-D ``x`` under tile multipliers ``q``: ``sat(x * q)`` in the format's
+    dtype (e2m1: packed two per byte). ``q`` may come from a larger matrix ``x`` is a block of
+    rows of (a tensorwise multiplier agreed over ranks): the codes are elementwise."""
+    fmt = FORMATS[scaling.fmt]
+    r, c = x.shape
+    y = x.float() * _expand(q, *scaling.tile(r, c), r, c)
+    if fmt.name == "e2m1":
+        return pack_e2m1(e2m1_round(y.nan_to_num(0.0)))
+    return y.clamp(-fmt.max, fmt.max).to(fmt.dtype)  # saturating: finite stays finite
+
+
 def quantize(x: torch.Tensor, scaling: Scaling) -> tuple[ScaledTensor, torch.Tensor]:
     """Quantise a 2-D ``x`` (contraction dim last) as ``scaling`` says.
 
@@ -216,27 +249,10 @@ def quantize(x: torch.Tensor, scaling: Scaling) -> tuple[ScaledTensor, torch.Ten
     """
     if x.dim() != 2:
         raise ValueError(f"quantize needs a 2-D matrix, got shape {tuple(x.shape)}")
-    fmt = FORMATS[scaling.fmt]
-    xf = x.float()
-    r, c = xf.shape
-    br, bc = scaling.tile(r, c)
-    amax = _amax(xf, br, bc)
-    bad = ~torch.isfinite(amax).all()
-    if scaling.scale == "nvfp4":
-        g = _fp8_multiplier(amax.amax().reshape(1, 1), Format("", fmt.dtype, 448.0 * 6.0, 0, 0),
-                            False)  # tensor multiplier: tile scales land in e4m3's range
-        s = _e4m3_round(amax / fmt.max * g)  # e4m3 tile scales, (R', C')
-        q = torch.where(s > 0, g / s, g)  # per tile: x * q lands in [-6, 6]
-    elif scaling.scale == "e8m0":
-        q = _mx_multiplier(amax, fmt)
-    else:
-        q = _fp8_multiplier(amax, fmt, scaling.scale == "pow2")
-    y = xf * _expand(q, br, bc, r, c)
-    if fmt.name == "e2m1":
-        data = pack_e2m1(e2m1_round(y.nan_to_num(0.0)))
-    else:
-        data = y.clamp(-fmt.max, fmt.max).to(fmt.dtype)  # saturating: finite stays finite
-    return ScaledTensor(data, q, scaling, torch.Size((r, c))), bad
+    amax = tile_amax(x, scaling)
+    q = multipliers(amax, scaling)
+    data = encode(x, q, scaling)
+    return ScaledTensor(data, q, scaling, torch.Size(x.shape)), ~torch.isfinite(amax).all()
 
 
 def dequantize(st: ScaledTensor) -> torch.Tensor:
