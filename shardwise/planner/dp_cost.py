@@ -36,7 +36,7 @@ from shardwise.planner.stage_cost import RankTimes
 from shardwise.quant import packed_nbytes
 
 __all__ = ["dp_times", "dp_exposed", "shard_numel", "reduce_element_bytes", "gather_bytes",
-           "scale_sync_seconds"]
+           "fp8_split", "scale_sync_seconds"]
 
 
 def shard_numel(shapes, world: int) -> int:
@@ -50,9 +50,10 @@ def reduce_element_bytes(wl, zero: int) -> int:
     return 4 if wl.reduce_fp32 else wl.act_bytes if zero > 0 else wl.param_bytes
 
 
-def _split(cm, L: Layout, layers) -> dict:
-    """Each unit's (converted, other) shapes when ``L`` gathers the recipe's weights as fp8
-    codes ([Note: fp8 weight gathers]); empty otherwise."""
+def fp8_split(cm, L: Layout, layers) -> dict:
+    """Each unit's (converted, other) shapes of the rank holding ``layers`` when ``L``
+    gathers the recipe's weights as fp8 codes ([Note: fp8 weight gathers]); empty
+    otherwise."""
     if not cm.stages.offered(L):
         return {}
     key = ("fp8 split", L.tp, L.ep, tuple(layers))
@@ -62,7 +63,7 @@ def _split(cm, L: Layout, layers) -> dict:
 
 def gather_bytes(cm, L: Layout, shapes, world: int, split: dict) -> float:
     """Bytes one rank's shard of a unit of ``shapes`` sends in one all-gather over ``world``
-    ranks: the compute dtype, ``comm_weights``' codes, or with ``split`` (:func:`_split`)
+    ranks: the compute dtype, ``comm_weights``' codes, or with ``split`` (:func:`fp8_split`)
     the converted weights as fp8 codes ([Note: fp8 weight gathers])."""
     n = shard_numel(shapes, world)
     if tuple(shapes) in split:
@@ -78,7 +79,7 @@ def scale_sync_seconds(cm, L: Layout, layers, first: bool, last: bool) -> float:
     """Seconds of a step's scale agreement for fp8 weight gathers on the rank holding
     ``layers``: the amax pass over its converted shards and one all-reduce of 4 bytes a
     converted weight per gather group ([Note: fp8 weight gathers]); 0 without them."""
-    split = _split(cm, L, layers)
+    split = fp8_split(cm, L, layers)
     if not split:
         return 0.0
     _, dense, experts = cm.units(L, layers, first, last)
@@ -113,7 +114,7 @@ def _price(cm, L: Layout, layers, first: bool, last: bool) -> tuple[float, ...]:
     rep = comm_model.place(L.dp_replicate, L.dp_shard * L.cp * L.tp, g)
     gather = first_g = red = last_r = 0.0
     rb = reduce_element_bytes(wl, L.zero)
-    split = _split(cm, L, layers)
+    split = fp8_split(cm, L, layers)
     for grp, units in groups:
         for shapes, count in units:
             if not shapes:

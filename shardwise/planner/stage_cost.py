@@ -176,8 +176,10 @@ class StageCoster:
         return (self.wl.matmul_recipe == "fp8_tensorwise" and L.zero == 3
                 and L.comm_weights == "fp8")
 
-    def _work(self, moe, tp, cp, sp, ep, mb, cp_impl, offered):
-        """(the layer's work, with its recipe's, and the context-parallel sends)."""
+    def work(self, moe: bool, tp: int, cp: int, sp: bool, ep: int, mb: int,
+             cp_impl: str = "ring", offered: bool = False):
+        """(one layer's ``LayerWork`` for a micro-batch of ``mb`` sequences, its ``lowbit``
+        set under a low-bit recipe, and the context-parallel sends or None)."""
         s, wl, spec = self.wl.seq_len, self.wl, self.spec
         tokens = mb * s / cp
         sends = context_sends(spec, cp_impl, cp, tp, mb, s, wl.act_bytes) if cp > 1 else None
@@ -197,7 +199,7 @@ class StageCoster:
                      ) -> LayerTimes:
         s, wl, hw, spec = self.wl.seq_len, self.wl, self.hw, self.spec
         tokens = mb * s / cp
-        w, sends = self._work(moe, tp, cp, sp, ep, mb, cp_impl, offered)
+        w, sends = self.work(moe, tp, cp, sp, ep, mb, cp_impl, offered)
         fwd, bwd, wgrad, cheap = self.device.layer_seconds(spec, wl, w, tp, sp, moe)
         replayed = replayed_matmuls(spec, moe, tokens, tp, w.gemms) \
             if ac == "selective" and wl.selective_ac == "alternate_mm" else []
