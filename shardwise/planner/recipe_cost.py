@@ -17,8 +17,10 @@ norms, routers and attention core keep the compute dtype. Per layer and micro-ba
   NVFP4 besides) and shardwise calls it. Elsewhere the recipe is *emulated*, as
   ``scaled_matmul`` runs it there: the codes are dequantised to fp32 and multiplied at the
   device's fp32 rate ([Note: emulated low-bit multiplies] in recipe_work.py), never faster
-  than the compute dtype. The efficiency curve is the family's, fitted on bf16 runs: an fp8
-  multiply of ``F`` FLOPs reaches the fraction of its own peak a bf16 one does;
+  than the compute dtype. The efficiency curve is the family's, fitted on bf16 runs: a large
+  multiply reaches ``matmul_max`` of the recipe's peak as of bf16's, and each kernel pays
+  the same fixed seconds at either rate (the half-size ``matmul_half``, ``peak x 4 us``,
+  scaled by the peaks' ratio), so a small multiply gains less than the peaks' ratio;
 * the casts and their amax passes ([Note: low-bit casts]) at the memory bandwidth, forward
   and backward; selective checkpointing replays the forward's with the other
   bandwidth-bound operators, and torchtitan's op policy (``alternate_mm``) replays every
@@ -114,8 +116,12 @@ class RecipeSeconds:
 
 
 def _rates(hw, wl, path: RecipePath):
+    # A kernel's fixed cost (the half-size, peak x 4 us) is seconds, the same at any rate.
+    fixed = hw.replace(matmul_half=hw.matmul_half * hw.peak(path.dtype)
+                       / hw.peak(wl.compute_dtype))
+
     def low(f: float) -> float:
-        return hw.matmul_time(f, path.dtype)
+        return fixed.matmul_time(f, path.dtype)
 
     def high(f: float) -> float:
         return hw.matmul_time(f, wl.compute_dtype)

@@ -41,7 +41,12 @@ cast of ``E`` elements of an ``a``-byte tensor is a memory-bound pass:
   multiply (8 with one scale, 12 with per-element ones), and in fp8 the saturating ``clamp``
   and the cast (13): 39 bytes an element of bf16 for tensorwise, 47 for rowwise, blockwise
   and MXFP8. NVFP4's e2m1 rounding and packing run some twenty integer and float operators
-  (``nan_to_num`` 8, ``e2m1_round`` 162, ``pack_e2m1`` 85.5 bytes an element): 289.5.
+  (``nan_to_num`` 8, ``e2m1_round`` 162, ``pack_e2m1`` 85.5 bytes an element): 289.5. Each
+  tile's scale takes a dozen fp64 and fp32 operators more (about 128 bytes a tile: 101 to
+  168 counted, NVFP4's to rowwise's), and 8 bytes a tile row beyond the first, where the
+  multipliers are repeated along rows before columns (``_expand``). Counted operator by
+  operator with a dispatch mode on shapes the recipes take, these are within 1% of what
+  ``quantize`` moves (tests/test_planner_lowbit.py).
 
 Copies of transposed codes into the layout a kernel takes are left out (fused casts write
 both layouts; eager, a reused code is read and written once more, a byte each).
@@ -50,8 +55,9 @@ both layouts; eager, a reused code is read and written once more, a byte each).
 (``recipe_cost.recipe_path``), ``scaled_matmul`` dequantises both operands of each multiply
 to fp32 (fused: read the codes and scales, write 4 bytes an element; eager: ``float()``, the
 per-element multipliers and the multiply, 13 bytes an fp8 element with one scale, 21 with
-per-element ones, 87 an e2m1 element, whose unpacking alone is 71), multiplies in fp32 and
-casts the product to the compute dtype (``4 + a`` bytes an output element).
+per-element ones, 87 an e2m1 element, whose unpacking alone is 71; and 20 bytes a tile for
+the reciprocal multipliers), multiplies in fp32 and casts the product to the compute dtype
+(``4 + a`` bytes an output element).
 
 [Note: what a recipe saves] fp8_tensorwise saves each converted linear's input as its codes
 (a byte an element and a 4-byte scale: [Note: what the low-bit linear saves] in linear.py);
@@ -84,6 +90,8 @@ __all__ = ["LowBitLinear", "RecipeWork", "block_linears", "recipe_work", "cast_b
 _SCALE_BYTES = {"fp32": 4, "pow2": 4, "e8m0": 1, "nvfp4": 1}
 _E2M1_EAGER = 8 + 162 + 85.5  # nan_to_num, e2m1_round, pack_e2m1 ([Note: low-bit casts])
 _E2M1_UNPACK = 71.0  # unpack_e2m1 ([Note: emulated low-bit multiplies])
+_EAGER_TILE, _EAGER_TILE_ROW, _EAGER_DEQUANT_TILE = 128.0, 8.0, 20.0  # bytes ([Note: low-bit
+# casts], [Note: emulated low-bit multiplies])
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,8 @@ class LowBitLinear:
     """One block linear on one rank for one micro-batch.
 
     Attributes:
-        name: the module's leaf name (wq, wk, wv, wo, w1, w2, w3; experts.w1, ...).
+        name: the module's name in its block (wq, wk, wv, wo, w1, w2, w3; shared_experts.w1;
+            experts.w1 for the routed experts' stacked w1).
         role: the ``LayerWork.gemm_roles`` entry its multiply belongs to.
         rows: rows of its input (tokens; per expert for routed experts).
         k, n: its in and out features on this rank.
@@ -124,7 +133,7 @@ def _mlp(out: list, spec, role: str, hidden: int, rows: float, count: int, tp: i
          reads: tuple[str, str]) -> None:
     d, f = spec.dim, hidden // tp
     ins = ("w1", "w3") if spec.mlp == "swiglu" else ("w1",)
-    prefix = "experts." if role == "experts" else ("shared." if role == "shared" else "")
+    prefix = {"experts": "experts.", "shared": "shared_experts."}.get(role, "")
     for name in ins:
         out.append(LowBitLinear(prefix + name, role, rows, d, f, count, reads[0], (d, hidden)))
     out.append(LowBitLinear(prefix + "w2", role, rows, f, d, count, reads[1], (hidden, d)))
@@ -205,7 +214,10 @@ def cast_bytes(s: Scaling, rows: float, cols: float, act_bytes: int, fused: bool
     per_element = s.granularity != "tensor"
     upcast = 0 if a == 4 else a + 4
     finish = _E2M1_EAGER if s.fmt == "e2m1" else 13.0  # clamp + cast, or e2m1's rounding
-    return e * (upcast + 12 + (16 if per_element else 8) + finish) + _scale_bytes(s, rows, cols)
+    tile_rows = s.block[0] if s.granularity == "block" else 1
+    tiles = _tiles(s, rows, cols) * (_EAGER_TILE + _EAGER_TILE_ROW * (tile_rows - 1))
+    return (e * (upcast + 12 + (16 if per_element else 8) + finish) + tiles
+            + _scale_bytes(s, rows, cols))
 
 
 def dequant_bytes(s: Scaling, rows: float, cols: float, fused: bool) -> float:
@@ -215,7 +227,8 @@ def dequant_bytes(s: Scaling, rows: float, cols: float, fused: bool) -> float:
     if fused:
         return e * (_code_bytes(s) + 4) + _scale_bytes(s, rows, cols)
     read = _E2M1_UNPACK if s.fmt == "e2m1" else 1 + 4
-    return e * (read + (16 if s.granularity != "tensor" else 8)) + _scale_bytes(s, rows, cols)
+    return (e * (read + (16 if s.granularity != "tensor" else 8))
+            + _tiles(s, rows, cols) * _EAGER_DEQUANT_TILE + _scale_bytes(s, rows, cols))
 
 
 def _casts(r: Recipe, lin: LowBitLinear, a: int, fused: bool, offered: bool
