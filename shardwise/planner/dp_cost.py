@@ -14,15 +14,15 @@ compute as the engine schedules them: stage-3 gathers behind the computing unit,
 gathers behind the next forward, reductions behind the last micro-batch's backward; the
 first gather and the last reduction are always exposed.
 
-[Note: fp8 weight gathers] With fp8_tensorwise and ``comm_weights=fp8`` at stage 3, each rank
-casts its shard of every converted weight with a per-tensor scale agreed over the gather
-group and the gathered codes go straight into the multiplies (``shardwise.parallel.lowbit``,
-[Note: offered weights]): a unit's gather moves its converted weights' shards at a byte an
-element, exactly half of a bf16 gather's, and its other parameters (norms, a router) as
-``comm_weights=fp8`` moves them otherwise (blockwise codes, a 4-byte scale per 256). Once a
-step, before the first gather, each rank reads its converted shards for their amax and one
-all-reduce per gather group agrees the scales (4 bytes a converted weight): exposed, like
-the first gather (:func:`scale_sync_seconds`).
+[Note: pricing fp8 weight gathers] With fp8_tensorwise and ``comm_weights=fp8`` at stage 3,
+each rank casts its shard of every converted weight with a per-tensor scale agreed over the
+gather group and the gathered codes go straight into the multiplies
+(``shardwise.parallel.lowbit``, [Note: offered weights]): a unit's gather moves its
+converted weights' shards at a byte an element, exactly half of a bf16 gather's, and its
+other parameters (norms, a router) as ``comm_weights=fp8`` moves them otherwise (blockwise
+codes, a 4-byte scale per 256). Once a step, before the first gather, each rank reads its
+converted shards for their amax and one all-reduce per gather group agrees the scales (4
+bytes a converted weight): exposed, like the first gather (:func:`scale_sync_seconds`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def reduce_element_bytes(wl, zero: int) -> int:
 
 def fp8_split(cm, L: Layout, layers) -> dict:
     """Each unit's (converted, other) shapes of the rank holding ``layers`` when ``L``
-    gathers the recipe's weights as fp8 codes ([Note: fp8 weight gathers]); empty
+    gathers the recipe's weights as fp8 codes ([Note: pricing fp8 weight gathers]); empty
     otherwise."""
     if not cm.stages.offered(L):
         return {}
@@ -64,7 +64,7 @@ def fp8_split(cm, L: Layout, layers) -> dict:
 def gather_bytes(cm, L: Layout, shapes, world: int, split: dict) -> float:
     """Bytes one rank's shard of a unit of ``shapes`` sends in one all-gather over ``world``
     ranks: the compute dtype, ``comm_weights``' codes, or with ``split`` (:func:`fp8_split`)
-    the converted weights as fp8 codes ([Note: fp8 weight gathers])."""
+    the converted weights as fp8 codes ([Note: pricing fp8 weight gathers])."""
     n = shard_numel(shapes, world)
     if tuple(shapes) in split:
         conv, rest = split[tuple(shapes)]
@@ -78,7 +78,7 @@ def gather_bytes(cm, L: Layout, shapes, world: int, split: dict) -> float:
 def scale_sync_seconds(cm, L: Layout, layers, first: bool, last: bool) -> float:
     """Seconds of a step's scale agreement for fp8 weight gathers on the rank holding
     ``layers``: the amax pass over its converted shards and one all-reduce of 4 bytes a
-    converted weight per gather group ([Note: fp8 weight gathers]); 0 without them."""
+    converted weight per gather group ([Note: pricing fp8 weight gathers]); 0 without them."""
     split = fp8_split(cm, L, layers)
     if not split:
         return 0.0

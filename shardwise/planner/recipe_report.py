@@ -3,13 +3,13 @@ converts, and its priced parts in one layout (what ``shardwise plan`` prints and
 ``--json`` records carry as ``matmul_recipe``).
 
     s = recipe_summary(cm, layout)     # cm: a CostModel whose workload has a recipe
-    print("\\n".join(describe_recipe(s)))
+    print("\\n".join(describe_recipe(s, cm.hw.name)))
 
 The parts are per step on the layout's busiest pipeline rank ([Note: pricing a low-bit
 recipe] in recipe_cost.py): the converted multiplies' seconds at the recipe's rate and in
 the compute dtype (forward and backward passes, replays aside), the casts' (with the
-emulation's dequantisations), one gather round of the rank's units in bytes with and
-without fp8 codes ([Note: fp8 weight gathers] in dp_cost.py), the activations the recipe's
+emulation's dequantisations), one gather round of the rank's units in bytes with and without
+fp8 codes ([Note: pricing fp8 weight gathers] in dp_cost.py), the activations the recipe's
 saved codes add a micro-batch, and the step with and without the recipe.
 """
 
