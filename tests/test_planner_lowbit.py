@@ -459,3 +459,21 @@ def test_committed_comparison_is_the_bench_output():
     text = report()
     assert (ROOT / "bench" / "results" / "planner_lowbit.md").read_text() == text
     assert "| fp8_tensorwise, fp8 all-gathers | 7,186 | 1.248 |" in text
+
+
+def test_cpu_ranks_run_every_recipe_emulated():
+    """On CPU ranks (fp32 compute) the emulated multiplies take what fp32 ones take; the
+    casts and dequantisations are what the recipe adds."""
+    from tests.planner_helpers import local_cpu
+    hw, spec = local_cpu(cores=2), get_model_spec("debug")
+    base = Workload(seq_len=128, global_batch=8, compute_dtype="fp32")
+    plain = CostModel(spec, hw, base).estimate(Layout(dp_shard=2, microbatch=4), exact=True)
+    for recipe in RECIPE_NAMES:
+        wl = dataclasses.replace(base, matmul_recipe=recipe)
+        assert not recipe_path(hw, recipe).native
+        sc = StageCoster(spec, device_model(hw), wl)
+        w = sc.work(False, 1, 1, False, 1, 4)[0]
+        rs = recipe_seconds(hw, wl, w)
+        assert rs.mm == pytest.approx(rs.hp) and rs.cast_fwd > 0 and rs.cast_bwd > 0
+        est = CostModel(spec, hw, wl).estimate(Layout(dp_shard=2, microbatch=4), exact=True)
+        assert est.step_time > plain.step_time, recipe

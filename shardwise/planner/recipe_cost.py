@@ -145,7 +145,7 @@ def recipe_seconds(hw, wl, w) -> RecipeSeconds:
     cast_f, cast_b = hw.memory_time(rw.cast_fwd), hw.memory_time(rw.cast_bwd)
     if not path.native:
         cast_f += hw.memory_time(rw.dequant[0])
-        cast_b += hw.memory_time(rw.dequant[1] + (rw.dequant[2] if rw.recipe.grad_gw else 0))
+        cast_b += hw.memory_time(rw.dequant[1] + rw.dequant[2])  # gw_hp's: none
     return RecipeSeconds((mm, mm, gw), (hp, hp, hp), cast_f, cast_b)
 
 

@@ -85,13 +85,14 @@ from shardwise.parallel.lowbit.recipes import Recipe, get_recipe
 from shardwise.parallel.lowbit.scaling import FORMATS, Scaling
 
 __all__ = ["LowBitLinear", "RecipeWork", "block_linears", "recipe_work", "cast_bytes",
-           "dequant_bytes", "keeps_codes", "converted_shapes", "unit_split"]
+           "dequant_bytes", "keeps_codes", "unit_split"]
 
 _SCALE_BYTES = {"fp32": 4, "pow2": 4, "e8m0": 1, "nvfp4": 1}
 _E2M1_EAGER = 8 + 162 + 85.5  # nan_to_num, e2m1_round, pack_e2m1 ([Note: low-bit casts])
 _E2M1_UNPACK = 71.0  # unpack_e2m1 ([Note: emulated low-bit multiplies])
-_EAGER_TILE, _EAGER_TILE_ROW, _EAGER_DEQUANT_TILE = 128.0, 8.0, 20.0  # bytes ([Note: low-bit
-# casts], [Note: emulated low-bit multiplies])
+# Bytes of the eager scale arithmetic: a tile's, a tile row's, a dequantised tile's ([Note:
+# low-bit casts], [Note: emulated low-bit multiplies]).
+_EAGER_TILE, _EAGER_TILE_ROW, _EAGER_DEQUANT_TILE = 128.0, 8.0, 20.0
 
 
 @dataclass(frozen=True)
@@ -302,17 +303,12 @@ class RecipeWork:
 
 
 def _eligible(r: Recipe, lins: list[LowBitLinear]):
-    ok, skipped = [], []
-    for lin in lins:
-        why = r.shape_problem(*lin.full)
-        if why is None:
-            ok.append(lin)
-        else:
-            skipped.append(lin)
-    return ok, skipped
+    """(the linears ``r`` takes, those it skips) by their full shapes."""
+    ok = [x for x in lins if r.shape_problem(*x.full) is None]
+    return ok, [x for x in lins if x not in ok]
 
 
-def _hp_elements(spec, moe: bool, tp: int, sp: bool) -> dict[str, float]:
+def _hp_elements(spec, tp: int, sp: bool) -> dict[str, float]:
     """High-precision elements a token saves of each tensor a linear reads, on this rank
     (work.py's accounting: outside the tensor-parallel regions split by ``sp``)."""
     split = tp if sp else 1
@@ -333,7 +329,7 @@ def _saved_delta(r: Recipe, spec, moe: bool, tokens: float, tp: int, sp: bool, a
     codes = sum(x.count * (x.rows * x.k * _code_bytes(r.input) + 4) for x in ok)
     held = {x.reads for x in skipped} | ({"ffn_in"} if moe else set())  # router reads it
     held |= {"wo_in"} if attn_keeps_output else set()
-    per_token = _hp_elements(spec, moe, tp, sp)
+    per_token = _hp_elements(spec, tp, sp)
     freed = sum(per_token[tag] for tag in {x.reads for x in ok} - held)
     return codes - a * tokens * freed
 
@@ -379,28 +375,19 @@ def recipe_work(spec, moe: bool, tokens: float, tp: int, ep: int, recipe, act_by
         skipped_flops=sum(x.flops for x in skipped))
 
 
-def converted_shapes(spec, index: int, tp: int, ep: int, recipe) -> tuple[list, list]:
-    """(dense unit's, expert unit's) parameter shapes of block ``index`` on one (tp, ep)
-    rank that ``recipe`` converts: what ZeRO-3 gathers as fp8 codes with fp8_tensorwise."""
-    r = get_recipe(recipe)
-    moe = spec.is_moe_layer(index)
-    ok, _ = _eligible(r, block_linears(spec, moe, 1, tp, ep))
-    dense = [x.shape for x in ok if x.role != "experts"]
-    experts = list(spec.expert_shapes(index, tp, ep)) if any(
-        x.role == "experts" for x in ok) else []
-    return dense, experts
-
-
 def unit_split(spec, layers, tp: int, ep: int, recipe) -> dict[tuple, tuple[list, list]]:
     """For each unit of a rank holding ``layers`` (keyed by its shapes, as
-    ``CostModel.units`` lists them): (shapes the recipe converts, the other shapes)."""
-    out: dict[tuple, tuple[list, list]] = {}
+    ``CostModel.units`` lists them): (the weight shapes ``recipe`` converts, the other
+    shapes): what ZeRO-3 gathers as fp8 codes with fp8_tensorwise."""
+    r, out = get_recipe(recipe), {}
     for i in layers:
-        dense, experts = converted_shapes(spec, i, tp, ep, recipe)
-        for unit, conv in ((tuple(spec.block_shapes(i, tp, ep, experts=False)), dense),
-                           (tuple(spec.expert_shapes(i, tp, ep)), experts)):
-            if not unit or unit in out:
-                continue
-            assert Counter(conv) <= Counter(unit), "converted shapes outside the unit"
-            out[unit] = (conv, list((Counter(unit) - Counter(conv)).elements()))
+        ok, _ = _eligible(r, block_linears(spec, spec.is_moe_layer(i), 1, tp, ep))
+        experts = list(spec.expert_shapes(i, tp, ep))
+        for unit, conv in ((tuple(spec.block_shapes(i, tp, ep, experts=False)),
+                            [x.shape for x in ok if x.role != "experts"]),
+                           (tuple(experts), experts if any(x.role == "experts" for x in ok)
+                            else [])):
+            if unit and unit not in out:
+                assert Counter(conv) <= Counter(unit), "converted shapes outside the unit"
+                out[unit] = (conv, list((Counter(unit) - Counter(conv)).elements()))
     return out
