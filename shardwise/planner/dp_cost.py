@@ -18,11 +18,13 @@ first gather and the last reduction are always exposed.
 each rank casts its shard of every converted weight with a per-tensor scale agreed over the
 gather group and the gathered codes go straight into the multiplies
 (``shardwise.parallel.lowbit``, [Note: offered weights]): a unit's gather moves its
-converted weights' shards at a byte an element, exactly half of a bf16 gather's, and its
-other parameters (norms, a router) as ``comm_weights=fp8`` moves them otherwise (blockwise
-codes, a 4-byte scale per 256). Once a step, before the first gather, each rank reads its
-converted shards for their amax and one all-reduce per gather group agrees the scales (4
-bytes a converted weight): exposed, like the first gather (:func:`scale_sync_seconds`).
+converted weights' shards at a byte an element, exactly half of a bf16 gather's, and every
+other parameter (norms, a router, the embedding and head units) unquantised in the compute
+dtype, as the engine sends them then ([Note: scaled gathers in the engine]: what the recipe
+keeps in high precision is gathered exactly). Once a step, before the first gather, each
+rank reads its converted shards for their amax and one all-reduce per gather group agrees
+the scales (4 bytes a converted weight): exposed, like the first gather
+(:func:`scale_sync_seconds`).
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def gather_bytes(cm, L: Layout, shapes, world: int, split: dict) -> float:
     n = shard_numel(shapes, world)
     if tuple(shapes) in split:
         conv, rest = split[tuple(shapes)]
-        other = shard_numel(rest, world)
-        return shard_numel(conv, world) + (packed_nbytes(other, "fp8", 256) if other else 0)
+        return shard_numel(conv, world) + shard_numel(rest, world) * cm.wl.act_bytes
+    if split:  # a unit with nothing converted, in a run that gathers codes: unquantised
+        return n * cm.wl.act_bytes
     if L.comm_weights != "fp":
         return packed_nbytes(n, L.comm_weights, 256)
     return n * cm.wl.act_bytes
