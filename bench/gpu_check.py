@@ -19,7 +19,10 @@ Checks, in order, each a row of the summary table:
 6. routed experts by ``grouped_mm`` (bf16, the CUDA path no CPU test runs) against the
    per-expert loop, forward and backward, with no host synchronisation;
 7. context-parallel attention (a ring of one rank, packed documents too) against SDPA in
-   bf16, forward and backward, with no host synchronisation.
+   bf16, forward and backward, with no host synchronisation;
+8. low-bit compute (bench/gpu_lowbit.py): per recipe, the device kernel against the
+   emulation, and tokens/s of the ~1B Llama against bf16 matmuls, torchtitan's figures
+   beside them.
 
 What one GPU cannot check is printed at the end: cross-rank overlap of the side streams,
 the NCCL watchdog abort (needs a peer that hangs), hierarchical partitions across nodes.
@@ -327,6 +330,12 @@ CANNOT = ("Not checked on one GPU: overlap of the all-gather / reduce-scatter si
           "(needs a peer that hangs), the hierarchical partition across nodes.")
 
 
+def lowbit_rows(device: str, steps: int) -> list[tuple[str, str, str]]:
+    """The low-bit rows (bench/gpu_lowbit.py)."""
+    from bench.gpu_lowbit import kernel_rows, throughput_rows
+    return [*kernel_rows(device), *throughput_rows(device, BILLION, steps)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"),
@@ -345,7 +354,7 @@ def main() -> int:
             throughput(args.device, False, args.steps),
             throughput(args.device, True, args.steps), compile_parity(args.device),
             split_backward(args.device), expert_compute(args.device),
-            context_parallel(args.device)]
+            context_parallel(args.device), *lowbit_rows(args.device, args.steps)]
     width = max(len(r[0]) for r in rows)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (dry run)"
     print(f"\nshardwise GPU check on {name}, torch {torch.__version__}")

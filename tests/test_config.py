@@ -198,6 +198,9 @@ def test_all_keys_cover_every_section():
      "got 0"),
     ({"parallel.stage": "2", "comm.hierarchy": "2"},
      "comm.hierarchy=2 needs parallel.stage 3 with parallel.reshard_after_forward true"),
+    ({"comm.hierarchy": "2", "comm.weights": "fp8", "precision.matmul": "fp8_tensorwise"},
+     "comm.hierarchy=2 with comm.weights='fp8' and precision.matmul='fp8_tensorwise': the "
+     "secondary partition keeps compute-dtype rows, not the fp8 codes"),
     ({"offload.device": "disk"}, "offload.device='disk' needs offload.path"),
     ({"parallel.stage": "0", "offload.device": "cpu"},
      "offload.device='cpu' needs parallel.stage 1, 2 or 3 (sharded masters), got 0"),

@@ -33,3 +33,30 @@ def test_context_parallel_row_matches_sdpa():
     from shardwise.testing import run_ranks
     label, value, verdict = run_ranks(_context_parallel_row, 1)[0]
     assert verdict == "ok", value
+
+
+def test_lowbit_kernel_rows_on_the_cpu():
+    """The low-bit rows' kernel check: the CPU's scaled_mm takes the fp8 tensorwise and
+    rowwise recipes and matches the emulation (rowwise bitwise); the others are reported as
+    emulated, by name."""
+    from bench.gpu_lowbit import kernel_rows
+    from shardwise.parallel.lowbit import RECIPE_NAMES
+    rows = kernel_rows("cpu")
+    assert [r[0].split(":")[0] for r in rows] == [f"low-bit {n}" for n in RECIPE_NAMES]
+    assert all(v == "ok" for _, _, v in rows), rows
+    by = {r[0].split(":")[0].removeprefix("low-bit "): r[1] for r in rows}
+    assert by["fp8_rowwise"].startswith("max rel diff 0.0e+00")
+    assert "max rel diff" in by["fp8_tensorwise"]
+    for name in ("fp8_blockwise", "mxfp8", "nvfp4"):
+        assert by[name].startswith("emulated"), by[name]
+
+
+def test_lowbit_throughput_rows_dry_run():
+    """Every recipe trains through shard(stage=3) on the dry-run shape; the rows name the
+    reference and one row per recipe plus the fp8-gather row."""
+    from bench.gpu_check import BILLION
+    from bench.gpu_lowbit import throughput_rows
+    from shardwise.testing import run_ranks
+    rows = run_ranks(throughput_rows, 1, ("cpu", BILLION, 2))[0]
+    assert len(rows) == 1 + 6 + 1 and all(v == "ok" for _, _, v in rows)
+    assert rows[-1][0] == "low-bit fp8_tensorwise + fp8 all-gather"

@@ -228,7 +228,9 @@ def test_comm_quant_policy():
     bad = [(dict(weights="int4"), r"'int8', 'fp8'.*'int4'"),
            (dict(grads="fp8"), r"'int8', 'int4'.*'fp8'"),
            (dict(block_size=0), "got 0"), (dict(hierarchy=0), "got 0"),
-           (dict(hierarchy=2.0), "got 2.0")]
+           (dict(hierarchy=2.0), "got 2.0"), (dict(rest_unquantised=1), "a bool, got 1"),
+           (dict(weights="fp8", rest_unquantised=True, hierarchy=2),
+            "rest_unquantised with hierarchy=2")]
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):
             CommQuant(**kwargs)

@@ -67,8 +67,30 @@ def _check_reduce(rank: int, n: int, kind: str) -> float:
     return comm.comm_stats()["reduce_scatter"].bytes_sent / quant_bytes
 
 
+def _check_codes_gather(rank: int, n: int) -> None:
+    """[Note: codes on the wire]: an unquantised shard in the output dtype, pre-encoded code
+    bytes split into rank-major receivers, the trailer: one row, no padding, exact."""
+    shard = _data(rank, (M,), 3)
+    codes = (torch.arange(13) * (rank + 3)).to(torch.uint8)  # two pieces: 8 and 5 bytes
+    outs = [torch.empty(n, 8, dtype=torch.uint8), torch.empty(n, 5, dtype=torch.uint8)]
+    out = torch.empty(n * M, dtype=torch.bfloat16)
+    trailer = torch.full((16,), 200 + rank, dtype=torch.uint8)
+    comm.reset_comm_stats()
+    handle = all_gather_quantized(out, shard, None, None, label="t.all_gather", async_op=True,
+                                  trailer=trailer, codes=codes.view(torch.float8_e4m3fn),
+                                  codes_out=outs)
+    handle.wait()
+    every = [(torch.arange(13) * (r + 3)).to(torch.uint8) for r in range(n)]
+    assert torch.equal(out, torch.cat([_data(r, (M,), 3) for r in range(n)]).bfloat16())
+    assert torch.equal(outs[0], torch.stack([c[:8] for c in every]))
+    assert torch.equal(outs[1], torch.stack([c[8:] for c in every]))
+    assert handle.trailers[:, 0].tolist() == [200 + r for r in range(n)]
+    assert comm.comm_stats()["all_gather"].bytes_sent == (n - 1) * (2 * M + 13 + 16)
+
+
 def _collectives(n: int) -> dict[str, float]:
     rank = torch.distributed.get_rank()
+    _check_codes_gather(rank, n)
     ratios = {}
     for kind in KINDS:
         ratios[f"gather.{kind}"] = _check_gather(rank, n, kind)
@@ -106,3 +128,9 @@ def test_bad_arguments_name_the_value():
         all_gather_quantized(torch.empty(9), x)
     with pytest.raises(ValueError, match="torch.int64"):
         reduce_scatter_quantized(torch.empty(10), torch.arange(10))
+    with pytest.raises(ValueError, match="None"):  # unquantised: gathers only
+        reduce_scatter_quantized(torch.empty(10), x, None, None)
+    with pytest.raises(ValueError, match="lens sum to the 4 code bytes"):
+        all_gather_quantized(torch.empty(10), x, None, None,
+                             codes=torch.zeros(4, dtype=torch.uint8),
+                             codes_out=[torch.empty(1, 3, dtype=torch.uint8)])

@@ -57,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="time the micro-benchmarks may take (default 30)")
     g = p.add_argument_group("workload (defaults: shardwise's own stack)")
     g.add_argument("--compute-dtype", default="bf16", help="bf16, fp16, fp8 or fp32")
+    g.add_argument("--matmul-recipe", default="none", metavar="RECIPE",
+                   help="low-bit matmuls in the blocks' linears, as the trainer's "
+                        "--precision.matmul: none (default), fp8_tensorwise, fp8_rowwise, "
+                        "fp8_rowwise_gw_hp, fp8_blockwise, mxfp8 or nvfp4")
     g.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
     g.add_argument("--attention", default="flash", help="flash or unfused")
     g.add_argument("--fused-kernels", action="store_true",
@@ -127,11 +131,16 @@ def _short(L) -> str:
                     if k in keep or (v != getattr(default, k) and k != "cp_impl"))
 
 
-def _record(e, spec) -> dict:
-    """An estimate's JSON record, with whether ``shardwise train`` can build its layout."""
+def _record(e, spec, cm) -> dict:
+    """An estimate's JSON record, with whether ``shardwise train`` can build its layout and,
+    under a low-bit recipe, its priced parts (``recipe_report.recipe_summary``)."""
     from shardwise.planner.buildable import not_buildable
+    from shardwise.planner.recipe_report import recipe_summary
     why = not_buildable(e.layout, spec)
-    return {**e.record(), "buildable": why is None, "not_buildable_reason": why}
+    out = {**e.record(), "buildable": why is None, "not_buildable_reason": why}
+    if cm.wl.matmul_recipe != "none":
+        out["matmul_recipe"] = recipe_summary(cm, e.layout)
+    return out
 
 
 def _plan(args) -> int:
@@ -147,6 +156,7 @@ def _plan(args) -> int:
     extra = parse_workload(args.workload)
     wl = Workload(**{"seq_len": args.seq_len, "global_batch": args.global_batch,
                      "compute_dtype": args.compute_dtype, "optimizer": args.optimizer,
+                     "matmul_recipe": args.matmul_recipe,
                      "attention": args.attention, "fused_kernels": args.fused_kernels, **extra})
     fixed = parse_layout(args.layout) if args.layout else {}
     if args.top < 1:
@@ -163,14 +173,20 @@ def _plan(args) -> int:
             e for e in result.ranked if not_buildable(e.layout, spec) is None])
     if not result.ranked:
         raise ValueError(explain_empty(spec, hw, wl, args.gpus, fixed))
+    cm = CostModel(spec, hw, wl)
     if args.json:
-        json.dump([_record(e, spec) for e in result.ranked[:args.top]], sys.stdout, indent=1)
+        json.dump([_record(e, spec, cm) for e in result.ranked[:args.top]], sys.stdout,
+                  indent=1)
         sys.stdout.write("\n")
     else:
         print(_table(result, spec, hw, wl, args.gpus, args.top))
+        if wl.matmul_recipe != "none":
+            from shardwise.planner.recipe_report import describe_recipe, recipe_summary
+            print("\n".join(describe_recipe(recipe_summary(cm, result.ranked[0].layout),
+                                             hw.name)))
     if args.plot:
         from shardwise.planner.plot import plot_estimate
-        out = plot_estimate(result.ranked[0], CostModel(spec, hw, wl), args.plot)
+        out = plot_estimate(result.ranked[0], cm, args.plot)
         print(f"shardwise plan: plot written to {out}", file=sys.stderr)
     return 0
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from shardwise.planner import comm_model
 from shardwise.planner.devices.registry import device_model
-from shardwise.planner.dp_cost import dp_exposed, dp_times, shard_numel
+from shardwise.planner.dp_cost import dp_exposed, dp_times, scale_sync_seconds, shard_numel
 from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.pipeline import gather_rounds, schedule_profile
 from shardwise.planner.rank_memory import MemoryBreakdown, state_bytes
@@ -185,7 +185,8 @@ class CostModel:
 
     def _priced_ranks(self, L: Layout, which: str, picks) -> Ranks:
         key = (which, L.tp, L.cp, L.sp, L.ep, L.pp, L.pp_virtual, L.pp_schedule, L.microbatch,
-               L.ac, self.stages.accum_bytes(L), L.cp_impl if L.cp > 1 else "ring")
+               L.ac, self.stages.accum_bytes(L), L.cp_impl if L.cp > 1 else "ring",
+               self.stages.offered(L))
         if key not in self._ranks:
             plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
             self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0]) for r in picks]
@@ -257,10 +258,11 @@ class CostModel:
         overlapped or not (what a profile of its gathers and reductions adds up to)."""
         if (twin := self._timeline_twin(L)) is not None:
             return twin.dp_collective_seconds(L)
-        gather, _, red, _ = dp_times(self, L, *self.rank_plan(L, 0))
+        plan = self.rank_plan(L, 0)
+        gather, _, red, _ = dp_times(self, L, *plan)
         if L.zero == 3:
             gather *= gather_rounds(L, self.wl) * (2 if self.wl.reshard_after_forward else 1)
-        return gather + red
+        return gather + red + scale_sync_seconds(self, L, *plan)
 
     # ------------------------------------------------------------------ the step
     def lower_bound(self, L: Layout) -> float:

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from shardwise.parallel.lowbit.recipes import RECIPES
 from shardwise.planner.devices.cpu.costs import CpuCosts
 
 __all__ = ["Hardware", "Link", "get_hardware", "list_hardware", "load_catalogue",
-           "default_calibration_path"]
+           "default_calibration_path", "SCALED_MM_KINDS"]
 
 _GIB = 2 ** 30
 _FAMILY_KEYS = ("matmul_max", "matmul_half_gflop", "memory_efficiency", "intra_efficiency",
@@ -31,7 +32,10 @@ _FAMILY_KEYS = ("matmul_max", "matmul_half_gflop", "memory_efficiency", "intra_e
 _DEVICE_KEYS = ("description", "family", "peak_tflops", "hbm_gib", "hbm_gbs", "gpus_per_node",
                 "intra_gbs", "inter_gbs", "intra_latency_us", "inter_latency_us", "pcie_gbs",
                 "host_gbs", "host_gib", "reserved_gib", "aliases", "base", "fitted_on",
-                "measured", "cores", "backend", "cpu") + _FAMILY_KEYS
+                "measured", "cores", "backend", "cpu", "scaled_mm") + _FAMILY_KEYS
+SCALED_MM_KINDS = tuple(dict.fromkeys(r.kernel for r in RECIPES.values()))
+"""The scaled-multiply kernels a device may list (``scaled_mm``): the scaling types of
+``torch.nn.functional.scaled_mm`` the low-bit recipes call."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,10 @@ class Hardware:
     cpu: CpuCosts | None = None
     """CPU ranks: the measured costs of the kernels the trainer runs and of the Gloo
     collectives (devices/cpu/costs.py), priced by the CPU device model; None on GPUs."""
+    scaled_mm: tuple[str, ...] = ()
+    """The low-bit multiplies the device's tensor cores run, as ``scaled_mm`` scaling types
+    (``SCALED_MM_KINDS``: TensorWise, RowWise, BlockWise1x128, BlockWise1x32, BlockWise1x16),
+    at its ``fp8`` / ``fp4`` peaks; empty (A100, CPUs): low-bit recipes are emulated."""
     intra: Link = field(init=False, repr=False, compare=False)
     """Achievable intra-node link: datasheet bandwidth x ``intra_efficiency``."""
     inter: Link = field(init=False, repr=False, compare=False)
@@ -213,9 +221,24 @@ def _build(name: str, devices: dict[str, dict], families: dict[str, dict]) -> Ha
             memory_efficiency=float(fam["memory_efficiency"]),
             fitted_on=str(e.get("fitted_on", fam.get("fitted_on", ""))),
             cores=int(e.get("cores", 0)), backend=str(e.get("backend", "nccl")),
-            cpu=CpuCosts.from_table(e["cpu"]) if "cpu" in e else None)
+            cpu=CpuCosts.from_table(e["cpu"]) if "cpu" in e else None,
+            scaled_mm=_scaled_mm(name, e.get("scaled_mm", [])))
     except KeyError as exc:
         raise ValueError(f"hardware {name!r}: missing key {exc.args[0]!r}") from None
+
+
+def _scaled_mm(name: str, kinds) -> tuple[str, ...]:
+    """A device's ``scaled_mm`` list, checked against :data:`SCALED_MM_KINDS`."""
+    if isinstance(kinds, str) or not all(isinstance(k, str) for k in kinds):
+        raise ValueError(f"hardware {name!r}: scaled_mm={kinds!r}, expected a list of "
+                         f"{', '.join(SCALED_MM_KINDS)}")
+    bad = [k for k in kinds if k not in SCALED_MM_KINDS]
+    if bad:
+        close = difflib.get_close_matches(bad[0], SCALED_MM_KINDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"hardware {name!r}: scaled_mm kernel {bad[0]!r}{hint} is not one of "
+                         f"{', '.join(SCALED_MM_KINDS)}")
+    return tuple(kinds)
 
 
 def _aliases(extra, calibration, extra_tables) -> dict[str, str]:

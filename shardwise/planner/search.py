@@ -275,11 +275,14 @@ def _refine(searcher: _Searcher, ranked: list[Estimate], top: int) -> list[Estim
     """Try quantised data-parallel communication on the best fitting layouts."""
     extra = []
     f = searcher.fixed
+    # fp8_tensorwise's weights gather as the codes its multiplies take ([Note: fp8 weight
+    # gathers] in dp_cost.py): worth trying beside int8
+    fp8 = ("fp8",) if searcher.wl.matmul_recipe == "fp8_tensorwise" else ()
     for est in ranked[:top]:
         L = est.layout
         if L.zero == 0 or not est.fits:
             continue
-        for w in (("fp",) if "comm_weights" in f else ("fp", "int8")):
+        for w in (("fp",) if "comm_weights" in f else ("fp", "int8") + fp8):
             for g in (("fp",) if "comm_grads" in f else ("fp", "int8")):
                 if (w, g) == (L.comm_weights, L.comm_grads):
                     continue

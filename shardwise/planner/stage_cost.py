@@ -58,11 +58,14 @@ about 4% for 6 bytes and one 2048-token sequence on an A100.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
 from shardwise.planner import comm_model
 from shardwise.planner.pipeline import placement
+from shardwise.planner.recipe_cost import multiply_seconds
+from shardwise.planner.recipe_work import recipe_work
 from shardwise.planner.recompute import layer_ac, replayed_matmuls
 from shardwise.planner.sends import ContextSends, context_sends
 from shardwise.planner.work import head_saved, head_work, layer_work, saved_bytes
@@ -153,19 +156,31 @@ class StageCoster:
 
     # ------------------------------------------------------------------ one layer
     def layer(self, moe: bool, tp: int, cp: int, sp: bool, ep: int, mb: int, ac: str,
-              cp_impl: str = "ring", overlap: bool = True) -> LayerTimes:
+              cp_impl: str = "ring", overlap: bool = True, offered: bool = False
+              ) -> LayerTimes:
         """One layer (``moe``: a mixture-of-experts feed-forward) for one micro-batch of
         ``mb`` sequences under checkpointing policy ``ac`` (cached); ``overlap``: whether
         the device hides communication behind compute for this many ranks
-        (``DeviceModel.overlaps``)."""
+        (``DeviceModel.overlaps``); ``offered``: the low-bit recipe's weights arrive as fp8
+        codes from ZeRO-3's gathers (:meth:`offered`)."""
         key = (moe, tp, cp, sp, ep, mb, ac, cp_impl if cp > 1 else "ring",
-               overlap if cp > 1 else True)
+               overlap if cp > 1 else True, offered)
         if key not in self._layers:
             self._layers[key] = self._price_layer(*key)
         return self._layers[key]
 
-    def _price_layer(self, moe, tp, cp, sp, ep, mb, ac, cp_impl, overlap) -> LayerTimes:
-        s, wl, hw, spec = self.wl.seq_len, self.wl, self.hw, self.spec
+    def offered(self, L) -> bool:
+        """Whether layout ``L`` gathers the recipe's weights as fp8 codes that go straight
+        into the multiplies: fp8_tensorwise with ``comm_weights=fp8`` at ZeRO stage 3
+        ([Note: pricing a low-bit recipe] in recipe_cost.py)."""
+        return (self.wl.matmul_recipe == "fp8_tensorwise" and L.zero == 3
+                and L.comm_weights == "fp8")
+
+    def work(self, moe: bool, tp: int, cp: int, sp: bool, ep: int, mb: int,
+             cp_impl: str = "ring", offered: bool = False):
+        """(one layer's ``LayerWork`` for a micro-batch of ``mb`` sequences, its ``lowbit``
+        set under a low-bit recipe, and the context-parallel sends or None)."""
+        s, wl, spec = self.wl.seq_len, self.wl, self.spec
         tokens = mb * s / cp
         sends = context_sends(spec, cp_impl, cp, tp, mb, s, wl.act_bytes) if cp > 1 else None
         blocks = {} if sends is None or sends.impl == "allgather" else dict(
@@ -173,11 +188,23 @@ class StageCoster:
             cp_queries=mb * sends.queries)
         w = layer_work(spec, moe, tokens, s, tp, ep, wl.attention, wl.act_bytes,
                        wl.fused_kernels, wl.fused_norm, **blocks)
+        if wl.matmul_recipe != "none":
+            keeps = wl.attention == "flash" and not blocks  # wo reads the kernel's output
+            w = dataclasses.replace(w, lowbit=recipe_work(
+                spec, moe, tokens, tp, ep, wl.matmul_recipe, wl.act_bytes,
+                wl.fused_kernels, offered, sp, keeps))
+        return w, sends
+
+    def _price_layer(self, moe, tp, cp, sp, ep, mb, ac, cp_impl, overlap, offered
+                     ) -> LayerTimes:
+        s, wl, hw, spec = self.wl.seq_len, self.wl, self.hw, self.spec
+        tokens = mb * s / cp
+        w, sends = self.work(moe, tp, cp, sp, ep, mb, cp_impl, offered)
         fwd, bwd, wgrad, cheap = self.device.layer_seconds(spec, wl, w, tp, sp, moe)
         replayed = replayed_matmuls(spec, moe, tokens, tp, w.gemms) \
             if ac == "selective" and wl.selective_ac == "alternate_mm" else []
         replay_gemm = self.device.composition(spec)[0] * sum(
-            hw.matmul_time(f, wl.compute_dtype) for f in replayed) / (1 - wl.comm_sm_fraction)
+            multiply_seconds(hw, wl, w, f) for f in replayed) / (1 - wl.comm_sm_fraction)
         recompute = {"none": 0.0, "selective": cheap + replay_gemm, "full": fwd}[ac]
         sel_flops = (w.attn_model_flops if wl.attention != "flash" else 0.0) + sum(replayed)
         rec_flops = {"none": 0.0, "selective": sel_flops, "full": w.model_flops}[ac]
@@ -199,9 +226,13 @@ class StageCoster:
             ep_comm = passes * a2a
             if wl.overlap_ep:  # DualPipe-style: hidden behind another micro-batch's compute
                 ep_comm = max(0.0, ep_comm - (fwd + bwd + recompute))
-        working = saved_bytes(w, tp, sp, "none") if ac == "full" else 0.0
+        # A recipe's saved codes count without checkpointing only ([Note: what a recipe
+        # saves] in recipe_work.py).
+        codes = w.lowbit.saved_delta if w.lowbit is not None else 0.0
+        working = saved_bytes(w, tp, sp, "none") + codes if ac == "full" else 0.0
+        saved = saved_bytes(w, tp, sp, ac) + (codes if ac == "none" else 0.0)
         return LayerTimes(fwd, bwd, wgrad, recompute, tp_comm, cp_comm, ep_comm,
-                          w.model_flops, rec_flops, saved_bytes(w, tp, sp, ac), working)
+                          w.model_flops, rec_flops, saved, working)
 
     # ------------------------------------------------------------------ one rank
     def rank(self, L, layers: list[int], first: bool, last: bool) -> RankTimes:
@@ -209,9 +240,10 @@ class StageCoster:
         spec = self.spec
         sums = [0.0] * 10
         working = 0.0
-        overlap = self.device.overlaps(L.gpus)
+        overlap, offered = self.device.overlaps(L.gpus), self.offered(L)
         for moe, ac, count in self._layer_kinds(layers, L.ac):
-            t = self.layer(moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, ac, L.cp_impl, overlap)
+            t = self.layer(moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, ac, L.cp_impl, overlap,
+                           offered)
             vals = (t.fwd, t.bwd + t.recompute, t.wgrad, t.tp_comm, t.cp_comm, t.ep_comm,
                     t.model_flops, t.recompute_flops, t.saved, 0.0)
             sums = [a + count * b for a, b in zip(sums, vals, strict=True)]
@@ -233,7 +265,7 @@ class StageCoster:
             flops += hf
             if spec.mtp_layers:  # DeepSeek's multi-token prediction: one more layer + head
                 t = self.layer(spec.is_moe, L.tp, L.cp, L.sp, L.ep, L.microbatch, L.ac,
-                               L.cp_impl, overlap)
+                               L.cp_impl, overlap, offered)
                 k = spec.mtp_layers
                 fwd, bwd = fwd + k * (t.fwd + head), bwd + k * (t.bwd + t.recompute + 2 * head)
                 flops += k * (t.model_flops + hf)

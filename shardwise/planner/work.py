@@ -118,6 +118,12 @@ class LayerWork:
             over this rank's query heads (what the CPU flash kernel computes per call).
         attn_queries: those calls' query tokens, summed over this rank's query heads (what
             the operator merges around each call).
+        gemm_roles: per entry of ``gemms``, the linears it multiplies: "attention", "ffn",
+            "shared" (shared experts), "experts" (routed) or "router" (the one multiply a
+            low-bit recipe never converts); ``layer_work`` gives every entry one.
+        lowbit: what the workload's low-bit recipe adds to the layer
+            (``recipe_work.RecipeWork``: converted linears, casts, saved bytes), set by the
+            stage coster; None without a recipe.
     """
 
     gemms: tuple[tuple[float, int], ...]
@@ -140,6 +146,8 @@ class LayerWork:
     attn_scores: float = 0.0
     attn_area: float = 0.0
     attn_queries: float = 0.0
+    gemm_roles: tuple[str, ...] = ()
+    lowbit: object = None
 
     @property
     def gemm_flops(self) -> float:
@@ -202,7 +210,8 @@ def _attention(spec, t: float, seq: int, tp: int, attention: str, a: int, fused:
 
 
 def _ffn(spec, moe: bool, t: float, tp: int, ep: int, a: int, fused: bool):
-    """(gemms, saved_tp, saved_rep, elementwise bytes, cheap_tp) of the feed-forward."""
+    """(gemms, saved_tp, saved_rep, elementwise bytes, cheap_tp, gemm roles) of the
+    feed-forward."""
     d = spec.dim
     mats = 3 if spec.mlp == "swiglu" else 2
     act_saved = 4 if spec.mlp == "swiglu" else 2  # tensors of width f the backward needs
@@ -211,11 +220,12 @@ def _ffn(spec, moe: bool, t: float, tp: int, ep: int, a: int, fused: bool):
     if not moe:
         f = spec.ffn_dim // tp
         return [(2 * t * d * f, mats)], a * act_saved * f, 0.0, per_f * f * t, \
-            a * act_cheap * f
+            a * act_cheap * f, ["ffn"]
     f = spec.moe_ffn_dim // tp
     per_expert_tokens = t * ep * spec.top_k / spec.n_experts
     gemms = [(2 * t * d * spec.n_experts, 1),  # router
              (2 * per_expert_tokens * d * f, mats * spec.n_experts // ep)]
+    roles = ["router", "experts"]
     saved_tp = a * act_saved * f * spec.top_k
     cheap = a * act_cheap * f * spec.top_k
     saved_rep = 2 * a * d * spec.top_k + 4 * spec.n_experts  # permuted in / out, router
@@ -223,10 +233,11 @@ def _ffn(spec, moe: bool, t: float, tp: int, ep: int, a: int, fused: bool):
     if spec.n_shared_experts:
         fs = spec.n_shared_experts * spec.moe_ffn_dim // tp
         gemms.append((2 * t * d * fs, mats))
+        roles.append("shared")
         saved_tp += a * act_saved * fs
         cheap += a * act_cheap * fs
         ew += per_f * fs * t
-    return gemms, saved_tp, saved_rep, ew, cheap
+    return gemms, saved_tp, saved_rep, ew, cheap, roles
 
 
 def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 1,
@@ -259,7 +270,7 @@ def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 
     lw, lio = _linears(spec, moe, tp, ep)
     gemms, model, executed, (rep_att, tp_att, core, cheap_att), rope, core_bytes = _attention(
         spec, t, seq, tp, attention, a, fused, cp_scores)
-    f_gemms, tp_ffn, rep_ffn, f_bytes, cheap_ffn = _ffn(spec, moe, t, tp, ep, a, fused)
+    f_gemms, tp_ffn, rep_ffn, f_bytes, cheap_ffn, f_roles = _ffn(spec, moe, t, tp, ep, a, fused)
     nf = fused or fused_norm
     norm_saved = _norm_saved(spec, a, nf) * d + (0 if spec.norm == "layernorm" else 4)
     flash = attention == "flash"  # selective then drops what bandwidth-bound ops saved
@@ -280,7 +291,8 @@ def layer_work(spec, moe: bool, tokens: float, seq: int, tp: int = 1, ep: int = 
         linear_weights=lw, linear_io=lio, attn_calls=calls,
         attn_scores=spec.n_heads // tp * cp_scores,
         attn_area=spec.n_heads // tp * cp_area if cp_scores else 0.0,
-        attn_queries=spec.n_heads // tp * cp_queries if cp_scores else 0.0)
+        attn_queries=spec.n_heads // tp * cp_queries if cp_scores else 0.0,
+        gemm_roles=tuple(["attention"] * len(gemms) + f_roles))
 
 
 def _linears(spec, moe: bool, tp: int, ep: int) -> tuple[float, float]:

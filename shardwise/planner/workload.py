@@ -15,14 +15,18 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
+from shardwise.parallel.lowbit.recipes import RECIPE_NAMES
 from shardwise.planner.recompute import check_selective
 
-__all__ = ["Workload", "DTYPE_BYTES", "parse_workload"]
+__all__ = ["Workload", "DTYPE_BYTES", "MATMUL_RECIPES", "parse_workload"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 ATTENTION_DTYPE = {"fp8": "bf16"}
 """The attention kernel's dtype when the matrix multiplies of the linears use another
 (Float8 training keeps attention in bf16)."""
+MATMUL_RECIPES = ("none",) + RECIPE_NAMES
+"""``matmul_recipe`` values: no low-bit matmuls, or one of ``shardwise.parallel.lowbit``'s
+recipes (the trainer's ``precision.matmul``, whose "bf16" is "none" here)."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,14 @@ class Workload:
         seq_len: tokens per sequence.
         global_batch: sequences per optimizer step.
         compute_dtype: dtype of the matrix multiplies ("bf16", "fp16", "fp8", "fp32");
-            activations and gathered parameters are 16-bit unless this is "fp32".
+            activations and gathered parameters are 16-bit unless this is "fp32". "fp8"
+            prices every multiply, the head's included, at the fp8 peak with a generic cast
+            per linear (the published runs' coarse description of Float8 stacks);
+            ``matmul_recipe`` prices a recipe as shardwise runs it.
+        matmul_recipe: the low-bit recipe of the blocks' linear layers (attention, MLP,
+            experts; never the embedding, head, norms or routers), "none" (default) or one
+            of ``shardwise.parallel.lowbit.RECIPE_NAMES``; the other multiplies stay in
+            ``compute_dtype`` ([Note: pricing a low-bit recipe] in recipe_cost.py).
         param_dtype: dtype of the parameters the optimizer updates (masters).
         optimizer: "adamw", "adam" or "sgd" (momentum).
         attention: "flash" (fused kernel, causal half executed) or "unfused".
@@ -107,6 +118,7 @@ class Workload:
     seq_len: int
     global_batch: int
     compute_dtype: str = "bf16"
+    matmul_recipe: str = "none"
     param_dtype: str = "fp32"
     optimizer: str = "adamw"
     attention: str = "flash"
@@ -139,6 +151,15 @@ class Workload:
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"{name}={getattr(self, name)!r}, expected one of "
                                  f"{', '.join(DTYPE_BYTES)}")
+        if self.matmul_recipe not in MATMUL_RECIPES:
+            close = difflib.get_close_matches(str(self.matmul_recipe), MATMUL_RECIPES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"matmul_recipe={self.matmul_recipe!r}{hint}, expected one of "
+                             f"{', '.join(MATMUL_RECIPES)}")
+        if self.matmul_recipe != "none" and self.compute_dtype == "fp8":
+            raise ValueError(f"matmul_recipe={self.matmul_recipe!r} with compute_dtype='fp8': "
+                             f"the recipe's high precision is the compute dtype; expected "
+                             f"compute_dtype bf16, fp16 or fp32 with a recipe")
         if self.attention not in ("flash", "unfused"):
             raise ValueError(f"attention={self.attention!r}, expected flash or unfused")
         check_selective(self.selective_ac)

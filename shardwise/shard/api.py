@@ -37,6 +37,7 @@ from shardwise.shard.offload import guard_unwrapped_steps
 from shardwise.shard.placed import PartialGrads, record_data_axes, unit_groups
 from shardwise.shard.registry import attach_state, engine_states, extra_trackers, is_sharded
 from shardwise.shard.replicate import ReplicateState
+from shardwise.shard.scaled_gather import CODES_ATTR, attach_scaled_gathers
 from shardwise.shard.state import ShardState
 from shardwise.shard.streams import CommStreams
 from shardwise.shard.state_dict import placement_has_model_axes, register_state_dict_hooks
@@ -139,6 +140,7 @@ def _build_units(module, plans, groups, tracker, init_weights, sync_states,
     units = [Unit(p.name, p.module, p.entries, g, tracker, device, mp, nodes[id(g)],
                   quant, UnitTag(state_id, i, p.name or "<root>", names, count), streams)
              for i, (p, g) in enumerate(zip(plans, per_unit))]
+    attach_scaled_gathers(units, quant)
     where = {id(sp.param): sp for u in units for sp in u.params}
     if is_meta and not do_materialize:
         pass  # planning mode: shards stay on the meta device, bytes are still accounted
@@ -191,7 +193,7 @@ def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
                           [partial] if partial else [])
 
 
-def _validate_comm(quant, stage: int, reshard_after_forward: bool) -> None:
+def _validate_comm(quant, stage: int, reshard_after_forward: bool, module: nn.Module) -> None:
     if quant is None:
         return
     if not isinstance(quant, CommQuant):
@@ -203,6 +205,13 @@ def _validate_comm(quant, stage: int, reshard_after_forward: bool) -> None:
         raise ValueError(f"comm.hierarchy={quant.hierarchy} needs stage 3 with "
                          f"reshard_after_forward=True (got stage {stage}, reshard_after_forward="
                          f"{reshard_after_forward}): only then does backward gather again")
+    lent = next((n for n, m in module.named_modules() if quant.hierarchy and quant.weights
+                 and getattr(getattr(m, CODES_ATTR, None), "kind", None) == quant.weights), None)
+    if lent is not None:
+        raise ValueError(f"comm.hierarchy={quant.hierarchy} with comm.weights={quant.weights!r}: "
+                         f"module {lent!r} is gathered as {quant.weights} codes and the "
+                         f"secondary partition keeps compute-dtype rows, not codes "
+                         f"(shard/scaled_gather.py); use one or the other")
 
 
 def _register_casts(module: nn.Module, mp: MixedPrecision) -> None:
@@ -280,7 +289,7 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise ValueError(f"mixed_precision must be a shardwise.MixedPrecision, got "
                          f"{type(mixed_precision).__name__}")
-    _validate_comm(comm, stage, reshard_after_forward)
+    _validate_comm(comm, stage, reshard_after_forward, module)
     if offload is not None:
         if not isinstance(offload, Offload):
             raise ValueError(f"offload must be a shardwise.Offload, got "

@@ -26,6 +26,11 @@ class CommQuant:
     """Elements per quantization block (one fp32 scale each); 256 costs 4 bytes per 256."""
     hierarchy: int | None = None
     """Ranks per node for a secondary (hierarchical) parameter partition, or None (off)."""
+    rest_unquantised: bool = False
+    """With ``weights``: gather the parameters no low-bit layer lends codes for unquantised
+    even in a ``shard`` call where no layer lends any (a pipeline's embedding or head piece
+    in a run whose blocks gather fp8 codes). In a call where one does, they always travel
+    unquantised ([Note: scaled gathers in the engine]). Default False."""
 
     def __post_init__(self) -> None:
         if self.weights is not None:
@@ -36,6 +41,12 @@ class CommQuant:
         h = self.hierarchy
         if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
             raise ValueError(f"CommQuant.hierarchy must be None or an int >= 1, got {h!r}")
+        if not isinstance(self.rest_unquantised, bool):
+            raise ValueError(f"CommQuant.rest_unquantised must be a bool, got "
+                             f"{self.rest_unquantised!r}")
+        if self.rest_unquantised and h:
+            raise ValueError(f"CommQuant.rest_unquantised with hierarchy={h}: the secondary "
+                             f"partition serves the weights codec's gathers only")
 
     @property
     def enabled(self) -> bool:

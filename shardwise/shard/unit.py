@@ -146,6 +146,7 @@ class Unit:
         self.secondary: torch.Tensor | None = None
         self._from_secondary = False
         self._group_ranks: dict[int, list[int] | None] | None = None
+        self.scaled = None  # a ScaledGather: [Note: scaled gathers in the engine]
         self._build_buffers(entries)
         self.trainable = [sp for sp in self.params if sp.trainable]
         self.reduction = GradientReduction(
@@ -232,13 +233,19 @@ class Unit:
             self._gather(self.secondary, self.node.group, "secondary_all_gather", True)
             return
         if self.quant.weights:  # blockwise int8 / fp8 on the wire, decoded to compute dtype
-            self.gather_tmp = POOL.take(self.layout.full_numel, self.compute_dtype, self.device)
+            source, kind, codes = self.shard_buf, self.quant.weights, {}
+            if self.scaled is not None:  # [Note: scaled gathers in the engine]
+                source, self.gather_in, codes = self.scaled.stage(self)
+                kind = None  # the parameters not lent codes travel unquantised
+                self.tracker.add("comm", _nbytes(self.gather_in))
+            self.gather_tmp = POOL.take(self.layout.world * source.numel(), self.compute_dtype,
+                                        self.device)
             self.tracker.add("comm", _nbytes(self.gather_tmp))
             self._from_secondary = False
             self.gather_work = all_gather_quantized(
-                self.gather_tmp, self.shard_buf, self.groups.gather, self.quant.weights,
-                self.quant.block_size, label=f"{self.label}.all_gather", async_op=True,
-                trailer=self.tag.wire(self.device))
+                self.gather_tmp, source, self.groups.gather, kind, self.quant.block_size,
+                label=f"{self.label}.all_gather", async_op=True,
+                trailer=self.tag.wire(self.device), **codes)
             return
         self.gather_in = self.send_buf
         if self.compute_dtype != self.dtype:  # cast before the gather: half the bytes move
@@ -306,6 +313,8 @@ class Unit:
             return
         self._wait()
         self._release_gather()
+        if self.scaled is not None:  # its codes are never offered
+            self.scaled.release(self)
         self.state = Gather.SHARDED
 
     def unshard(self, keep_secondary: bool = False) -> None:
@@ -330,6 +339,8 @@ class Unit:
                 torch.split_with_sizes_copy(src, sizes, dim=2,
                                             out=[b.view(m, k, -1) for b in blocks])
                 self.drop_secondary()
+            elif self.scaled is not None:
+                self.scaled.copy_out(self, tmp)
             else:
                 row = lay.shard_numel if self.quant.weights else self.wire_row
                 torch.split_with_sizes_copy(tmp.view(n, row)[:, :lay.shard_numel], sizes,
@@ -343,11 +354,17 @@ class Unit:
         """[Note: hierarchical partition] Rank j of a node of k keeps the primary shards of
         shard ranks j, j + k, j + 2k, ...: an all-gather inside the node then yields every
         rank's shard, node-major, which the copy-out reorders for free. The kept rows carry
-        their identity trailers, so the node gather is checked like the primary one."""
-        k, m, row = self.node.size, self.node.count, self.wire_row
+        their identity trailers, so the node gather is checked like the primary one; a
+        quantised gather decoded its rows and brought the trailers apart, which rejoin them."""
+        k, m, row, s = self.node.size, self.node.count, self.wire_row, self.layout.shard_numel
         self.drop_secondary()
         self.secondary = POOL.take(m * row, self.compute_dtype, self.device)
-        self.secondary.view(m, row).copy_(gathered.view(m, k, row)[:, self.node.index])
+        kept, j = self.secondary.view(m, row), self.node.index
+        if self.quant.weights:
+            kept[:, :s].copy_(gathered.view(m, k, s)[:, j])
+            kept[:, s:].view(torch.uint8).copy_(self.gather_work.trailers.view(m, k, -1)[:, j])
+        else:
+            kept.copy_(gathered.view(m, k, row)[:, j])
         self.tracker.add("secondary", _nbytes(self.secondary))
 
     def drop_secondary(self) -> None:
@@ -359,9 +376,12 @@ class Unit:
     def reshard(self) -> None:
         """Free the gathered parameters (stage 3); their shapes and autograd links stay.
 
-        A gather still in flight is completed and discarded first.
+        A gather still in flight is completed and discarded first; offered codes are
+        withdrawn ([Note: scaled gathers in the engine]).
         """
         self._drain()
+        if self.scaled is not None:
+            self.scaled.release(self)
         st = self.full_buf.untyped_storage()
         if self.device.type == "meta" or st.nbytes() == 0:
             self.state = Gather.SHARDED

@@ -119,13 +119,16 @@ def _hybrid_mesh(world: int):
 
 def sharded_run(build_model: Callable[[], nn.Module], batches: torch.Tensor, cfg: ParityConfig,
                 wrap=None, *, loss_fn: Callable | None = None,
-                after_step: Callable | None = None) -> RunResult:
-    """Train with ``shardwise.shard`` on the current process group (call on every rank)."""
+                after_step: Callable | None = None,
+                shard_kwargs: dict | None = None) -> RunResult:
+    """Train with ``shardwise.shard`` on the current process group (call on every rank);
+    ``shard_kwargs`` (e.g. ``comm``, ``mixed_precision``) go to ``shard`` as they are."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
     mesh = _hybrid_mesh(world) if cfg.hybrid else None
     shardwise.shard(model, stage=cfg.stage, wrap=wrap, mesh=mesh,
-                    reshard_after_forward=cfg.reshard_after_forward, prefetch=cfg.prefetch)
+                    reshard_after_forward=cfg.reshard_after_forward, prefetch=cfg.prefetch,
+                    **(shard_kwargs or {}))
     opt = _optimizer(cfg.optimizer, model.parameters())
     return _train_dp(model, opt, batches, cfg, rank, world,
                      sync=lambda last: shardwise.no_sync(model) if not last else _null(),

@@ -36,6 +36,7 @@ import shardwise
 from shardwise import CommQuant, LossScaler, MixedPrecision, Offload
 from shardwise.distributed import env as dist_env
 from shardwise.distributed.mesh import ParallelDims
+from shardwise.parallel.lowbit.recipes import RECIPES
 from shardwise.parallel.tensor import default_plan, tp_context, vocab_parallel_cross_entropy
 from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
@@ -296,10 +297,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 def build_comm_quant(cfg: Config) -> CommQuant | None:
     """The ``[comm]`` section as an engine policy (None when nothing is quantised)."""
-    c = cfg.comm
+    c, recipe = cfg.comm, RECIPES.get(cfg.precision.matmul)
+    # [Note: fp8 weight gathers]: with codes, what the recipe keeps high goes unquantised in
+    # every shard call, a pipeline's embedding and head pieces too (bitwise the fp gather)
+    rest = c.weights == "fp8" and recipe is not None and recipe.gathers_weight_codes
     q = CommQuant(weights=None if c.weights == "fp" else c.weights,
                   grads=None if c.grads == "fp" else c.grads, block_size=c.block_size,
-                  hierarchy=c.hierarchy or None)
+                  hierarchy=c.hierarchy or None, rest_unquantised=rest)
     return q if q.enabled else None
 
 

@@ -7,19 +7,22 @@
 these config keys (``PLAN_KEYS``): ``zero`` <-> ``parallel.stage``, ``dp_replicate`` /
 ``dp_shard`` / ``cp`` / ``tp``, ``sp`` <-> ``parallel.sequence_parallel``, ``microbatch``
 <-> ``train.batch_size``, ``pp_microbatches`` <-> ``train.grad_accum``, ``ac`` <->
-``train.activation_checkpoint``, ``pp`` and the ``pp_*`` keys <-> the schedule,
-``ep`` <-> ``parallel.ep``, ``cp_impl`` <-> ``parallel.cp_impl``. The context-parallel
-implementation and load balance (``parallel.cp_impl``, fixed in the search and priced as
-configured; ``cp_load_balance``, priced as zigzag), the expert-parallel degree, offload and
-quantised communication stay as configured (the user's choice of attention algorithm, of
-where experts live, of numerics and of host memory); ``ep`` composes with every pipeline
-layout the search offers (EP x PP). The global batch (``batch_size x grad_accum x
-dp_replicate x dp_shard`` sequences: cp, like tp, does not multiply it), the sequence
-length, optimizer and learning-rate schedule are never changed: only how the same batch is
-split. Keys the user set (``parallel.plan_fixed``) are fixed in the search. A layout the
-planner ranks is kept only if the trainer's own checks accept it (heads, vocabulary and
-widths divisible by tp, sequence parallelism and the cp chunks dividing the sequence, the
-cp implementation fitting the key/value heads, checkpointing of dense models).
+``train.activation_checkpoint``, ``pp`` and the ``pp_*`` keys <-> the schedule, ``ep`` <->
+``parallel.ep``, ``cp_impl`` <-> ``parallel.cp_impl``. The context-parallel implementation
+and load balance (``parallel.cp_impl``, fixed in the search and priced as configured;
+``cp_load_balance``, priced as zigzag), the expert-parallel degree, offload and quantised
+communication stay as configured (the user's choice of attention algorithm, of where experts
+live, of numerics and of host memory), and so does the low-bit matmul recipe
+(``precision.matmul``, priced as the planner's ``matmul_recipe``; its ``matmul_skip``
+patterns are not priced: every block linear the recipe takes counts as converted); ``ep``
+composes with every pipeline layout the search offers (EP x PP). The global batch
+(``batch_size x grad_accum x dp_replicate x dp_shard`` sequences: cp, like tp, does not
+multiply it), the sequence length, optimizer and learning-rate schedule are never changed:
+only how the same batch is split. Keys the user set (``parallel.plan_fixed``) are fixed in
+the search. A layout the planner ranks is kept only if the trainer's own checks accept it
+(heads, vocabulary and widths divisible by tp, sequence parallelism and the cp chunks
+dividing the sequence, the cp implementation fitting the key/value heads, checkpointing of
+dense models).
 """
 
 from __future__ import annotations
@@ -135,9 +138,11 @@ def planner_inputs(cfg: Config, model_cfg: Any, hw=None):
         except ValueError as exc:
             raise ValueError(f"parallel.plan='auto': {exc}") from None
     L = layout_of(cfg)
+    matmul = cfg.precision.matmul  # the trainer's "bf16": no low-bit matmuls
     wl = Workload(seq_len=cfg.data.seq_len,
                   global_batch=L.dp * L.microbatch * L.pp_microbatches,
                   compute_dtype=cfg.precision.param_dtype, param_dtype="fp32",
+                  matmul_recipe="none" if matmul == "bf16" else matmul,
                   optimizer="adamw", prefetch=par.prefetch,
                   reshard_after_forward=par.reshard_after_forward)
     return from_llama_config(model_cfg, cfg.model.name), hw, wl

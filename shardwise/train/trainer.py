@@ -24,6 +24,7 @@ from torch import nn
 import shardwise
 from shardwise.distributed import env as dist_env
 from shardwise.distributed import watchdog
+from shardwise.parallel.lowbit.recipes import RECIPES
 from shardwise.train.config import Config
 from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model,
                                          data_rank, describe_layout,
@@ -135,8 +136,12 @@ def describe_features(cfg: Config) -> str:
     """The rest of the start line: activation checkpointing, compile, what the collectives
     send, where optimizer state lives."""
     t, c, o = cfg.train, cfg.comm, cfg.offload
+    weights, recipe = c.weights, RECIPES.get(cfg.precision.matmul)
+    if weights == "fp8" and recipe is not None and recipe.gathers_weight_codes:
+        # [Note: fp8 weight gathers]: not the blockwise codec
+        weights = f"fp8 ({recipe.name} layers as their matmul's codes, the rest unquantised)"
     wire = "full precision" if (c.weights, c.grads) == ("fp", "fp") else (
-        f"weights {c.weights}, gradients {c.grads} (blocks of {c.block_size})")
+        f"weights {weights}, gradients {c.grads} (blocks of {c.block_size})")
     if c.hierarchy:
         wire += f", hierarchy {c.hierarchy}"
     return (f"activation checkpointing {t.activation_checkpoint}; compile "

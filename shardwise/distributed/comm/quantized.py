@@ -28,7 +28,7 @@ error instead of silently being exact).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -70,8 +70,10 @@ class QuantizedWork:
 
 
 def _check(name: str, output: torch.Tensor, out_numel: int, inp: torch.Tensor,
-           in_numel: int, quant_kind: str, block_size: int) -> None:
-    check_kind(quant_kind)
+           in_numel: int, quant_kind: str | None, block_size: int,
+           unquantised_ok: bool = False) -> None:
+    if quant_kind is not None or not unquantised_ok:
+        check_kind(quant_kind)
     check_block_size(block_size)
     for what, t, numel in (("output", output, out_numel), ("input", inp, in_numel)):
         if not t.is_floating_point() or not t.is_contiguous():
@@ -89,10 +91,30 @@ def _finish(handle: QuantizedWork, async_op: bool) -> QuantizedWork | None:
     return None
 
 
+def _check_codes(codes: torch.Tensor | None, codes_out: Sequence[torch.Tensor], n: int) -> int:
+    """Bytes of this rank's ``codes``, checked against the ``(n, len_i)`` receivers."""
+    if codes is None:
+        if codes_out:
+            raise ValueError(f"all_gather_quantized: codes_out given ({len(codes_out)} "
+                             f"tensors) without codes to send")
+        return 0
+    if codes.element_size() != 1 or not codes.is_contiguous():
+        raise ValueError(f"all_gather_quantized: codes must be contiguous 1-byte elements, got "
+                         f"{codes.dtype} (contiguous={codes.is_contiguous()})")
+    lens = [c.shape[1] if c.dim() == 2 else -1 for c in codes_out]
+    if any(c.element_size() != 1 or c.dim() != 2 or c.shape[0] != n or not c.is_contiguous()
+           for c in codes_out) or sum(lens) != codes.numel():
+        raise ValueError(f"all_gather_quantized: codes_out must be contiguous 1-byte (n={n}, "
+                         f"len) tensors whose lens sum to the {codes.numel()} code bytes, got "
+                         f"{[(c.dtype, tuple(c.shape)) for c in codes_out]}")
+    return codes.numel()
+
+
 def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
-                         quant_kind: str = "int8", block_size: int = 256, *, label: str = "",
-                         async_op: bool = False, trailer: torch.Tensor | None = None
-                         ) -> QuantizedWork | None:
+                         quant_kind: str | None = "int8", block_size: int = 256, *,
+                         label: str = "", async_op: bool = False,
+                         trailer: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+                         codes_out: Sequence[torch.Tensor] = ()) -> QuantizedWork | None:
     """Gather every rank's ``shard`` into ``output`` (rank-major), quantized on the wire.
 
     Each rank quantizes its shard with ``quant_kind`` and ``block_size``, the packed bytes are
@@ -100,18 +122,30 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
     into ``output``: piece ``r`` equals ``dequantize(quantize(shard of rank r))`` exactly
     (cast to ``output.dtype``). One-rank groups: [Note: one-rank groups].
 
+    [Note: codes on the wire] A caller whose elements are already codes (the ZeRO-3 gather of
+    low-bit weights, encoded with a multiplier the group agreed: [Note: fp8 weight gathers]
+    in parallel/lowbit/gather.py) passes them as ``codes``: their bytes travel after the
+    shard's, unchanged, in the same collective, and ``wait()`` copies every rank's into
+    ``codes_out``. ``quant_kind=None`` then sends the shard itself unquantised, as
+    ``output.dtype`` (the elements the codes do not cover: the layers the recipe keeps in
+    high precision). A row is ``[shard payload | codes | trailer]``, with no padding.
+
     Args:
         output: contiguous float tensor of ``n * shard.numel()`` elements, any float dtype;
             viewed as ``(n, shard.numel())``.
         shard: this rank's contiguous float shard (same numel on every rank).
         group: process group (default: the world).
-        quant_kind: "int8", "fp8" or "int4" (default "int8").
+        quant_kind: "int8", "fp8", "int4", or None (unquantised, as ``output.dtype``; default
+            "int8").
         block_size: elements per quantization block (default 256).
         label: names the collective in ``comm`` records.
         async_op: return a handle whose ``wait()`` finishes the gather and the decoding.
         trailer: uint8 bytes appended, unquantized, to this rank's packed shard; every rank's
             trailer is in the handle's ``trailers`` after ``wait()`` (default None). The
             engine sends its unit identity this way ([Note: gather identity]).
+        codes: this rank's pre-encoded 1-byte elements (default None: none).
+        codes_out: contiguous 1-byte ``(n, len_i)`` tensors, ``sum(len_i) == codes.numel()``:
+            every rank's codes, split in order, rank-major (default: none).
 
     Returns:
         A :class:`QuantizedWork` when ``async_op`` and ``n > 1``, else None (done).
@@ -121,21 +155,35 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
     """
     n = comm.group_size(group)
     m = shard.numel()
-    _check("all_gather_quantized", output, n * m, shard, m, quant_kind, block_size)
+    _check("all_gather_quantized", output, n * m, shard, m, quant_kind, block_size, True)
+    ncodes = _check_codes(codes, codes_out, n)
     if n == 1:
-        dequantize(quantize(shard.view(-1), quant_kind, block_size), out=output)
+        if quant_kind is None:
+            output.copy_(shard.view(-1))
+        else:
+            dequantize(quantize(shard.view(-1), quant_kind, block_size), out=output)
+        if ncodes:
+            torch.split_with_sizes_copy(codes.view(1, -1).view(torch.uint8),
+                                        [c.shape[1] for c in codes_out], dim=1,
+                                        out=[c.view(torch.uint8) for c in codes_out])
         return None
     # [Note: quantized comm memory]: every buffer comes from the pool and goes back to it
     # once the gather has completed and been decoded.
-    packed = packed_nbytes(m, quant_kind, block_size)
+    packed = (m * output.element_size() if quant_kind is None
+              else packed_nbytes(m, quant_kind, block_size))
     extra = 0 if trailer is None else trailer.numel()
-    row = packed + extra
+    row = packed + ncodes + extra
     send = POOL.take(row, torch.uint8, shard.device)
-    work = POOL.take(work_numel(1, m, block_size), torch.float32, shard.device)
-    quantize_packed(shard.view(-1), quant_kind, block_size, send[:packed], work)
-    POOL.give(work)
+    if quant_kind is None:
+        send[:packed].view(output.dtype).copy_(shard.view(-1))
+    else:
+        work = POOL.take(work_numel(1, m, block_size), torch.float32, shard.device)
+        quantize_packed(shard.view(-1), quant_kind, block_size, send[:packed], work)
+        POOL.give(work)
+    if ncodes:
+        send[packed:packed + ncodes].copy_(codes.view(torch.uint8))
     if trailer is not None:
-        send[packed:].copy_(trailer.view(torch.uint8))
+        send[packed + ncodes:].copy_(trailer.view(torch.uint8))
     recv = POOL.take(n * row, torch.uint8, shard.device)
     pending = comm.all_gather_into_tensor(recv, send, group, label=label, async_op=True)
     handle = QuantizedWork(pending, lambda: None, send, recv)
@@ -143,10 +191,18 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group=None,
     def decode() -> None:
         rows = recv.view(n, row)
         work32 = (POOL.take(n * m, torch.float32, output.device)
-                  if output.dtype != torch.float32 else None)
-        dequantize(unpack(rows[:, :packed], m, quant_kind, block_size), out=output, work=work32)
+                  if output.dtype != torch.float32 and quant_kind is not None else None)
+        if quant_kind is None:  # the bytes of output.dtype elements: a copy decodes them
+            output.view(torch.uint8).view(n, packed).copy_(rows[:, :packed])
+        else:
+            dequantize(unpack(rows[:, :packed], m, quant_kind, block_size), out=output,
+                       work=work32)
+        if ncodes:
+            torch.split_with_sizes_copy(rows[:, packed:packed + ncodes],
+                                        [c.shape[1] for c in codes_out], dim=1,
+                                        out=[c.view(torch.uint8) for c in codes_out])
         if trailer is not None:
-            handle.trailers = rows[:, packed:].clone()  # n * len(trailer) bytes
+            handle.trailers = rows[:, packed + ncodes:].clone()  # n * len(trailer) bytes
         for buf in (send, recv, work32):
             POOL.give(buf)
 

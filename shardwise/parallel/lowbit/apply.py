@@ -26,8 +26,10 @@ from torch import nn
 
 from shardwise.models.experts import GroupedExperts
 from shardwise.parallel.lowbit.experts import LowBitExperts
+from shardwise.parallel.lowbit.gather import TensorwiseCodes
 from shardwise.parallel.lowbit.linear import LowBitState, lowbit_state, module_linear
 from shardwise.parallel.lowbit.recipes import Recipe, get_recipe
+from shardwise.shard.scaled_gather import CODES_ATTR
 
 __all__ = ["apply_low_precision", "LowPrecisionReport", "low_precision_report",
            "nonfinite_amax_layers", "lowbit_modules"]
@@ -68,9 +70,8 @@ def _lowbit_class(cls: type) -> type:
 
 def _in_block(name: str, lists: set[str]) -> bool:
     """Whether module ``name`` sits inside an element of one of the ModuleLists ``lists``."""
-    parts = name.split(".")
-    return any(".".join(parts[:i]) in lists and i < len(parts) - 1
-               for i in range(1, len(parts)))
+    parts = name.split(".")  # the list itself may be the root (name "")
+    return any(".".join(parts[:i]) in lists for i in range(len(parts) - 1))
 
 
 def _is_router(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
@@ -151,12 +152,15 @@ def _problem(module: nn.Module, rec: Recipe) -> str | None:
 
 
 def _convert(module: nn.Module, rec: Recipe, name: str) -> None:
-    module._shardwise_lowbit = LowBitState(rec, name)
+    module._shardwise_lowbit = state = LowBitState(rec, name)
     if isinstance(module, GroupedExperts):
         if not isinstance(module, LowBitExperts):
             module.__class__ = LowBitExperts.of(type(module))
-    elif _linear_kind(module) == "plain":
+        return  # per-expert scales: gathered as any parameter ([Note: fp8 weight gathers])
+    if _linear_kind(module) == "plain":
         module.__class__ = _lowbit_class(type(module))
+    if rec.gathers_weight_codes:
+        setattr(module, CODES_ATTR, TensorwiseCodes(state))
 
 
 def low_precision_report(model: nn.Module) -> LowPrecisionReport | None:

@@ -15,7 +15,9 @@ activation checkpointing discards and recomputes them like any other saved tenso
 gathers] in gather.py), the engine *offers* the gathered codes to the layer
 (:meth:`LowBitState.offer`); forward and backward then use them as they are, with no
 second cast. An offer names the data pointer of the weight it was made for, so a stale one
-(the weight re-gathered or changed since) is never used.
+(the weight re-gathered or changed since) is never used; and since pooled buffers bring data
+pointers back, the engine also withdraws every offer when the unit reshards, discards a
+gather or gathers again ([Note: scaled gathers in the engine] in shard/scaled_gather.py).
 """
 
 from __future__ import annotations

@@ -67,6 +67,14 @@ class Recipe:
     element_bits: int
     kernel: str
 
+    @property
+    def gathers_weight_codes(self) -> bool:
+        """Whether one 8-bit tensorwise cast of the weight serves the forward and the input
+        gradient, so ZeRO gathers can carry those codes ([Note: fp8 weight gathers] in
+        gather.py): ``fp8_tensorwise``."""
+        w = self.weight
+        return w.granularity == "tensor" and self.weight_gi == w and w.fmt in ("e4m3", "e5m2")
+
     def shape_problem(self, in_features: int, out_features: int) -> str | None:
         """Why a ``(out_features, in_features)`` weight cannot take this recipe (None: it
         can)."""

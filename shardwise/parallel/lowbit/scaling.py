@@ -49,7 +49,7 @@ from shardwise.parallel.lowbit.codes import (FORMATS, Format, decode, e2m1_round
                                              unpack_e2m1)
 
 __all__ = ["Format", "FORMATS", "Scaling", "ScaledTensor", "quantize", "dequantize",
-           "e2m1_round", "pack_e2m1", "unpack_e2m1"]
+           "tile_amax", "multipliers", "encode", "e2m1_round", "pack_e2m1", "unpack_e2m1"]
 
 EPS = 1e-12
 AMAX_CAP = 2.0 ** 127  # [Note: low-bit scale arithmetic]
@@ -208,8 +208,40 @@ def _multiplier(amax: torch.Tensor, scaling: Scaling, fmt: Format) -> torch.Tens
     return _fp8_multiplier(amax, fmt.max, scaling.scale == "pow2")
 
 
+def tile_amax(x: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """Per-tile absmax of a 2-D ``x`` as fp32 ``(R', C')`` (``(1, 1)`` for tensorwise); nan
+    and inf propagate."""
+    r, c = x.shape
+    return _tile_amax(_tiles(x.float(), *scaling.tile(r, c)))
+
+
+def multipliers(amax: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """The quantisation multipliers ``q`` of tiles with absmax ``amax`` ([Note: low-bit scale
+    arithmetic]); nan where ``amax`` is not finite."""
+    return _multiplier(amax, scaling, FORMATS[scaling.fmt])
+
+
+def _encode_tiles(tiles: torch.Tensor, q: torch.Tensor, fmt: Format) -> torch.Tensor:
+    y = tiles * q[:, None, :, None]
+    if fmt.name == "e2m1":
+        # nan (a bad tile: q is nan) -> code 0; the tile still decodes to nan through 1 / q
+        return e2m1_round(y.nan_to_num_(0.0)).to(fmt.dtype)
+    return y.clamp_(-fmt.max, fmt.max).to(fmt.dtype)  # saturating: finite stays finite
+
+
+def encode(x: torch.Tensor, q: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """The codes of a 2-D ``x`` under tile multipliers ``q``: ``sat(x * q)`` in the format's
+    dtype (e2m1: their e4m3 values, [Note: e2m1 codes held as e4m3]). ``q`` may come from a
+    larger matrix ``x`` is a block of rows of (a tensorwise multiplier agreed over ranks):
+    the codes are elementwise."""
+    r, c = x.shape
+    codes = _encode_tiles(_tiles(x.float(), *scaling.tile(r, c)), q, FORMATS[scaling.fmt])
+    return _untile(codes, r, c)
+
+
 def quantize(x: torch.Tensor, scaling: Scaling) -> tuple[ScaledTensor, torch.Tensor]:
-    """Quantise a 2-D ``x`` (contraction dim last) as ``scaling`` says.
+    """Quantise a 2-D ``x`` (contraction dim last) as ``scaling`` says: :func:`tile_amax`,
+    :func:`multipliers` and :func:`encode`, the tiles cut once.
 
     Runs without a host sync: no value of ``x`` reaches Python, so a step stays asynchronous
     on an accelerator and traces whole under ``torch.compile``.
@@ -228,20 +260,12 @@ def quantize(x: torch.Tensor, scaling: Scaling) -> tuple[ScaledTensor, torch.Ten
     if x.dim() != 2:
         raise ValueError(f"quantize needs a 2-D matrix, got shape {tuple(x.shape)}")
     fmt = FORMATS[scaling.fmt]
-    xf = x.float()
-    r, c = xf.shape
-    br, bc = scaling.tile(r, c)
-    tiles = _tiles(xf, br, bc)  # (R', br, C', bc)
+    r, c = x.shape
+    tiles = _tiles(x.float(), *scaling.tile(r, c))  # (R', br, C', bc)
     amax = _tile_amax(tiles)  # (R', C')
-    bad = ~torch.isfinite(amax).all()
     q = _multiplier(amax, scaling, fmt)
-    y = tiles * q[:, None, :, None]
-    if fmt.name == "e2m1":
-        # nan (a bad tile: q is nan) -> code 0; the tile still decodes to nan through 1 / q
-        codes = e2m1_round(y.nan_to_num_(0.0)).to(fmt.dtype)
-    else:
-        codes = y.clamp_(-fmt.max, fmt.max).to(fmt.dtype)  # saturating: finite stays finite
-    return ScaledTensor(_untile(codes, r, c), q, scaling, torch.Size((r, c))), bad
+    codes = _untile(_encode_tiles(tiles, q, fmt), r, c)
+    return ScaledTensor(codes, q, scaling, torch.Size((r, c))), ~torch.isfinite(amax).all()
 
 
 def dequantize(st: ScaledTensor) -> torch.Tensor:

@@ -7,12 +7,14 @@ curve, the memory bandwidth, and the alpha-beta links of comm_model.py.
 [Note: layer time] A layer's forward is the sum of its matrix multiplies (each at the
 hardware's achievable fraction of peak for its size), its attention core (one batched
 kernel) and its bandwidth-bound kernels (norms, residual adds, activation functions,
-dropout, unfused softmax) at the fitted fraction of HBM bandwidth. fp8 training also casts
-every linear's operands (work.fp8_cast_bytes). Backward runs two multiplies per forward
-multiply (input and weight gradients) at the same size, 2.5x the attention kernel's forward
-work for flash attention (it recomputes the scores) and 2x otherwise, and twice the
-bandwidth-bound bytes. Communication that overlaps compute occupies ``comm_sm_fraction`` of
-the cores, which the kernels then lack.
+dropout, unfused softmax) at the fitted fraction of HBM bandwidth. fp8 training
+(``compute_dtype="fp8"``) also casts every linear's operands (work.fp8_cast_bytes); a
+low-bit recipe (``matmul_recipe``) moves the converted multiplies to its dtype's rate and
+adds its casts ([Note: pricing a low-bit recipe] in recipe_cost.py). Backward runs two
+multiplies per forward multiply (input and weight gradients) at the same size, 2.5x the
+attention kernel's forward work for flash attention (it recomputes the scores) and 2x
+otherwise, and twice the bandwidth-bound bytes. Communication that overlaps compute
+occupies ``comm_sm_fraction`` of the cores, which the kernels then lack.
 
 Tensor-parallel collectives ([Note: tensor-parallel collectives] in sends.py) are charged
 per pass, the backward's conjugates included and its weight-gradient regather left out
@@ -53,6 +55,7 @@ from shardwise.planner import comm_model
 from shardwise.planner.dp_cost import reduce_element_bytes
 from shardwise.planner.pipeline import gather_rounds
 from shardwise.planner.rank_memory import unit_state
+from shardwise.planner.recipe_cost import recipe_seconds
 from shardwise.planner.sends import TP_REGIONS, tp_region
 from shardwise.planner.work import fp8_cast_bytes, head_work
 from shardwise.planner.workload import ATTENTION_DTYPE
@@ -88,9 +91,14 @@ class GpuDevice:
         attn_bwd = attn * (2.5 if wl.attention == "flash" else 2.0)
         # What selective recomputation replays ([Note: selective recomputation]).
         cheap = attn + hw.memory_time(w.core_bytes) if wl.attention != "flash" else mem
+        low = (0.0,) * 4
+        if w.lowbit is not None:  # [Note: pricing a low-bit recipe] in recipe_cost.py
+            rs = recipe_seconds(hw, wl, w)
+            low = (rs.fwd, rs.bwd, rs.wgrad, rs.cast_fwd if wl.attention == "flash" else 0.0)
         slow = 1 / (1 - wl.comm_sm_fraction)  # cores the overlapped comm occupies
-        return ((gemm + attn + mem + cast_f) * slow, (2 * gemm + attn_bwd + 2 * mem + cast_b)
-                * slow, gemm * slow, cheap * slow)
+        return ((gemm + attn + mem + cast_f + low[0]) * slow,
+                (2 * gemm + attn_bwd + 2 * mem + cast_b + low[1]) * slow,
+                (gemm + low[2]) * slow, (cheap + low[3]) * slow)
 
     def attention_seconds(self, spec, wl, w, tp: int) -> tuple[float, float]:
         """The attention kernel's forward at the efficiency of its size (each call's

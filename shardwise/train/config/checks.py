@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from shardwise.parallel.lowbit.recipes import RECIPE_NAMES
+from shardwise.parallel.lowbit.recipes import RECIPE_NAMES, RECIPES
 
 __all__ = ["validate", "resolve_world", "check_output_dir", "sequence_parallel",
            "check_sequence_split", "check_model_combinations", "AC_POLICIES",
@@ -145,6 +145,13 @@ def _combinations(config) -> None:
     if comm.hierarchy and not (par.stage == 3 and par.reshard_after_forward):
         raise ValueError(f"comm.hierarchy={comm.hierarchy} needs parallel.stage 3 with "
                          f"parallel.reshard_after_forward true")
+    matmul = RECIPES.get(config.precision.matmul)
+    if comm.hierarchy and comm.weights == "fp8" and matmul and matmul.gathers_weight_codes:
+        raise ValueError(f"comm.hierarchy={comm.hierarchy} with comm.weights='fp8' and "
+                         f"precision.matmul={matmul.name!r}: the secondary partition keeps "
+                         f"compute-dtype rows, not the fp8 codes the layers are gathered in; "
+                         f"expected comm.hierarchy=0, comm.weights='fp' or another "
+                         f"precision.matmul")
     if off.device == "disk" and not off.path.strip():
         raise ValueError("offload.device='disk' needs offload.path, the directory for the "
                          "optimizer-state files, got ''")

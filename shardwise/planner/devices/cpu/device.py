@@ -2,7 +2,8 @@
 Gloo collectives from the calibration's fits ([Note: CPU kernels] in costs.py), the cores'
 time-sharing and contention (step.py), the engine's buffers replayed (engine_buffers.py).
 What the calibration did not measure (a MoE or GPT-style layer, fp8, the expert
-all-to-all) falls back to the roofline of the GPU device model.
+all-to-all) falls back to the roofline of the GPU device model; a low-bit recipe runs
+emulated on CPU ranks, its casts priced at the calibrated memory bandwidth.
 
     dev = CpuDevice(get_hardware("local"))       # needs a calibration with its [cpu] table
     dev.all_gather(shard_bytes, comm_model.place(2, 1, 2))
@@ -19,6 +20,7 @@ from shardwise.planner.devices.cpu.kernels import (attention_kernels, cpu_pricab
                                                    head_kernels, layer_kernels,
                                                    optimizer_seconds)
 from shardwise.planner.devices.gpu import GpuDevice
+from shardwise.planner.recipe_cost import recipe_seconds
 from shardwise.planner.sends import LOSS_ALL_REDUCES, TP_REGIONS, tp_edges, tp_region
 from shardwise.planner.work import layer_work
 
@@ -47,7 +49,13 @@ class CpuDevice:
         kf, kb = layer_kernels(self.hw, spec, w.tokens, wl.seq_len, tp, sp, w.attn_exec_flops,
                                w)
         mm, ker = self.composition(spec)
-        return mm * gemm + ker * kf, 2 * mm * gemm + ker * kb, mm * gemm, ker * kf
+        fwd, bwd, wgrad, cheap = (mm * gemm + ker * kf, 2 * mm * gemm + ker * kb, mm * gemm,
+                                  ker * kf)
+        if w.lowbit is not None:  # emulated on CPUs; casts not calibrated: the roofline's
+            rs = recipe_seconds(self.hw, wl, w)
+            fwd, bwd, wgrad = fwd + rs.fwd, bwd + rs.bwd, wgrad + rs.wgrad
+            cheap += rs.cast_fwd
+        return fwd, bwd, wgrad, cheap
 
     def attention_seconds(self, spec, wl, w, tp: int) -> tuple[float, float]:
         """The attention core's calibrated kernels (per block under context parallelism:
