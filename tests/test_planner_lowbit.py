@@ -173,7 +173,7 @@ def test_fused_casts_read_once_and_write_codes_and_scales(recipe):
 
 class _Bytes(torch.utils._python_dispatch.TorchDispatchMode):
     """Bytes each operator reads and writes (distinct elements: a broadcast input counts
-    once), views left out."""
+    once; an in-place operator reads and writes its tensor), views left out."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -181,7 +181,8 @@ class _Bytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view or any(a.alias_info for a in func._schema.returns):
+        schema = func._schema
+        if func.is_view or (any(a.alias_info for a in schema.returns) and not schema.is_mutable):
             return out
         flat = torch.utils._pytree.tree_flatten((args, kwargs, out))[0]
         self.n += sum(math.prod(s for s, st in zip(t.shape, t.stride()) if st) * t.element_size()

@@ -36,28 +36,29 @@ cast of ``E`` elements of an ``a``-byte tensor is a memory-bound pass:
   tensor-wide scale (tensorwise, NVFP4's second level) first reads the tensor once more for
   its amax: 5 bytes an element of bf16 for tensorwise, 3 for rowwise;
 * eager (``quantize`` in scaling.py, one kernel per operator: shardwise without compile):
-  the upcast ``x.float()`` (``a + 4`` bytes an element, none in fp32), ``abs`` and ``amax``
-  (12), a row or block scaling's per-element multipliers (``repeat_interleave``: 4), the
-  multiply (8 with one scale, 12 with per-element ones), and in fp8 the saturating ``clamp``
-  and the cast (13): 39 bytes an element of bf16 for tensorwise, 47 for rowwise, blockwise
-  and MXFP8. NVFP4's e2m1 rounding and packing run some twenty integer and float operators
-  (``nan_to_num`` 8, ``e2m1_round`` 162, ``pack_e2m1`` 85.5 bytes an element): 289.5. Each
-  tile's scale takes a dozen fp64 and fp32 operators more (about 128 bytes a tile: 101 to
-  168 counted, NVFP4's to rowwise's), and 8 bytes a tile row beyond the first, where the
-  multipliers are repeated along rows before columns (``_expand``). Counted operator by
-  operator with a dispatch mode on shapes the recipes take, these are within 1% of what
-  ``quantize`` moves (tests/test_planner_lowbit.py).
+  the upcast ``x.float()`` (``a + 4`` bytes an element, none in fp32), ``abs`` (8), the
+  tile amax (``amax`` over the whole tensor, 4; a tile's columns first folded in halves
+  with ``maximum``, 12 a fold's output element, until an odd width is left: just under 12
+  more for any tile of 16 or more columns), the multiply by the broadcast multipliers (8),
+  and in fp8 the saturating ``clamp_`` and the cast (13): 39 bytes an element of bf16 for
+  tensorwise, 47 to 48 for rowwise, blockwise and MXFP8. NVFP4's e2m1 rounding is closed
+  form on the exponent bits ([Note: closed-form e2m1 rounding] in lowbit/codes.py), nine
+  operators of 8 to 12 bytes (``nan_to_num_`` included) and the e4m3 cast its codes are held
+  in: 77. Each tile's scale takes a dozen fp64 and fp32 operators more (93 to 161 bytes a
+  tile counted, NVFP4's to rowwise's power-of-two scales). Counted operator by operator with
+  a dispatch mode (in-place operators included) on shapes the recipes take, these are within
+  1% of what ``quantize`` moves (tests/test_planner_lowbit.py).
 
 Copies of transposed codes into the layout a kernel takes are left out (fused casts write
 both layouts; eager, a reused code is read and written once more, a byte each).
 
 [Note: emulated low-bit multiplies] Where the device runs no kernel for the recipe
 (``recipe_cost.recipe_path``), ``scaled_matmul`` dequantises both operands of each multiply
-to fp32 (fused: read the codes and scales, write 4 bytes an element; eager: ``float()``, the
-per-element multipliers and the multiply, 13 bytes an fp8 element with one scale, 21 with
-per-element ones, 87 an e2m1 element, whose unpacking alone is 71; and 20 bytes a tile for
-the reciprocal multipliers), multiplies in fp32 and casts the product to the compute dtype
-(``4 + a`` bytes an output element).
+to fp32 (fused: read the codes and scales, write 4 bytes an element; eager: the codes'
+bytes widened to indices and looked up in a 256-entry table, 13 bytes an element of fp8 or
+e2m1 codes with one scale folded into the table, 21 with tile scales multiplied in place;
+and 11 bytes a tile for the reciprocal multipliers), multiplies in fp32 and casts the
+product to the compute dtype (``4 + a`` bytes an output element).
 
 [Note: what a recipe saves] fp8_tensorwise saves each converted linear's input as its codes
 (a byte an element and a 4-byte scale: [Note: what the low-bit linear saves] in linear.py);
@@ -88,11 +89,13 @@ __all__ = ["LowBitLinear", "RecipeWork", "block_linears", "recipe_work", "cast_b
            "dequant_bytes", "keeps_codes", "unit_split"]
 
 _SCALE_BYTES = {"fp32": 4, "pow2": 4, "e8m0": 1, "nvfp4": 1}
-_E2M1_EAGER = 8 + 162 + 85.5  # nan_to_num, e2m1_round, pack_e2m1 ([Note: low-bit casts])
-_E2M1_UNPACK = 71.0  # unpack_e2m1 ([Note: emulated low-bit multiplies])
-# Bytes of the eager scale arithmetic: a tile's, a tile row's, a dequantised tile's ([Note:
+# nan_to_num_, then e2m1_round's clamp, exponent mask, clamp_, halving, divide, round and
+# multiply, and the cast to the e4m3 values the codes are held in ([Note: low-bit casts])
+_E2M1_EAGER = 8 + 8 + 8 + 8 + 8 + 12 + 8 + 12 + 5
+# Bytes of the eager scale arithmetic: a tile's by scale kind, a dequantised tile's ([Note:
 # low-bit casts], [Note: emulated low-bit multiplies]).
-_EAGER_TILE, _EAGER_TILE_ROW, _EAGER_DEQUANT_TILE = 128.0, 8.0, 20.0
+_EAGER_TILE = {"fp32": 136.0, "pow2": 161.0, "e8m0": 131.0, "nvfp4": 93.0}
+_EAGER_DEQUANT_TILE = 11.0
 
 
 @dataclass(frozen=True)
@@ -212,13 +215,22 @@ def cast_bytes(s: Scaling, rows: float, cols: float, act_bytes: int, fused: bool
     if fused:
         amax = a if s.granularity == "tensor" or s.scale == "nvfp4" else 0
         return e * (a + _code_bytes(s) + amax) + _scale_bytes(s, rows, cols)
-    per_element = s.granularity != "tensor"
     upcast = 0 if a == 4 else a + 4
     finish = _E2M1_EAGER if s.fmt == "e2m1" else 13.0  # clamp + cast, or e2m1's rounding
-    tile_rows = s.block[0] if s.granularity == "block" else 1
-    tiles = _tiles(s, rows, cols) * (_EAGER_TILE + _EAGER_TILE_ROW * (tile_rows - 1))
-    return (e * (upcast + 12 + (16 if per_element else 8) + finish) + tiles
+    tiles = _tiles(s, rows, cols) * _EAGER_TILE[s.scale]
+    return (e * (upcast + _eager_amax_bytes(s, cols) + 8 + finish) + tiles
             + _scale_bytes(s, rows, cols))
+
+
+def _eager_amax_bytes(s: Scaling, cols: float) -> float:
+    """Bytes an element of ``quantize``'s tile amax: ``abs``, the folds in halves of a tile's
+    columns with ``maximum`` while its width is even, the ``amax`` of what is left."""
+    if s.granularity == "tensor":
+        return 8 + 4.0
+    width, folds = int(cols) if s.granularity == "row" else s.block[1], 0
+    while width > 1 and width % 2 == 0:
+        width, folds = width // 2, folds + 1
+    return 8 + 12 * (1 - 2.0 ** -folds) + 4 * 2.0 ** -folds
 
 
 def dequant_bytes(s: Scaling, rows: float, cols: float, fused: bool) -> float:
@@ -227,8 +239,7 @@ def dequant_bytes(s: Scaling, rows: float, cols: float, fused: bool) -> float:
     e = rows * cols
     if fused:
         return e * (_code_bytes(s) + 4) + _scale_bytes(s, rows, cols)
-    read = _E2M1_UNPACK if s.fmt == "e2m1" else 1 + 4
-    return (e * (read + (16 if s.granularity != "tensor" else 8))
+    return (e * (13 + (8 if s.granularity != "tensor" else 0))
             + _tiles(s, rows, cols) * _EAGER_DEQUANT_TILE + _scale_bytes(s, rows, cols))
 
 
