@@ -62,7 +62,7 @@ def ours(recipe: str, x, w, dy, policy: str) -> tuple[torch.Tensor, ...]:
     """Output, input gradient, weight gradient of ``lowbit_linear`` under ``policy``."""
     old = set_kernel_policy(policy)
     try:
-        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        xx, ww = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         y = lowbit_linear(xx, ww, None, LowBitState(get_recipe(recipe), "cmp"))
         y.backward(dy)
     finally:
