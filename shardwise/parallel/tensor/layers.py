@@ -130,7 +130,7 @@ class ColwiseParallel:
         weight, bias = self.weight, getattr(self, "bias", None)
         if src is not None and lowbit_state(self) is None:
             out = sequence_linear(full, x, src, weight, bias)  # (B, T, F/tp)
-        else:  # a low-bit layer casts the gathered input itself ([Note: low-bit under SP])
+        else:  # a low-bit layer casts the gathered input itself ([Note: low-bit under TP])
             out = module_linear(self, full, weight, bias)  # (..., F/tp)
         if tp.gather_output:
             out = gather_last_dim(out, tp.ctx.group, f"{tp.label}.tp_all_gather_output")
