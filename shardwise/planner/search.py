@@ -275,8 +275,8 @@ def _refine(searcher: _Searcher, ranked: list[Estimate], top: int) -> list[Estim
     """Try quantised data-parallel communication on the best fitting layouts."""
     extra = []
     f = searcher.fixed
-    # fp8_tensorwise's weights gather as the codes its multiplies take ([Note: fp8 weight
-    # gathers] in dp_cost.py): worth trying beside int8
+    # fp8_tensorwise's weights gather as the codes its multiplies take
+    # ([Note: pricing fp8 weight gathers] in dp_cost.py): worth trying beside int8
     fp8 = ("fp8",) if searcher.wl.matmul_recipe == "fp8_tensorwise" else ()
     for est in ranked[:top]:
         L = est.layout

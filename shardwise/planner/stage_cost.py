@@ -226,8 +226,8 @@ class StageCoster:
             ep_comm = passes * a2a
             if wl.overlap_ep:  # DualPipe-style: hidden behind another micro-batch's compute
                 ep_comm = max(0.0, ep_comm - (fwd + bwd + recompute))
-        # A recipe's saved codes count without checkpointing only ([Note: what a recipe
-        # saves] in recipe_work.py).
+        # A recipe's saved codes count without checkpointing only
+        # ([Note: what a recipe saves] in recipe_work.py).
         codes = w.lowbit.saved_delta if w.lowbit is not None else 0.0
         working = saved_bytes(w, tp, sp, "none") + codes if ac == "full" else 0.0
         saved = saved_bytes(w, tp, sp, ac) + (codes if ac == "none" else 0.0)

@@ -10,19 +10,24 @@ actions
     ``kill`` (SIGKILL this process), ``exit`` (``os._exit(code)``, default 3: a crash without
     a Python traceback), ``raise`` (a :class:`InjectedFault` exception), ``oom`` (a real
     allocation that cannot succeed), ``hang`` (sleep forever in Python; ``native=1``: in one
-    C call), ``nan`` / ``inf`` (corrupt the loss, phase ``loss``, or one parameter's gradient,
-    phase ``grad`` with ``param=FQN``), ``enospc`` (the disk is full: a checkpoint file write
+    C call), ``nan`` / ``inf`` (corrupt the loss, phase ``loss``, one parameter's gradient,
+    phase ``grad`` with ``param=FQN``, or one module's input, phase ``input`` with
+    ``module=FQN``), ``enospc`` (the disk is full: a checkpoint file write
     fails with ENOSPC after writing part of its data), ``skip`` (do not issue the next
     collective whose label contains ``label=...``; needs the watchdog).
 conditions
     ``rank`` (default 0), ``step`` (an int, or ``random``: drawn from ``seed`` in
     [2, steps - 1]), ``phase``, ``attempt`` (the torchrun restart count it fires in,
-    default 0, so a restarted job does not fail again; ``any``), ``param``, ``label``.
+    default 0, so a restarted job does not fail again; ``any``), ``param``, ``module``,
+    ``label``.
 phases
     ``start`` (default: as the step begins), ``forward`` / ``backward`` (in the middle of the
     model: at the middle transformer block), ``optimizer`` (just before the optimizer step),
     ``checkpoint`` (while this rank writes its checkpoint files), ``commit`` (rank 0 inside
-    the checkpoint commit, before the rename), ``loss`` and ``grad`` (for ``nan`` / ``inf``).
+    the checkpoint commit, before the rename), ``loss``, ``grad`` and ``input`` (for ``nan``
+    / ``inf``; ``input``: the first element of the first tensor argument of the named
+    module's first forward call in that step, e.g. to see a low-bit layer name the
+    non-finite amax it casts).
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ __all__ = ["Fault", "FaultPlan", "InjectedFault", "parse_faults", "ENV_VAR"]
 
 ENV_VAR = "SHARDWISE_FAULT"
 ACTIONS = ("kill", "exit", "raise", "oom", "hang", "nan", "inf", "enospc", "skip")
-PHASES = ("start", "forward", "backward", "optimizer", "checkpoint", "commit", "loss", "grad")
+PHASES = ("start", "forward", "backward", "optimizer", "checkpoint", "commit", "loss", "grad",
+          "input")
 _CRASHES = ("kill", "exit", "raise", "oom", "hang")
 _DEFAULT_PHASE = {"nan": "loss", "inf": "loss", "enospc": "checkpoint", "skip": "start"}
 
@@ -98,7 +104,7 @@ def parse_faults(spec: str) -> list[Fault]:
                 fault.phase = value
             elif key == "attempt":
                 fault.attempt = value
-            elif key in ("param", "label", "seed", "code", "native"):
+            elif key in ("param", "module", "label", "seed", "code", "native"):
                 fault.options[key] = value
             else:
                 raise ValueError(f"{ENV_VAR}: unknown key {key!r} in {part!r}")
@@ -125,6 +131,7 @@ class FaultPlan:
                 rng = random.Random(int(f.options.get("seed", "0")))
                 f.step = rng.randint(2, max(2, steps - 1))
         self._patched: list[tuple[Any, str, Any]] = []
+        self._handles: list[Any] = []
 
     @classmethod
     def from_env(cls, rank: int, steps: int) -> FaultPlan | None:
@@ -182,6 +189,8 @@ class FaultPlan:
         phases = {f.phase for f in self.faults}
         if phases & {"forward", "backward"}:
             self._arm_model(model)
+        if "input" in phases:
+            self._arm_inputs(model)
         if "checkpoint" in phases:
             self._arm_checkpoint_writes()
         if "commit" in phases:
@@ -212,6 +221,31 @@ class FaultPlan:
 
         middle.register_forward_pre_hook(pre_forward)
         middle.register_forward_hook(post_forward)
+
+    def _arm_inputs(self, model: nn.Module) -> None:
+        """Forward pre-hooks on the modules named by ``input`` faults: the due one replaces
+        the first element of the call's first tensor argument (a copy: the caller's tensor
+        is left alone)."""
+        modules = dict(model.named_modules())
+        for f in self.faults:
+            if f.phase != "input":
+                continue
+            name = f.options.get("module")
+            if name not in modules:
+                raise ValueError(f"{ENV_VAR}: module {name!r} is not a module of the model")
+            self._handles.append(modules[name].register_forward_pre_hook(
+                lambda module, args, name=name: self._corrupt_input(name, args)))
+
+    def _corrupt_input(self, name: str, args: tuple) -> tuple | None:
+        due = [f for f in self.faults if f.phase == "input" and f.options.get("module") == name
+               and not f.fired and f.action in ("nan", "inf") and f.step in (None, self.step)]
+        at = next((i for i, a in enumerate(args) if torch.is_tensor(a) and a.numel()), None)
+        if not due or at is None:
+            return None
+        due[0].fired = True
+        x = args[at].clone(memory_format=torch.contiguous_format)  # still in the graph
+        x.view(-1)[0] = float(due[0].action)
+        return (*args[:at], x, *args[at + 1:])
 
     def _arm_checkpoint_writes(self) -> None:
         from torch.distributed.checkpoint import filesystem
@@ -249,7 +283,9 @@ class FaultPlan:
         self._patched.append((owner, name, orig))
 
     def disarm(self) -> None:
-        """Undo every patch :meth:`arm` made."""
+        """Undo every patch and input hook :meth:`arm` made."""
+        while self._handles:
+            self._handles.pop().remove()
         while self._patched:
             owner, name, orig = self._patched.pop()
             setattr(owner, name, orig)

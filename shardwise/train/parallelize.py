@@ -48,7 +48,8 @@ from shardwise.train.pipeline import build_pipeline_model
 __all__ = ["build_mixed_precision", "build_comm_quant", "build_offload", "validate_offload",
            "build_loss_scaler", "build_parallel_model", "wrap_optimizer", "no_sync",
            "clip_grad_norm_", "as_config_keys", "parallel_dims", "data_rank", "cross_entropy",
-           "validate_tp", "validate_ep", "describe_layout", "layout_record"]
+           "validate_tp", "validate_ep", "describe_layout", "layout_record",
+           "apply_matmul_precision", "describe_matmul"]
 
 # The engine names its arguments (Offload(path='/x')); a trainer user wrote config keys.
 _OFFLOAD_KEYS = {"device": "offload.device", "path": "offload.path",
@@ -179,15 +180,20 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
 
 def apply_matmul_precision(model: nn.Module, cfg: Config) -> nn.Module:
     """Convert the blocks' linears to ``precision.matmul``'s low-bit recipe (nothing for
-    "bf16"), skipping ``precision.matmul_skip``; rank 0 prints what was kept high."""
+    "bf16"), skipping ``precision.matmul_skip``; :func:`describe_matmul` says what it did."""
     prec = cfg.precision
     if prec.matmul == "bf16":
         return model
-    shardwise.apply_low_precision(model, prec.matmul, skip=prec.matmul_skip)
+    return shardwise.apply_low_precision(model, prec.matmul, skip=prec.matmul_skip)
+
+
+def describe_matmul(model: nn.Module) -> str | None:
+    """The start lines of a low-bit run (None without one): the recipe, how many layers it
+    converted, and each layer kept in high precision with the reason (the recipe cannot
+    take its shape, or a ``precision.matmul_skip`` pattern). A pipeline part answers for
+    the whole model."""
     report = shardwise.low_precision_report(model)
-    if report.skipped and int(os.environ.get("RANK", "0")) == 0:
-        print(report.summary(), flush=True)
-    return model
+    return None if report is None else report.summary()
 
 
 def cross_entropy(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor

@@ -35,6 +35,7 @@ from torch import nn
 from shardwise.distributed.parallel_dims import ParallelDims
 from shardwise.parallel.context import apply_cp, share_cp_context
 from shardwise.parallel.expert import apply_ep
+from shardwise.parallel.lowbit import share_low_precision_report
 from shardwise.parallel.pipeline import (PipelineExecutor, PipelinePart, build_schedule,
                                          pipeline_grad_norm, schedule_spec, shard_stages,
                                          split_stages, stage_layer_counts)
@@ -211,6 +212,7 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
         apply_cp(model, mesh["cp"], impl=par.cp_impl, load_balance=par.cp_load_balance)
     part = split_stages(model, mesh, v, layers, placement=schedule.placement)
     share_cp_context(model, part)  # the loop shards each batch by the part's layout
+    share_low_precision_report(model, part)  # the start lines describe the whole model's
     # Checkpointing and compile wrap each block of this rank's stages, before sharding (the
     # composition order of shardwise.train.parallelize).
     t = cfg.train

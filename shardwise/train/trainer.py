@@ -27,7 +27,7 @@ from shardwise.distributed import watchdog
 from shardwise.parallel.lowbit.recipes import RECIPES
 from shardwise.train.config import Config
 from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model,
-                                         data_rank, describe_layout,
+                                         data_rank, describe_layout, describe_matmul,
                                          layout_record, wrap_optimizer)
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses)
@@ -227,7 +227,8 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv, replan: Any = None
     stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
     ckpt, done, note = resume_or_import(cfg, model, optimizer, stateful, env)
     horizon = apply_schedule_horizon(schedule, cfg.optim.schedule_horizon, cfg.train.steps, done)
-    notes = [describe_moe(model_cfg, cfg), describe_pipeline(cfg, model), note, horizon]
+    notes = [describe_matmul(model), describe_moe(model_cfg, cfg), describe_pipeline(cfg, model),
+             note, horizon]
     logger = _start_logger(cfg, env, model_cfg, data, done, notes)
     saved = {**stateful, RUN_KEY: run_record(cfg)}  # the batch, for a later resume's check
     train_time = 0.0

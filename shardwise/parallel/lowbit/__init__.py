@@ -10,7 +10,8 @@ device's scaled kernel or its emulation), ``linear`` (the autograd function), ``
 
 from shardwise.parallel.lowbit.apply import (LowPrecisionReport, apply_low_precision,
                                              low_precision_report, lowbit_modules,
-                                             nonfinite_amax_layers)
+                                             nonfinite_amax_layers,
+                                             share_low_precision_report)
 from shardwise.parallel.lowbit.linear import (LowBitState, lowbit_linear, lowbit_state,
                                               module_linear)
 from shardwise.parallel.lowbit.matmul import (real_kernel_available, scaled_matmul,
@@ -20,8 +21,8 @@ from shardwise.parallel.lowbit.scaling import (FORMATS, ScaledTensor, Scaling, d
                                                quantize)
 
 __all__ = ["apply_low_precision", "LowPrecisionReport", "low_precision_report",
-           "lowbit_modules", "nonfinite_amax_layers", "LowBitState", "lowbit_linear",
-           "lowbit_state",
+           "lowbit_modules", "nonfinite_amax_layers", "share_low_precision_report",
+           "LowBitState", "lowbit_linear", "lowbit_state",
            "module_linear", "real_kernel_available", "scaled_matmul", "set_kernel_policy",
            "RECIPE_NAMES", "RECIPES", "Recipe", "get_recipe", "FORMATS", "ScaledTensor",
            "Scaling", "dequantize", "quantize"]

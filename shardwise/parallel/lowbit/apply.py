@@ -11,7 +11,9 @@ the built-in ``layers.N``, Hugging Face's ``model.layers.N``) and every stacked-
 of the built-in MoE; never the embedding, the output head, norms, or a router's gate (the
 routing decision is where a low-bit error would change which expert a token visits). ``skip``
 takes ``fnmatch`` patterns of module names to keep in high precision as well. A layer whose
-shape the recipe cannot take is skipped and listed in the report, never an error.
+shape the recipe cannot take is skipped and listed in the report, never an error; so are
+experts stacked in 3-D parameters with a forward of their own (transformers 5.x's MoE
+experts), which stay in high precision.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from shardwise.parallel.lowbit.recipes import Recipe, get_recipe
 from shardwise.shard.scaled_gather import CODES_ATTR
 
 __all__ = ["apply_low_precision", "LowPrecisionReport", "low_precision_report",
-           "nonfinite_amax_layers", "lowbit_modules"]
+           "share_low_precision_report", "nonfinite_amax_layers", "lowbit_modules"]
 
 REPORT_ATTR = "_shardwise_lowbit_report"
 _ROUTER_NAMES = ("gate", "router", "gate_proj_router")
@@ -123,6 +125,10 @@ def apply_low_precision(model: nn.Module, recipe: str | Recipe = "fp8_tensorwise
     mods = dict(model.named_modules())
     lists = {n for n, m in mods.items() if isinstance(m, nn.ModuleList)}
     for name, module in mods.items():
+        if _foreign_experts(module) and _in_block(name, lists):
+            report.skipped[name] = ("stacked experts with a forward of their own (Hugging "
+                                    "Face's): no low-bit forward, kept in high precision")
+            continue
         if not isinstance(module, (nn.Linear, GroupedExperts)) or not _in_block(name, lists):
             continue
         parent = mods.get(name.rsplit(".", 1)[0]) if "." in name else model
@@ -140,6 +146,13 @@ def apply_low_precision(model: nn.Module, recipe: str | Recipe = "fp8_tensorwise
         report.converted.append(name)
     setattr(model, REPORT_ATTR, report)
     return model
+
+
+def _foreign_experts(module: nn.Module) -> bool:
+    """Experts stacked in 3-D parameters whose forward is not ours (transformers 5.x's
+    ``gate_up_proj`` / ``down_proj``): listed as kept, never silently left out."""
+    return not isinstance(module, GroupedExperts) and any(
+        p is not None and p.dim() == 3 for p in module._parameters.values())
 
 
 def _problem(module: nn.Module, rec: Recipe) -> str | None:
@@ -168,6 +181,14 @@ def low_precision_report(model: nn.Module) -> LowPrecisionReport | None:
     return getattr(model, REPORT_ATTR, None)
 
 
+def share_low_precision_report(model: nn.Module, part: nn.Module) -> None:
+    """Let ``part``, a piece of ``model`` run on its own (a pipeline rank's stages), answer
+    :func:`low_precision_report` as ``model`` does; a no-op for a model not converted."""
+    report = low_precision_report(model)
+    if report is not None:
+        setattr(part, REPORT_ATTR, report)
+
+
 def lowbit_modules(model: nn.Module) -> list[tuple[str, nn.Module, LowBitState]]:
     """Every converted module of ``model``: ``(name, module, state)``."""
     return [(n, m, s) for n, m in model.named_modules() if (s := lowbit_state(m)) is not None]
@@ -175,13 +196,30 @@ def lowbit_modules(model: nn.Module) -> list[tuple[str, nn.Module, LowBitState]]
 
 def nonfinite_amax_layers(model: nn.Module, clear: bool = True) -> list[str]:
     """Names of the converted layers that cast a tensor with a non-finite amax since the
-    last call (one host sync for all layers); ``clear`` resets the flags."""
-    states = [s for _, _, s in lowbit_modules(model) if s.bad is not None]
-    if not states:
+    last call (or :meth:`LowBitState.clear_flag`), where it most likely entered first:
+    the layers whose forward casts saw one, in module order, then those only their backward
+    casts saw, the last module first ([Note: non-finite flags under recompute] in
+    linear.py).
+
+    Args:
+        model: a model converted by :func:`apply_low_precision` (any other: ``[]``).
+        clear: reset the flags (default True).
+
+    Returns:
+        The layer names; ``[]`` without a host sync when no cast was flagged since the last
+        clear, else after one host sync for all layers.
+    """
+    flagged = [(n, s) for n, _, s in lowbit_modules(model)
+               if s.bad is not None or s.bad_backward is not None]
+    if not flagged:
         return []
-    flags = torch.stack([s.bad.to(states[0].bad.device) for s in states]).cpu()
-    bad = [s.name for s, f in zip(states, flags.tolist()) if f]
+    device = next(f for _, s in flagged for f in (s.bad, s.bad_backward) if f is not None).device
+    no = torch.zeros((), dtype=torch.bool, device=device)
+    flags = torch.stack([torch.stack([no if f is None else f.to(device) for f in
+                                      (s.bad, s.bad_backward)]) for _, s in flagged]).cpu()
+    forward = [n for (n, _), (f, _) in zip(flagged, flags.tolist()) if f]
+    backward = [n for (n, _), (f, b) in zip(flagged, flags.tolist()) if b and not f]
     if clear:
-        for s in states:
+        for _, s in flagged:
             s.clear_flag()
-    return bad
+    return forward + backward[::-1]

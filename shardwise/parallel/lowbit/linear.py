@@ -18,6 +18,16 @@ second cast. An offer names the data pointer of the weight it was made for, so a
 (the weight re-gathered or changed since) is never used; and since pooled buffers bring data
 pointers back, the engine also withdraws every offer when the unit reshards, discards a
 gather or gathers again ([Note: scaled gathers in the engine] in shard/scaled_gather.py).
+
+[Note: non-finite flags under recompute] Each cast ors its 0-d non-finite flag into the
+layer's flag with exactly one op, whatever the flag held before (``logical_or(bad, prev)``,
+``prev`` the new flag itself after a clear). Selective activation checkpointing replays a
+block's forward in backward and matches its ops one for one with the forward's
+(``torch.utils.checkpoint``'s selective mode raises on a mismatch), so a first cast without
+an op (the flag was None) and a recompute with one would fail the backward. Forward casts
+(and their recompute) and backward casts keep separate flags: the first layer, in module
+order, whose *forward* cast saw a non-finite amax is where a nan or inf entered; a gradient
+that turned non-finite shows in the backward flags only.
 """
 
 from __future__ import annotations
@@ -34,22 +44,30 @@ __all__ = ["LowBitState", "module_linear", "lowbit_linear", "lowbit_state"]
 
 
 class LowBitState:
-    """What a converted layer carries: its recipe, its name, the device flag of a non-finite
-    amax seen since the last :meth:`clear_flag`, and the weight codes offered by ZeRO-3."""
+    """What a converted layer carries: its recipe, its name, the device flags of a non-finite
+    amax seen since the last :meth:`clear_flag` (``bad``: forward casts, ``bad_backward``:
+    backward casts), and the weight codes offered by ZeRO-3."""
 
     def __init__(self, recipe: Recipe, name: str) -> None:
         self.recipe, self.name = recipe, name
         self.bad: torch.Tensor | None = None
+        self.bad_backward: torch.Tensor | None = None
         self._offer: tuple[int, ScaledTensor] | None = None
 
-    def note(self, bad: torch.Tensor) -> None:
-        """Or a 0-d bool into the non-finite flag (no host sync)."""
+    def note(self, bad: torch.Tensor, backward: bool = False) -> None:
+        """Or a 0-d bool into the forward (or ``backward``) non-finite flag (no host sync;
+        one op: [Note: non-finite flags under recompute])."""
         if torch.compiler.is_compiling():
             return  # a trace cannot mutate Python state; the loss check still sees the nan
-        self.bad = bad if self.bad is None else self.bad | bad
+        if backward:
+            prev = self.bad_backward
+            self.bad_backward = torch.logical_or(bad, bad if prev is None else prev)
+        else:
+            self.bad = torch.logical_or(bad, bad if self.bad is None else self.bad)
 
     def clear_flag(self) -> None:
-        self.bad = None
+        """Forget the non-finite flags (no host sync)."""
+        self.bad = self.bad_backward = None
 
     def offer(self, weight: torch.Tensor, codes: ScaledTensor | None) -> None:
         """Offer ``codes`` (quantised with this recipe's weight scaling) for ``weight``'s
@@ -63,18 +81,20 @@ class LowBitState:
             return self._offer[1]
         return None
 
-    def weight_codes(self, weight: torch.Tensor, scaling: Scaling) -> ScaledTensor:
+    def weight_codes(self, weight: torch.Tensor, scaling: Scaling,
+                     backward: bool = False) -> ScaledTensor:
         """The weight's codes for ``scaling``: the offered ones when they match, else a cast."""
         codes = self.offered(weight) if scaling == self.recipe.weight else None
         if codes is None:
             codes, bad = quantize(weight, scaling)
-            self.note(bad)
+            self.note(bad, backward)
         return codes
 
 
-def _cast(state: LowBitState, x: torch.Tensor, scaling: Scaling) -> ScaledTensor:
+def _cast(state: LowBitState, x: torch.Tensor, scaling: Scaling,
+          backward: bool = False) -> ScaledTensor:
     codes, bad = quantize(x, scaling)
-    state.note(bad)
+    state.note(bad, backward)
     return codes
 
 
@@ -108,12 +128,12 @@ class _LowBitLinear(torch.autograd.Function):
         gyq = None
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gyq = _cast(state, grad, r.grad_output)
-            wt = state.weight_codes(weight, r.weight)
+            gyq = _cast(state, grad, r.grad_output, True)
             if r.weight_gi == r.weight and r.weight.transpose_invariant:
-                wt = wt.t()  # the forward's codes, transposed: the same as recasting W^T
+                # the forward's codes, transposed: the same as recasting W^T
+                wt = state.weight_codes(weight, r.weight, True).t()
             else:
-                wt = _cast(state, weight.t(), r.weight_gi)
+                wt = _cast(state, weight.t(), r.weight_gi, True)
             gx = scaled_matmul(gyq, wt, grad.dtype)
         if ctx.needs_input_grad[1]:
             if r.grad_gw is None:  # high-precision weight gradient
@@ -123,11 +143,11 @@ class _LowBitLinear(torch.autograd.Function):
                         and r.grad_output.transpose_invariant:
                     gyt = gyq.t()
                 else:
-                    gyt = _cast(state, grad.t(), r.grad_gw)
+                    gyt = _cast(state, grad.t(), r.grad_gw, True)
                 if ctx.keep_codes:
                     xt = ScaledTensor(xd, xqs, r.input, ctx.x_shape).t()
                 else:
-                    xt = _cast(state, xd.t(), r.input_gw)
+                    xt = _cast(state, xd.t(), r.input_gw, True)
                 gw = scaled_matmul(gyt, xt, weight.dtype)
         return gx, gw, None
 
