@@ -18,7 +18,7 @@ of two: torchao's ``amax_to_scale``, so our codes equal torchao's bit for bit wh
 is below 2^127. The clamp at 1e-12 keeps an all-zero tile from giving an infinite
 multiplier (``0 * inf`` would be nan); the clamp at 2^127 keeps every decoded code finite:
 without it a tile near fp32's largest value (3.4e38) rounds its amax element's code up and
-decodes it as 2^128 = inf (torchao does), with it values above 2^127 saturate to 2^127
+decodes it as 2^128 = inf (torchao's arithmetic does), with it values above 2^127 saturate to 2^127
 (times at most 1.75 for a power-of-two multiplier, still finite).
 MX tiles (OCP MX v1.0): ``q = 2^-(floor(log2(amax)) - emax)`` with ``emax`` the element
 format's largest exponent (8 for e4m3), an e8m0 scale; values above ``fmax * 2^e`` saturate.
@@ -28,14 +28,19 @@ inconsistently: a tile whose amax is below 2^-118 torchao encodes with 2^-126 bu
 holding inf torchao saturates to 448 under a 2^120 scale (ours: [Note: non-finite amax]).
 NVFP4 tiles are two-level (NVIDIA's recipe): one fp32 tensor multiplier ``g = 448 * 6 /
 amax(x)`` and per 16-element tile an e4m3 scale ``s = e4m3(amax_tile / 6 * g)``; elements
-are ``e2m1(x * g / s)`` and decode as ``code * s / g``. Decoding is always ``code * (1 / q)``
-with ``1 / q`` rounded to fp32: the decode scale torchao passes to ``torch._scaled_mm``, and
-what the CPU kernel multiplies by (torchao's emulation divides by ``q`` instead, which can
-differ by an ulp where ``q`` is not a power of two: bench/results/lowbit_numerics.md).
+are ``e2m1(x * g / s)`` and decode as ``code * s / g``. These equal the codes of torchao's
+``nvfp4_quantize`` (with its per-tensor scale) except in tiles whose scale falls below
+e4m3's smallest normal, 2^-6: torchao floors such a scale there, ours keeps the subnormal
+e4m3 scale and with it finer codes (tests/test_lowbit_torchao.py). Decoding is always
+``code * (1 / q)`` with ``1 / q`` rounded to fp32: the decode scale torchao passes to
+``torch._scaled_mm``, and what the CPU kernel multiplies by (torchao's emulation divides by
+``q`` instead, which can differ by an ulp where ``q`` is not a power of two:
+bench/results/lowbit_numerics.md).
 
-[Note: non-finite amax] A tile holding inf or nan has a non-finite amax: its multiplier is 0
-or nan and its codes decode to nan, never to a finite number. :func:`quantize` returns that
-fact as a 0-d bool tensor (no host sync) so the caller can name the layer later.
+[Note: non-finite amax] A tile holding inf or nan has a non-finite amax: its multiplier is
+nan and its codes decode to nan, never to a finite number (NVFP4: every tile of the tensor,
+through the tensor multiplier). :func:`quantize` returns that fact as a 0-d bool tensor (no
+host sync) so the caller can name the layer later.
 """
 
 from __future__ import annotations
