@@ -22,6 +22,11 @@ SCALINGS = sorted({s for r in RECIPES.values()
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+def _sid(s: Scaling) -> str:
+    tile = f"{s.block[0]}x{s.block[1]}" if s.granularity == "block" else s.granularity
+    return f"{s.fmt}-{tile}-{s.scale}"
+
+
 # -- the first implementation (commit 19b1901), the reference for "no number changed" -------
 
 def _ref_e2m1_round(x):
@@ -146,7 +151,7 @@ def test_fp8_decode_table_is_the_cast():
 
 # -- the fast path changes no number ------------------------------------------------------
 
-@pytest.mark.parametrize("scaling", SCALINGS, ids=str)
+@pytest.mark.parametrize("scaling", SCALINGS, ids=_sid)
 def test_quantize_and_dequantize_equal_the_first_implementation(scaling):
     gen = torch.Generator().manual_seed(2)
     for shape, transposed in (((256, 512), False), ((512, 256), True), ((200, 300), False),
@@ -203,7 +208,7 @@ def test_nvfp4_tile_scales_are_e4m3_values_under_the_tensor_scale():
 
 # -- zero, huge and non-finite tiles; partial tiles ---------------------------------------
 
-@pytest.mark.parametrize("scaling", SCALINGS, ids=str)
+@pytest.mark.parametrize("scaling", SCALINGS, ids=_sid)
 def test_zero_tiles_give_zero_codes_and_finite_scales(scaling):
     for x in (torch.zeros(256, 256), torch.cat([torch.zeros(128, 256),
                                                 torch.randn(128, 256)])):
@@ -214,7 +219,7 @@ def test_zero_tiles_give_zero_codes_and_finite_scales(scaling):
         assert torch.equal(dequantize(st)[zero], x[zero])
 
 
-@pytest.mark.parametrize("scaling", SCALINGS, ids=str)
+@pytest.mark.parametrize("scaling", SCALINGS, ids=_sid)
 def test_huge_finite_values_saturate_without_inf_or_nan(scaling):
     x = torch.randn(256, 256)
     x[3, 5], x[100, 7], x[200] = torch.finfo(torch.float32).max, -3e38, 1e30
@@ -225,7 +230,7 @@ def test_huge_finite_values_saturate_without_inf_or_nan(scaling):
     assert (deq.abs() <= x.abs().amax() * 1.0001).all()
 
 
-@pytest.mark.parametrize("scaling", SCALINGS, ids=str)
+@pytest.mark.parametrize("scaling", SCALINGS, ids=_sid)
 @pytest.mark.parametrize("bad_value", [float("inf"), float("-inf"), float("nan")])
 def test_non_finite_inputs_set_the_flag_and_decode_to_nan(scaling, bad_value):
     x = torch.randn(256, 256)
@@ -237,7 +242,7 @@ def test_non_finite_inputs_set_the_flag_and_decode_to_nan(scaling, bad_value):
 
 
 @pytest.mark.parametrize("scaling", [s for s in SCALINGS if s.granularity != "tensor"],
-                         ids=str)
+                         ids=_sid)
 def test_partial_tiles_quantise_as_if_zero_padded(scaling):
     gen = torch.Generator().manual_seed(5)
     for shape in ((130, 200), (5, 37), (257, 129)):
