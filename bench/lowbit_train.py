@@ -62,23 +62,24 @@ LAYOUTS = {
 
 
 def _run(args: list[str], out: Path, steps: int, seed: int) -> dict:
-    """One ``shardwise train`` run; its per-step losses and times from metrics.jsonl."""
+    """One ``shardwise train`` run; its per-step losses and times from metrics.jsonl. A run
+    directory that already holds ``steps`` steps (an earlier, interrupted invocation with the
+    same ``--workdir``) is read, not run again."""
     cmd = [sys.executable, "-m", "shardwise.train.cli", "train", *BASE, *args,
            "--train.steps", str(steps), "--train.seed", str(seed), "--data.seed", str(seed),
            "--log.dir", str(out)]
-    t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
-    wall = time.time() - t0
-    rec = {"cmd": " ".join(["shardwise", *cmd[3:]]), "wall_s": round(wall, 1)}
-    if proc.returncode != 0:
-        rec["error"] = (proc.stdout + proc.stderr)[-2000:]
-        return rec
-    losses, times = {}, []
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            losses[row["step"]] = row["loss"]
-            times.append(row.get("step_time_s", float("nan")))
+    rec = {"cmd": " ".join(["shardwise", *cmd[3:]])}
+    losses, times = _metrics(out)
+    if len(losses) == steps:
+        rec["wall_s"] = None  # read back: its wall time was not recorded
+    else:
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+        rec["wall_s"] = round(time.time() - t0, 1)
+        if proc.returncode != 0:
+            rec["error"] = (proc.stdout + proc.stderr)[-2000:]
+            return rec
+        losses, times = _metrics(out)
     seq = [losses[s] for s in sorted(losses)]
     rec["losses"] = seq
     rec["finite"] = all(math.isfinite(v) for v in seq)
@@ -86,6 +87,20 @@ def _run(args: list[str], out: Path, steps: int, seed: int) -> dict:
     rec["tail_mean"] = statistics.fmean(tail) if rec["finite"] else float("nan")
     rec["step_s_median"] = statistics.median(times[1:] or times)
     return rec
+
+
+def _metrics(out: Path) -> tuple[dict[int, float], list[float]]:
+    """Train losses by step and step times of a run directory (empty when there is none)."""
+    losses, times = {}, []
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return losses, times
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            losses[row["step"]] = row["loss"]
+            times.append(row.get("step_time_s", float("nan")))
+    return losses, times
 
 
 def _env() -> dict:
@@ -183,6 +198,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seeds", default="", help="comma-separated seeds (default: 0,1; with "
                                                 "--layouts 0)")
+    p.add_argument("--workdir", default="", help="run directories (default: a new tmp dir); "
+                   "runs already complete there are read, not repeated")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
     p.add_argument("--quick", action="store_true", help="6 steps, seed 0, results to a tmp dir")
     p.add_argument("--out", default="", help="results stem (default bench/results/lowbit_train"
@@ -191,7 +208,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     steps = 6 if a.quick else a.steps
     default = "0" if a.quick or a.layouts else "0,1"
     seeds = [int(s) for s in (a.seeds or default).split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="lowbit_train_"))
+    tmp = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="lowbit_train_"))
     stem = Path(a.out) if a.out else (tmp / "lowbit_train" if a.quick else
                                        RESULTS / ("lowbit_train_layouts" if a.layouts
                                                   else "lowbit_train"))
