@@ -42,6 +42,7 @@ from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
 from shardwise.train.config.checks import sequence_parallel
 from shardwise.train.context import describe_cp
+from shardwise.train.lowbit import apply_matmul_precision, describe_matmul
 from shardwise.train.moe import apply_moe
 from shardwise.train.pipeline import build_pipeline_model
 
@@ -176,24 +177,6 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     if dims.tp > 1 and sequence_parallel(par):
         return apply_moe(model, cfg, None, replicas=dims.degree("dp_cp"))
     return apply_moe(model, cfg, mesh.group("dp_cp") if mesh is not None else None)
-
-
-def apply_matmul_precision(model: nn.Module, cfg: Config) -> nn.Module:
-    """Convert the blocks' linears to ``precision.matmul``'s low-bit recipe (nothing for
-    "bf16"), skipping ``precision.matmul_skip``; :func:`describe_matmul` says what it did."""
-    prec = cfg.precision
-    if prec.matmul == "bf16":
-        return model
-    return shardwise.apply_low_precision(model, prec.matmul, skip=prec.matmul_skip)
-
-
-def describe_matmul(model: nn.Module) -> str | None:
-    """The start lines of a low-bit run (None without one): the recipe, how many layers it
-    converted, and each layer kept in high precision with the reason (the recipe cannot
-    take its shape, or a ``precision.matmul_skip`` pattern). A pipeline part answers for
-    the whole model."""
-    report = shardwise.low_precision_report(model)
-    return None if report is None else report.summary()
 
 
 def cross_entropy(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor

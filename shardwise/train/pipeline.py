@@ -44,6 +44,7 @@ from shardwise.parallel.pipeline.schedules import (TARGET_BUBBLE, default_microb
 from shardwise.parallel.tensor import apply_tp
 from shardwise.shard.grad import get_total_norm
 from shardwise.train.config.checks import sequence_parallel
+from shardwise.train.lowbit import apply_matmul_precision
 from shardwise.train.moe import apply_moe
 
 __all__ = ["check_pipeline_config", "pipeline_world", "resolve_microbatches", "bubble_warning",
@@ -201,7 +202,6 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
                         tp=par.tp, ep=par.ep)
     mesh = dims.build_mesh(env.device.type)
     model = build_model(model_cfg, device="meta")
-    from shardwise.train.parallelize import apply_matmul_precision  # parallelize imports us
     apply_matmul_precision(model, cfg)  # first, on the whole model (the composition order)
     if par.tp > 1:  # on the whole model, before the split (the composition order)
         apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel(par))
