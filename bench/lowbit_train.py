@@ -45,8 +45,12 @@ TARGET = 0.0025
 TAIL = 50
 
 BASE = ["--model.name", "small", "--data.tokenizer", "bpe", "--data.bpe_vocab_size", "8192",
-        "--data.seq_len", "128", "--train.batch_size", "4", "--precision.param_dtype", "bf16",
+        "--data.seq_len", "128", "--train.batch_size", "4",
         "--checkpoint.interval", "0", "--log.overwrite", "true"]
+CONTROL = "fp32"
+"""The control row (``--control``): no low-bit matmuls, fp32 compute instead of bf16, i.e.
+a change of the numerics smaller than any recipe's; its gap to bf16 is the noise floor of
+the comparison at this scale."""
 
 # layout name -> (extra CLI args, recipes run beside bf16)
 LAYOUTS = {
@@ -110,11 +114,11 @@ def _env() -> dict:
     return env
 
 
-def _grid(layouts: bool) -> list[tuple[str, str, list[str]]]:
+def _grid(layouts: bool, control: bool = False) -> list[tuple[str, str, list[str]]]:
     """(layout, matmul, extra args) rows, each layout's bf16 first."""
     rows = []
     if not layouts:
-        for m in ("bf16",) + RECIPES:
+        for m in ("bf16",) + RECIPES + ((CONTROL,) if control else ()):
             rows.append(("one rank", m, ["--nproc", "1"]))
         return rows
     for name, (extra, recipes) in LAYOUTS.items():
@@ -123,16 +127,23 @@ def _grid(layouts: bool) -> list[tuple[str, str, list[str]]]:
     return rows
 
 
+def _matmul_args(matmul: str) -> list[str]:
+    if matmul == CONTROL:
+        return ["--precision.param_dtype", "fp32", "--precision.matmul", "bf16"]
+    return ["--precision.param_dtype", "bf16", "--precision.matmul", matmul]
+
+
 def run(layouts: bool, steps: int, seeds: list[int], workdir: Path, log,
-        jobs: int = 1) -> list[dict]:
+        jobs: int = 1, control: bool = False, skip: frozenset = frozenset()) -> list[dict]:
     """Every row of the grid for every seed, ``jobs`` runs at a time (each run's ranks use
     one thread: the losses do not depend on it); returns the records in grid order."""
-    rows = [(seed, *row) for seed in seeds for row in _grid(layouts)]
+    rows = [(seed, *row) for seed in seeds for row in _grid(layouts, control)
+            if (row[1], seed) not in skip]
 
     def one(row):
         seed, layout, matmul, extra = row
         d = workdir / f"{layout.replace(' ', '_')}-{matmul}-s{seed}"
-        rec = _run([*extra, "--precision.matmul", matmul], d, steps, seed)
+        rec = _run([*extra, *_matmul_args(matmul)], d, steps, seed)
         rec.update(layout=layout, matmul=matmul, seed=seed, steps=steps)
         log(f"{layout:>18} {matmul:>18} seed {seed}: tail {rec.get('tail_mean')} "
             f"({rec['wall_s']} s){' ERROR' if 'error' in rec else ''}")
@@ -159,9 +170,12 @@ def markdown(records: list[dict], steps: int, cmd: str) -> str:
     lines = [f"# Low-bit training against bf16 ({steps} steps)", "",
              f"Regenerate: `{cmd}`. Mean train loss of the last {TAIL} steps and its gap "
              "relative to bf16 of the same seed and layout; target |gap| <= 0.25% for the "
-             "fp8 recipes in every seed (mxfp8, nvfp4 reported). Step time: median seconds "
-             "per step on this shared 2-core CPU, two runs at a time, emulated low-bit "
-             "matmuls (it measures the emulation's overhead, nothing about GPU speed).", ""]
+             "fp8 recipes in every seed (mxfp8, nvfp4 reported). The fp32 row, if any, is the "
+             "control: no low-bit matmul, fp32 instead of bf16 compute, a smaller change of "
+             "the numerics than any recipe's; its gap is the noise floor of this comparison. "
+             "Step time: median seconds per step on this shared 2-core CPU, two runs at a "
+             "time, emulated low-bit matmuls (it measures the emulation's overhead, nothing "
+             "about GPU speed).", ""]
     head = "| layout | matmul | " + " | ".join(f"seed {s} loss | seed {s} gap" for s in seeds)
     lines += [head + " | finite | step s | target |",
               "|" + "---|" * (3 + 2 * len(seeds) + 2)]
@@ -174,7 +188,10 @@ def markdown(records: list[dict], steps: int, cmd: str) -> str:
         cells, ok, finite, times = [], True, True, []
         for s in seeds:
             r = rows.get(s, {})
-            if "error" in r or not r:
+            if not r:
+                cells += ["not run", "-"]
+                continue
+            if "error" in r:
                 cells += ["error", "-"]
                 ok = finite = False
                 continue
@@ -184,7 +201,7 @@ def markdown(records: list[dict], steps: int, cmd: str) -> str:
             finite &= r["finite"]
             times.append(r["step_s_median"])
             ok &= g is not None and abs(g) <= TARGET
-        verdict = "reference" if matmul == "bf16" else (
+        verdict = "reference" if matmul == "bf16" else "control" if matmul == CONTROL else (
             ("met" if ok else "NOT met") if matmul in FP8 else "reported")
         lines.append(f"| {layout} | {matmul} | " + " | ".join(cells) +
                      f" | {'yes' if finite else 'NO'} | "
@@ -200,6 +217,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                 "--layouts 0)")
     p.add_argument("--workdir", default="", help="run directories (default: a new tmp dir); "
                    "runs already complete there are read, not repeated")
+    p.add_argument("--control", action="store_true", help="add the fp32 control row")
+    p.add_argument("--skip", default="", help="recipe:seed pairs not to run, e.g. nvfp4:1")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
     p.add_argument("--quick", action="store_true", help="6 steps, seed 0, results to a tmp dir")
     p.add_argument("--out", default="", help="results stem (default bench/results/lowbit_train"
@@ -212,8 +231,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     stem = Path(a.out) if a.out else (tmp / "lowbit_train" if a.quick else
                                        RESULTS / ("lowbit_train_layouts" if a.layouts
                                                   else "lowbit_train"))
+    skip = frozenset((k.split(":")[0], int(k.split(":")[1])) for k in a.skip.split(",") if k)
     records = gaps(run(a.layouts, steps, seeds, tmp / "runs", lambda m: print(m, flush=True),
-                        a.jobs))
+                       a.jobs, a.control, skip))
     cmd = "python -m bench.lowbit_train" + (" --layouts" if a.layouts else "") + \
         (f" --steps {steps}" if steps != 300 else "")
     stem.parent.mkdir(parents=True, exist_ok=True)

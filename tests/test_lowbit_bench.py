@@ -53,3 +53,13 @@ def test_a_complete_run_directory_is_read_back(tmp_path):
     rec = _run(["--precision.matmul", "bf16"], tmp_path, 3, 0)  # 3 steps there: not run again
     assert rec["wall_s"] is None and rec["losses"] == [4.99, 4.98, 4.97]
     assert abs(rec["tail_mean"] - 4.98) < 1e-12 and rec["finite"]
+
+
+def test_control_row_and_runs_not_made():
+    recs = gaps([_rec("bf16", 0, 4.0), _rec("bf16", 1, 5.0), _rec("fp32", 0, 4.1),
+                 _rec("fp32", 1, 4.9), _rec("nvfp4", 0, 4.2)])
+    table = markdown(recs, 300, "x")
+    fp32 = next(line for line in table.splitlines() if "| fp32 |" in line)
+    assert fp32.endswith("| control |") and "+2.500%" in fp32 and "-2.000%" in fp32
+    nv = next(line for line in table.splitlines() if "| nvfp4 |" in line)
+    assert "| not run | - |" in nv
