@@ -138,7 +138,7 @@ def run(layouts: bool, steps: int, seeds: list[int], workdir: Path, log,
     """Every row of the grid for every seed, ``jobs`` runs at a time (each run's ranks use
     one thread: the losses do not depend on it); returns the records in grid order."""
     rows = [(seed, *row) for seed in seeds for row in _grid(layouts, control)
-            if (row[1], seed) not in skip]
+            if (row[1], seed) not in skip and (f"{row[0]}/{row[1]}", seed) not in skip]
 
     def one(row):
         seed, layout, matmul, extra = row
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--workdir", default="", help="run directories (default: a new tmp dir); "
                    "runs already complete there are read, not repeated")
     p.add_argument("--control", action="store_true", help="add the fp32 control row")
-    p.add_argument("--skip", default="", help="recipe:seed pairs not to run, e.g. nvfp4:1")
+    p.add_argument("--skip", default="", help="runs not to make: recipe:seed or "
+                   "layout/recipe:seed, comma-separated (e.g. nvfp4:1,pp/bf16:0)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
     p.add_argument("--quick", action="store_true", help="6 steps, seed 0, results to a tmp dir")
     p.add_argument("--out", default="", help="results stem (default bench/results/lowbit_train"
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     stem = Path(a.out) if a.out else (tmp / "lowbit_train" if a.quick else
                                        RESULTS / ("lowbit_train_layouts" if a.layouts
                                                   else "lowbit_train"))
-    skip = frozenset((k.split(":")[0], int(k.split(":")[1])) for k in a.skip.split(",") if k)
+    skip = frozenset((k.rsplit(":", 1)[0], int(k.rsplit(":", 1)[1]))
+                     for k in a.skip.split(",") if k)
     records = gaps(run(a.layouts, steps, seeds, tmp / "runs", lambda m: print(m, flush=True),
                        a.jobs, a.control, skip))
     cmd = "python -m bench.lowbit_train" + (" --layouts" if a.layouts else "") + \
