@@ -130,6 +130,23 @@ def _peak_flops(device: str) -> float | None:
     return None
 
 
+def timed_steps(model, opt, tokens: torch.Tensor, device: str, warmup: int = 3) -> float:
+    """Seconds per training step over ``tokens`` (``(steps + warmup, batch, seq + 1)``),
+    after ``warmup`` untimed steps (and compiles)."""
+    for i in range(tokens.shape[0]):
+        if i == warmup:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        logits = model(tokens[i, :, :-1]).float()
+        F.cross_entropy(logits.flatten(0, 1), tokens[i, :, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (tokens.shape[0] - warmup)
+
+
 def throughput(device: str, compiled: bool, steps: int) -> tuple[str, str, str]:
     _init(device)
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else "cpu"
@@ -148,18 +165,7 @@ def throughput(device: str, compiled: bool, steps: int) -> tuple[str, str, str]:
     tokens = torch.randint(0, cfg.vocab_size, (steps + 3, batch, seq + 1), generator=g).to(dev)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for i in range(steps + 3):
-        if i == 3:  # warm-up done (and compiled)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-        logits = model(tokens[i, :, :-1]).float()
-        F.cross_entropy(logits.flatten(0, 1), tokens[i, :, 1:].flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / steps
+    seconds = timed_steps(model, opt, tokens, device)
     tps = batch * seq / seconds
     peak = _peak_flops(device)
     mfu = f", MFU {cfg.flops_per_token(seq) * tps / peak:.1%}" if peak else ""

@@ -14,12 +14,10 @@ On the CPU (``--device cpu``) the same code runs on a small shape, as a dry run.
 
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.nn.functional as F
 
 import shardwise
+from bench.gpu_check import timed_steps
 from shardwise.models import TransformerBlock, build_model, get_model_config
 from shardwise.parallel import lowbit
 
@@ -80,18 +78,7 @@ def _tokens_per_s(device: str, shape: dict, recipe: str | None, fp8_gather: bool
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (steps + 3, batch, seq + 1), generator=g).to(dev)
-    for i in range(steps + 3):
-        if i == 3:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-        logits = model(tokens[i, :, :-1]).float()
-        F.cross_entropy(logits.flatten(0, 1), tokens[i, :, 1:].flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return batch * seq * steps / (time.perf_counter() - start)
+    return batch * seq / timed_steps(model, opt, tokens, device)
 
 
 def throughput_rows(device: str, billion: dict, steps: int) -> list[tuple[str, str, str]]:
