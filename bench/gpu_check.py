@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -180,9 +181,13 @@ def compile_parity(device: str) -> tuple[str, str, str]:
     script = ROOT / "bench" / "compile_check.py"
     if not script.exists():
         return ("inductor parity, stages 0-3", "skipped", "bench/compile_check.py not built")
+    # a job of its own: this process's rendezvous variables (and its port) stay here
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                        "LOCAL_WORLD_SIZE")}
     run = subprocess.run([sys.executable, str(script), "--backend", "inductor", "--device",
                           device, "--ac", "full,selective"], cwd=ROOT, capture_output=True,
-                         text=True)
+                         text=True, env=env)
     last = (run.stdout or run.stderr).strip().splitlines()[-1:] or ["no output"]
     return ("inductor parity, stages 0-3", last[0][:60], "ok" if run.returncode == 0 else "FAIL")
 
@@ -355,14 +360,34 @@ def main() -> int:
         rows = parity(args.device)
         return 0 if all(r[2] == "ok" for r in rows) else 1
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0" if args.device == "cpu" else "2000")
-    rows = [*parity(args.device), *multi_gpu(args.device),
-            trainer(args.device, 50 if args.device == "cuda" else 3),
-            throughput(args.device, False, args.steps),
-            throughput(args.device, True, args.steps), compile_parity(args.device),
-            split_backward(args.device), expert_compute(args.device),
-            context_parallel(args.device), *lowbit_rows(args.device, args.steps)]
-    width = max(len(r[0]) for r in rows)
+    checks = [("parity", lambda: parity(args.device)),
+              ("parity under torchrun", lambda: multi_gpu(args.device)),
+              ("trainer", lambda: [trainer(args.device, 50 if args.device == "cuda" else 3)]),
+              ("throughput, eager", lambda: [throughput(args.device, False, args.steps)]),
+              ("throughput, compiled", lambda: [throughput(args.device, True, args.steps)]),
+              ("inductor parity", lambda: [compile_parity(args.device)]),
+              ("zero-bubble I + W", lambda: [split_backward(args.device)]),
+              ("MoE experts", lambda: [expert_compute(args.device)]),
+              ("context-parallel attention", lambda: [context_parallel(args.device)]),
+              ("low-bit", lambda: lowbit_rows(args.device, args.steps))]
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (dry run)"
+    print(f"shardwise GPU check on {name}, torch {torch.__version__}", flush=True)
+    rows = []
+    for label, check in checks:  # each row printed as it lands: a run cut short keeps what it did
+        start = time.perf_counter()
+        try:
+            got = check()
+        except Exception as exc:  # one broken check (an OOM, say) must not hide the others
+            got = [(label, f"{type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:100]}", "FAIL")]
+        for row in got:
+            rows.append(row)
+            print(f"  {row[0]}: {row[1]} [{row[2]}]", flush=True)
+        gc.collect()  # the models of one check are gone before the next builds its own
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        print(f"    ({time.perf_counter() - start:.1f} s)", flush=True)
+    width = max(len(r[0]) for r in rows)
     print(f"\nshardwise GPU check on {name}, torch {torch.__version__}")
     for check, value, verdict in rows:
         print(f"{check.ljust(width)}  {value:<48}  {verdict}")

@@ -55,15 +55,19 @@ def rank_report(cfg: Any, env: Any) -> dict[str, Any]:
 
 def _exchange(obj: Any, env: Any) -> list[Any]:
     """Every rank's JSON-able ``obj`` (two small all-gathers through comm)."""
+    # on the group's device: NCCL serves only CUDA tensors (the host reads below are fine,
+    # the doctor runs once, before the first step)
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    sizes = torch.empty(env.world_size, dtype=torch.int64)
-    comm.all_gather_into_tensor(sizes, torch.tensor([data.numel()]), label="doctor.sizes")
+    sizes = torch.empty(env.world_size, dtype=torch.int64, device=env.device)
+    comm.all_gather_into_tensor(sizes, torch.tensor([data.numel()], device=env.device),
+                                label="doctor.sizes")
+    sizes = sizes.cpu()
     width = int(sizes.max())
     mine = torch.zeros(width, dtype=torch.uint8)
     mine[:data.numel()] = data
-    table = torch.empty(env.world_size * width, dtype=torch.uint8)
-    comm.all_gather_into_tensor(table, mine, label="doctor.reports")
-    rows = table.view(env.world_size, width)
+    table = torch.empty(env.world_size * width, dtype=torch.uint8, device=env.device)
+    comm.all_gather_into_tensor(table, mine.to(env.device), label="doctor.reports")
+    rows = table.cpu().view(env.world_size, width)
     return [json.loads(bytes(rows[r, :int(sizes[r])].tolist())) for r in range(env.world_size)]
 
 
