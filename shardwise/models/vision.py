@@ -88,10 +88,14 @@ class VisionMLP(nn.Module):
 class VisionBlock(ModelBlock):
     """Pre-norm ViT block: ``h = x + attention(norm(x)); out = h + mlp(norm(h))``.
 
+    ``tp_plan`` (:data:`VISION_BLOCK_PLAN`) is its tensor-parallel plan, relative to the block.
+
     Args:
         dim: width; n_heads: heads; mlp_hidden: MLP hidden width; n_layers: the tower's
         depth (scales the output projections' init); init_std: normal init std.
     """
+
+    tp_plan = VISION_BLOCK_PLAN
 
     def __init__(self, dim: int, n_heads: int, mlp_hidden: int, n_layers: int,
                  init_std: float, norm_eps: float = 1e-6) -> None:

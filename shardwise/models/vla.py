@@ -161,7 +161,11 @@ class VLAConfig:
 
 
 class Projector(nn.Module):
-    """LLaVA's two-layer MLP from the vision width to the decoder's: ``fc2(gelu(fc1(x)))``."""
+    """LLaVA's two-layer MLP from the vision width to the decoder's: ``fc2(gelu(fc1(x)))``.
+
+    ``tp_plan``: its tensor-parallel plan (``fc1`` column-, ``fc2`` row-parallel)."""
+
+    tp_plan = {"fc1": "colwise", "fc2": "rowwise"}
 
     def __init__(self, vision_dim: int, dim: int, init_std: float) -> None:
         super().__init__()
