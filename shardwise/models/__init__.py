@@ -27,6 +27,13 @@ to the loss), :func:`finish_moe_step` after the optimizer step; ``MoE.stats_redu
 statistics over the data-parallel ranks. Multi-head latent attention blocks
 (``cfg.attention == "mla"``): ``layers.{i}.attention`` is a :class:`LatentAttention`.
 
+Vision-language-action models (``get_model_config("debug-vla")``, a :class:`VLAConfig`;
+``list_model_configs(multimodal=True)`` lists them): :class:`VisionLanguageAction` is a ViT
+``vision`` tower (:class:`VisionEncoder` of :class:`VisionBlock`), an MLP ``projector`` and
+the decoder above under the same names; ``model(tokens, images)``. :class:`ActionTokenizer`
+maps actions to the top token ids. Every repeated block (``TransformerBlock``,
+``VisionBlock``) is a :class:`ModelBlock`: ``shard(..., wrap={ModelBlock})`` makes each a unit.
+
 Meta-device materialisation: for each module in ``model.named_modules()`` order, allocate
 that module's direct tensors and call :func:`init_module_weights` on it; with the same
 ``torch.manual_seed`` the result is bitwise ``build_model(cfg, device="cpu", seed=...)``
@@ -46,25 +53,35 @@ from shardwise.models.llama import (
     build_model,
     init_module_weights,
 )
+from shardwise.models.layers import ModelBlock
 from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import (MoE, MoESettings, MoEStepStats, configure_moe,
                                   finish_moe_step, moe_aux_loss, moe_layers,
                                   set_capacity_groups, set_stats_reducer)
 from shardwise.models.registry import get_model_config, list_model_configs
+from shardwise.models.vision import VisionBlock, VisionEncoder
+from shardwise.models.vla import VisionLanguageAction, VLAConfig
+from shardwise.models.vla_actions import ActionTokenizer
 
 __all__ = [
+    "ActionTokenizer",
     "Attention",
     "FeedForward",
     "LatentAttention",
     "LlamaConfig",
     "MoE",
     "MoESettings",
+    "ModelBlock",
     "MoEStepStats",
     "RMSNorm",
     "RotaryEmbedding",
     "TiedOutput",
     "Transformer",
     "TransformerBlock",
+    "VLAConfig",
+    "VisionBlock",
+    "VisionEncoder",
+    "VisionLanguageAction",
     "build_model",
     "configure_moe",
     "finish_moe_step",

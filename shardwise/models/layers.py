@@ -23,8 +23,19 @@ from torch import nn
 
 from shardwise.models.config import LlamaConfig
 
-__all__ = ["FeedForward", "RMSNorm", "RotaryEmbedding", "apply_rotary", "document_ids",
-           "document_mask", "linear", "repeat_kv", "rope_tables"]
+__all__ = ["FeedForward", "ModelBlock", "RMSNorm", "RotaryEmbedding", "apply_rotary",
+           "document_ids", "document_mask", "linear", "repeat_kv", "rope_tables"]
+
+
+class ModelBlock(nn.Module):
+    """Base class of a model's repeated blocks (the decoder's ``TransformerBlock``, the
+    vision tower's ``VisionBlock``).
+
+    It adds nothing to ``nn.Module``: it is how the parallel code finds blocks without
+    naming each model's classes. ``shardwise.shard(model, wrap={ModelBlock})`` makes every
+    block of every tower a unit, and activation checkpointing and ``compile_blocks`` act on
+    its subclasses by default.
+    """
 
 
 def linear(in_features: int, out_features: int, init_std: float) -> nn.Linear:

@@ -45,8 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models.config import LlamaConfig
-from shardwise.models.layers import (FeedForward, RMSNorm, RotaryEmbedding, apply_rotary,
-                                     document_ids, document_mask, repeat_kv, rope_tables)
+from shardwise.models.layers import (FeedForward, ModelBlock, RMSNorm, RotaryEmbedding,
+                                     apply_rotary, document_ids, document_mask, repeat_kv,
+                                     rope_tables)
 from shardwise.models.layers import linear as _linear
 from shardwise.models.experts import GroupedExperts
 from shardwise.models.mla import LatentAttention
@@ -60,6 +61,9 @@ __all__ = [
     "RotaryEmbedding",
     "TiedOutput",
     "Transformer",
+    "add_decoder",
+    "check_tokens",
+    "decode",
     "TransformerBlock",
     "apply_rotary",
     "build_model",
@@ -116,7 +120,7 @@ class Attention(nn.Module):
         return self.wo(y)  # (B, T, C)
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(ModelBlock):
     """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
 
     The natural unit for sharding, activation checkpointing and pipeline stages. The
@@ -183,19 +187,8 @@ class Transformer(nn.Module):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"Transformer: config={config!r}, expected a LlamaConfig")
         self.config = config
-        # _weight skips nn.Embedding's own normal_ init: wasted work on CPU, and on meta it
-        # goes through torch._refs, whose first use imports torch._dynamo (seconds).
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim,
-                                           _weight=torch.empty(config.vocab_size, config.dim))
-        self.tok_embeddings.init_std = config.init_std
-        self.rope = RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta)
-        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        if config.tie_embeddings:
-            self.output = TiedOutput(self.tok_embeddings)
-        else:
-            self.output = _linear(config.dim, config.vocab_size, config.init_std)
-        if not self.tok_embeddings.weight.is_meta:  # _weight above left it uninitialised
+        add_decoder(self, config)
+        if not self.tok_embeddings.weight.is_meta:  # _weight left it uninitialised
             self.init_weights()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
@@ -217,29 +210,9 @@ class Transformer(nn.Module):
         Raises:
             ValueError: if ``tokens`` is not a 2-D integer tensor or ``T`` is out of range.
         """
-        self._check_tokens(tokens)
+        check_tokens(tokens, self.config.max_seq_len, "Transformer")
         h = self.tok_embeddings(tokens)  # (B, T, C)
-        cos, sin = self.rope(tokens.shape[1], positions)  # (T | B x T, hd/2) each
-        if positions is not None and documents is None:
-            documents = document_ids(positions)
-        for layer in self.layers:
-            # (B, T, C); the one-sequence call stays the plain (h, cos, sin)
-            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
-        return self.output(self.norm(h))  # (B, T, V)
-
-    def _check_tokens(self, tokens: torch.Tensor) -> None:
-        if not isinstance(tokens, torch.Tensor):
-            raise ValueError(f"Transformer: tokens is a {type(tokens).__name__}, expected a "
-                             f"torch.Tensor of shape (batch, seq_len) and dtype int64")
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"Transformer: tokens has shape {tuple(tokens.shape)} and dtype "
-                             f"{tokens.dtype}, expected a 2-D (batch, seq_len) tensor of "
-                             f"dtype torch.int64 or torch.int32")
-        seq_len = tokens.shape[1]
-        if not 1 <= seq_len <= self.config.max_seq_len:
-            raise ValueError(f"Transformer: sequence length {seq_len} (tokens shape "
-                             f"{tuple(tokens.shape)}) is outside [1, max_seq_len="
-                             f"{self.config.max_seq_len}]")
+        return decode(self, h, tokens.shape[1], positions, documents)  # (B, T, V)
 
     def init_weights(self) -> None:
         """Initialise every parameter and buffer from the global torch RNG.
@@ -249,6 +222,76 @@ class Transformer(nn.Module):
         """
         for module in self.modules():
             init_module_weights(module)
+
+
+def add_decoder(module: nn.Module, config: LlamaConfig) -> None:
+    """Register the decoder's pieces on ``module``, in data-flow order: ``tok_embeddings``,
+    ``rope``, ``layers`` (``n_layers`` :class:`TransformerBlock`), ``norm``, ``output``.
+
+    Shared by :class:`Transformer` and the vision-language-action model (vla.py), which
+    puts its vision tower before them; :func:`decode` runs them. Allocates on the current
+    default device and initialises nothing (the caller does).
+
+    Args:
+        module: the model to register the pieces on.
+        config: the decoder's shape.
+    """
+    # _weight skips nn.Embedding's own normal_ init: wasted work on CPU, and on meta it
+    # goes through torch._refs, whose first use imports torch._dynamo (seconds).
+    module.tok_embeddings = nn.Embedding(config.vocab_size, config.dim,
+                                         _weight=torch.empty(config.vocab_size, config.dim))
+    module.tok_embeddings.init_std = config.init_std
+    module.rope = RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta)
+    module.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+    module.norm = RMSNorm(config.dim, config.norm_eps)
+    if config.tie_embeddings:
+        module.output = TiedOutput(module.tok_embeddings)
+    else:
+        module.output = _linear(config.dim, config.vocab_size, config.init_std)
+
+
+def decode(module: nn.Module, h: torch.Tensor, seq_len: int,
+           positions: torch.Tensor | None = None,
+           documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the pieces :func:`add_decoder` registered on ``module`` from the embeddings on.
+
+    Args:
+        module: a module holding ``rope``, ``layers``, ``norm`` and ``output``.
+        h: ``(B, T, C)`` input embeddings (under sequence parallelism this rank's piece).
+        seq_len: the whole sequence length ``T`` (the RoPE tables' length).
+        positions: as :meth:`Transformer.forward`'s.
+        documents: as :meth:`Transformer.forward`'s.
+
+    Returns:
+        ``(B, T, vocab_size)`` logits.
+    """
+    cos, sin = module.rope(seq_len, positions)  # (T | B x T, hd/2) each
+    if positions is not None and documents is None:
+        documents = document_ids(positions)
+    for layer in module.layers:
+        # (B, T, C); the one-sequence call stays the plain (h, cos, sin)
+        h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
+    return module.output(module.norm(h))  # (B, T, V)
+
+
+def check_tokens(tokens: torch.Tensor, max_seq_len: int, who: str) -> None:
+    """Check a ``(B, T)`` integer token tensor with ``1 <= T <= max_seq_len``.
+
+    Raises:
+        ValueError: naming ``who``, the shape and dtype, and what was expected.
+    """
+    if not isinstance(tokens, torch.Tensor):
+        raise ValueError(f"{who}: tokens is a {type(tokens).__name__}, expected a "
+                         f"torch.Tensor of shape (batch, seq_len) and dtype int64")
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{who}: tokens has shape {tuple(tokens.shape)} and dtype "
+                         f"{tokens.dtype}, expected a 2-D (batch, seq_len) tensor of "
+                         f"dtype torch.int64 or torch.int32")
+    seq_len = tokens.shape[1]
+    if not 1 <= seq_len <= max_seq_len:
+        raise ValueError(f"{who}: sequence length {seq_len} (tokens shape "
+                         f"{tuple(tokens.shape)}) is outside [1, max_seq_len="
+                         f"{max_seq_len}]")
 
 
 def init_module_weights(module: nn.Module) -> None:
@@ -284,8 +327,9 @@ def init_module_weights(module: nn.Module) -> None:
 
 
 def build_model(config: LlamaConfig, device: torch.device | str = "cpu",
-                seed: int = 0) -> Transformer:
-    """Construct a :class:`Transformer` and initialise it.
+                seed: int = 0) -> nn.Module:
+    """Construct a :class:`Transformer` (or the model of another config, such as a
+    ``VLAConfig``'s ``VisionLanguageAction``) and initialise it.
 
     The model is constructed on meta (no torch default init is wasted), allocated on
     ``device``, then ``torch.manual_seed(seed)`` and :meth:`Transformer.init_weights`.
@@ -300,13 +344,19 @@ def build_model(config: LlamaConfig, device: torch.device | str = "cpu",
         The model, in fp32, in training mode.
 
     Raises:
-        ValueError: if ``config`` is not a LlamaConfig or ``seed`` is not an int.
+        ValueError: if ``config`` is neither a LlamaConfig nor has ``make_module``, or
+            ``seed`` is not an int.
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"build_model: seed={seed!r}, expected an int")
+    # Another model's config (vla.py's VLAConfig) says how to construct its module.
+    make = Transformer if isinstance(config, LlamaConfig) else getattr(config, "make_module", None)
+    if make is None:
+        raise ValueError(f"build_model: config={config!r}, expected a LlamaConfig or a config "
+                         f"with make_module() (e.g. a VLAConfig)")
     device = torch.device(device)
     with torch.device("meta"):
-        model = Transformer(config)
+        model = make(config) if make is Transformer else make()
     if device.type == "meta":
         return model
     model.to_empty(device=device)

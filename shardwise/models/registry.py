@@ -34,6 +34,7 @@ import difflib
 from types import MappingProxyType
 
 from shardwise.models.config import LlamaConfig
+from shardwise.models.vla import VLAConfig
 
 __all__ = ["get_model_config", "list_model_configs"]
 
@@ -66,40 +67,65 @@ _CONFIGS = MappingProxyType({
                                v_head_dim=128),
 })
 
+_DEBUG_VISION = dict(image_size=56, patch_size=8, vision_dim=128, vision_layers=2,
+                     vision_heads=4, num_action_tokens=16)
 
-def list_model_configs() -> list[str]:
+# Vision-language-action models (vla.py): apart from _CONFIGS, whose names are the decoders
+# the trainer and the planner take.
+_VLA_CONFIGS = MappingProxyType({
+    "debug-vla": VLAConfig(decoder=dataclasses.replace(_CONFIGS["debug"], vocab_size=128),
+                           **_DEBUG_VISION),
+    "debug-vla-moe": VLAConfig(decoder=dataclasses.replace(_CONFIGS["debug-moe"],
+                                                           vocab_size=128), **_DEBUG_VISION),
+    "vla-7b": VLAConfig(decoder=LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                                            vocab_size=32000, ffn_dim=11008, max_seq_len=4096),
+                        image_size=224, patch_size=14, vision_dim=1280, vision_layers=32,
+                        vision_heads=16, num_action_tokens=256),
+})
+
+
+def list_model_configs(multimodal: bool = False) -> list[str]:
     """Names accepted by :func:`get_model_config`, smallest model first.
+
+    Args:
+        multimodal: also list the vision-language-action configs (``debug-vla``,
+            ``debug-vla-moe``, ``vla-7b``: :class:`~shardwise.models.vla.VLAConfig`), after
+            the decoders (default False: the decoder-only :class:`LlamaConfig` names).
 
     Returns:
         A new list of names.
     """
-    return list(_CONFIGS)
+    return list(_CONFIGS) + (list(_VLA_CONFIGS) if multimodal else [])
 
 
-def get_model_config(name: str, **overrides: object) -> LlamaConfig:
+def get_model_config(name: str, **overrides: object) -> LlamaConfig | VLAConfig:
     """A named config, optionally with some fields replaced.
 
     Args:
-        name: one of :func:`list_model_configs`.
-        **overrides: ``LlamaConfig`` fields to replace, e.g. ``vocab_size=256``.
+        name: one of :func:`list_model_configs` (``multimodal=True`` included).
+        **overrides: fields of the config to replace, e.g. ``vocab_size=256`` (for a
+            ``VLAConfig``: its own fields, ``decoder`` a whole ``LlamaConfig``).
 
     Returns:
-        A new, validated :class:`LlamaConfig`.
+        A new, validated :class:`LlamaConfig` (or :class:`VLAConfig` for the ``*vla*`` names).
 
     Raises:
         ValueError: for an unknown name (listing the valid names and the closest match),
             an unknown override field (naming it), or an override that fails validation.
     """
-    if name not in _CONFIGS:
-        raise ValueError(f"unknown model config {name!r}{_did_you_mean(name, _CONFIGS)}; "
-                         f"valid names: {', '.join(_CONFIGS)}")
-    fields = LlamaConfig.field_names()
+    configs = {**_CONFIGS, **_VLA_CONFIGS}
+    if name not in configs:
+        raise ValueError(f"unknown model config {name!r}{_did_you_mean(name, configs)}; "
+                         f"valid names: {', '.join(configs)}")
+    base = configs[name]
+    fields = type(base).field_names()
     unknown = [key for key in overrides if key not in fields]
     if unknown:
         key = unknown[0]
-        raise ValueError(f"unknown LlamaConfig field {key!r} in overrides for {name!r}"
-                         f"{_did_you_mean(key, fields)}; valid fields: {', '.join(fields)}")
-    return dataclasses.replace(_CONFIGS[name], **overrides)
+        raise ValueError(f"unknown {type(base).__name__} field {key!r} in overrides for "
+                         f"{name!r}{_did_you_mean(key, fields)}; valid fields: "
+                         f"{', '.join(fields)}")
+    return dataclasses.replace(base, **overrides)
 
 
 def _did_you_mean(word: str, choices) -> str:  # noqa: ANN001 - any iterable of str

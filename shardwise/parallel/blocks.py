@@ -1,8 +1,9 @@
 """Which modules are the *blocks* that activation checkpointing and compilation act on.
 
-A block is the repeated unit of a model (a :class:`~shardwise.models.TransformerBlock` by
-default), selected as ``shard``'s ``wrap`` selects units: a class, a set of classes, or a
-predicate ``(name, module) -> bool``. Only the outermost matches count: a match inside
+A block is the repeated unit of a model (by default every
+:class:`~shardwise.models.ModelBlock`: the decoder's ``TransformerBlock`` and the vision
+tower's ``VisionBlock``), selected as ``shard``'s ``wrap`` selects units: a class, a set of
+classes, or a predicate ``(name, module) -> bool``. Only the outermost matches count: a match inside
 another match is part of that block. Both :func:`~shardwise.parallel.checkpoint_activations`
 and :func:`~shardwise.parallel.compile_blocks` replace the block's ``forward`` attribute
 (never ``_call_impl``), so hooks registered on the block -- the sharding engine's gathers
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.models import TransformerBlock
+from shardwise.models import ModelBlock
 from shardwise.shard.discover import wrap_predicate
 
 __all__ = ["select_blocks", "DEFAULT_BLOCKS", "FORWARD_COLLECTIVES_ATTR"]
 
-DEFAULT_BLOCKS = TransformerBlock
-"""The blocks chosen when the caller passes ``blocks=None``."""
+DEFAULT_BLOCKS = ModelBlock
+"""The blocks chosen when the caller passes ``blocks=None``: every subclass of
+:class:`~shardwise.models.ModelBlock` (a model's blocks of every tower)."""
 
 FORWARD_COLLECTIVES_ATTR = "_shardwise_forward_collectives"
 """A module whose forward issues collectives sets this attribute to a short description of

@@ -154,7 +154,8 @@ def checkpoint_activations(model: nn.Module, policy: str = "full", *, blocks=Non
             (keep matmul and attention outputs, recompute the rest) or ``"none"`` (return
             ``model`` unchanged).
         blocks: a module class, a set of classes or a predicate ``(name, module) -> bool``
-            (default None: every :class:`~shardwise.models.TransformerBlock`); see
+            (default None: every :class:`~shardwise.models.ModelBlock`, the blocks of every
+            tower); see
             :func:`~shardwise.parallel.blocks.select_blocks`.
         save_ops: ``"selective"`` only: the ops whose outputs are kept, as
             ``torch.ops.aten`` packets or overloads (default None: :data:`SELECTIVE_SAVE_OPS`).

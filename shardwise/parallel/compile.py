@@ -107,7 +107,8 @@ def compile_blocks(model: nn.Module, blocks=None, *, backend: str | Callable = "
     Args:
         model: the model.
         blocks: a module class, a set of classes or a predicate ``(name, module) -> bool``
-            (default None: every :class:`~shardwise.models.TransformerBlock`); see
+            (default None: every :class:`~shardwise.models.ModelBlock`, the blocks of every
+            tower); see
             :func:`~shardwise.parallel.blocks.select_blocks`.
         backend: ``torch.compile`` backend (default "inductor", which needs a C++ compiler
             on CPU and Triton on GPU; "aot_eager" traces forward and backward without

@@ -5,6 +5,7 @@
     shardwise train --nproc 4 --parallel.stage 2
     torchrun --nproc_per_node 2 -m shardwise.train.cli train --train.steps 30
     shardwise train --help                              # every field, its meaning and default
+    shardwise data vla --level BabyAI-GoToLocal-v0 --episodes 1000 --out data/gotolocal-1k
 
 Exit codes: 0 success, 2 bad input (one line naming the value, before any rank trains),
 1 a rank failed (named), 130 interrupted, 141 stdout closed early (``... | head``: the output
@@ -22,6 +23,8 @@ from collections.abc import Sequence
 
 from shardwise.checkpoint.cli import add_parser as add_checkpoint_parser
 from shardwise.checkpoint.cli import run as run_checkpoint
+from shardwise.data.vla.cli import add_parser as add_data_parser
+from shardwise.data.vla.cli import run as run_data
 from shardwise.parallel.pipeline.cli import add_parser as add_schedule_parser
 from shardwise.parallel.pipeline.cli import run as run_schedule
 from shardwise.planner.cli import add_parser as add_plan_parser
@@ -131,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_parser(sub)
     add_schedule_parser(sub)
     add_plan_parser(sub)
+    add_data_parser(sub)
     return parser
 
 
@@ -227,6 +231,8 @@ def _run(argv: list[str]) -> int:
             return run_schedule(args)
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "data":
+            return run_data(args)
         _check_aliases(args)
         if args.command == "doctor":
             return _cmd_doctor(args)

@@ -36,6 +36,7 @@ def _tp_axis(tp_mesh) -> Axis:
 def _heads(model: nn.Module) -> tuple[int | None, int | None]:
     """(query heads, KV heads) from a shardwise or Hugging Face config (None if unknown)."""
     cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "decoder", cfg)  # a vision-language-action model: its decoder's
     q = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "n_kv_heads", None) or getattr(cfg, "num_key_value_heads", None) or q
     return q, kv
@@ -82,8 +83,10 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str] | None = None,
     DTensors.
 
     Args:
-        model: a shardwise ``Transformer``, a Hugging Face decoder whose config has
-            ``base_model_tp_plan``, or any model with ``plan``; on the meta device or real.
+        model: a shardwise ``Transformer`` or ``VisionLanguageAction`` (its vision tower,
+            projector and decoder; ``sequence_parallel=False``), a Hugging Face decoder
+            whose config has ``base_model_tp_plan``, or any model with ``plan``; on the meta
+            device or real.
         tp_mesh: the 1-D tensor-parallel DeviceMesh (``mesh["tp"]`` of a ParallelMesh; the
             ParallelMesh itself is accepted too).
         plan: ``{"module.glob": style}`` (see :mod:`shardwise.parallel.tensor.plan`);
@@ -119,6 +122,10 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str] | None = None,
                          f"sequence_parallel (its forward derives positions from the "
                          f"embedding's sequence length) nor loss_parallel (its plan gathers "
                          f"the logits); pass sequence_parallel=False, loss_parallel=False")
+    if source == "vla" and sequence_parallel:
+        raise ValueError(f"the built-in plan of {type(model).__name__} supports no "
+                         f"sequence_parallel yet (the image features are written into the "
+                         f"whole sequence after the embedding); pass sequence_parallel=False")
     entries = resolve_plan(model, plan)
     styles = {s for _, _, s in entries}
     if sequence_parallel and "vocab" not in styles:

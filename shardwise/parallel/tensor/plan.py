@@ -14,8 +14,10 @@ matches one dotted component (``"layers.*.attention.wq"``) and the styles are
 ==================  ==========================================================================
 
 Built in: the shardwise Llama (:data:`LLAMA_PLAN`, with :data:`MOE_PLAN` for its MoE
-blocks), and any Hugging Face model whose config carries ``base_model_tp_plan`` (HF's
-styles mapped by :data:`HF_STYLES`; the causal-LM class's own ``_tp_plan`` adds its head).
+blocks), the vision-language-action model (the Llama plan of its decoder plus the plans its
+modules declare, see :func:`declared_plans`), and any Hugging Face model whose config
+carries ``base_model_tp_plan`` (HF's styles mapped by :data:`HF_STYLES`; the causal-LM
+class's own ``_tp_plan`` adds its head).
 
 [Note: MoE under tensor parallelism] Experts are not split over the tensor ranks: an MoE
 block sits in a sequence-parallel region (after ``ffn_norm``), so with sequence parallelism
@@ -33,9 +35,16 @@ import re
 from torch import nn
 
 from shardwise.models.llama import Transformer
+from shardwise.models.vla import VisionLanguageAction
 from shardwise.parallel.tensor.layers import STYLES
 
-__all__ = ["LLAMA_PLAN", "MOE_PLAN", "HF_STYLES", "default_plan", "resolve_plan", "hf_plan"]
+__all__ = ["LLAMA_PLAN", "MOE_PLAN", "HF_STYLES", "PLAN_ATTR", "default_plan", "declared_plans",
+           "resolve_plan", "hf_plan"]
+
+PLAN_ATTR = "tp_plan"
+"""A module class may declare its own plan as this class attribute: ``{"child.glob": style}``
+relative to the module (e.g. ``VisionBlock.tp_plan``, ``Projector.tp_plan``);
+:func:`declared_plans` prefixes it with each instance's name."""
 
 LLAMA_PLAN: dict[str, str] = {
     "tok_embeddings": "vocab",
@@ -65,8 +74,7 @@ HF_STYLES: dict[str, str] = {"colwise": "colwise", "rowwise": "rowwise",
 """Hugging Face ``base_model_tp_plan`` styles and the shardwise style each maps to."""
 
 
-def _llama_plan(model: nn.Module, tp: int) -> dict[str, str]:
-    cfg = model.config
+def _llama_plan(cfg, tp: int) -> dict[str, str]:  # noqa: ANN001 - a LlamaConfig
     if cfg.attention == "mla":
         raise ValueError("the built-in tensor-parallel plan covers grouped-query attention; "
                          "attention='mla' (multi-head latent attention) has none yet: pass "
@@ -120,14 +128,38 @@ def hf_plan(model: nn.Module) -> dict[str, str] | None:
     return plan
 
 
+def declared_plans(model: nn.Module) -> dict[str, str]:
+    """The plans ``model``'s modules declare (:data:`PLAN_ATTR` on their class), each
+    pattern prefixed with the module's name, in ``named_modules()`` order."""
+    plan: dict[str, str] = {}
+    for name, module in model.named_modules():
+        declared = getattr(type(module), PLAN_ATTR, None)
+        if isinstance(declared, dict):
+            plan.update({f"{name}.{k}" if name else k: v for k, v in declared.items()})
+    return plan
+
+
+def _vla_plan(model: VisionLanguageAction, tp: int) -> dict[str, str]:
+    cfg = model.config
+    if cfg.vision_heads % tp:
+        raise ValueError(f"vision_heads={cfg.vision_heads} is not divisible by tp={tp}")
+    hidden = int(cfg.vision_dim * cfg.vision_mlp_ratio)
+    if hidden % tp or cfg.decoder.dim % tp:
+        raise ValueError(f"the vision MLP width {hidden} or the projector width "
+                         f"{cfg.decoder.dim} is not divisible by tp={tp}")
+    return {**declared_plans(model), **_llama_plan(cfg.decoder, tp)}
+
+
 def default_plan(model: nn.Module, tp: int) -> tuple[dict[str, str], str]:
-    """The built-in plan of ``model`` and where it came from ("llama" or "hf").
+    """The built-in plan of ``model`` and where it came from ("llama", "vla" or "hf").
 
     Raises:
         ValueError: a model with no built-in plan, or one the plan does not cover.
     """
     if isinstance(model, Transformer):
-        return _llama_plan(model, tp), "llama"
+        return _llama_plan(model.config, tp), "llama"
+    if isinstance(model, VisionLanguageAction):
+        return _vla_plan(model, tp), "vla"
     plan = hf_plan(model)
     if plan is not None:
         return plan, "hf"
