@@ -216,9 +216,24 @@ def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
 
     train = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    fig = Figure(figsize=(7, 4.2), dpi=110)
+    success = [(r["step"], r["success_rate"]) for r in records if "success_rate" in r]
+    fig = Figure(figsize=(11 if success else 7, 4.2), dpi=110)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(1, 2, 1) if success else fig.add_subplot()
+    if success:  # a policy: its success acting in the environment beside the loss
+        right = fig.add_subplot(1, 2, 2)
+        right.plot(*zip(*success), "o-", label="success rate (held-out seeds)", linewidth=1.2,
+                   markersize=4)
+        accuracy = [(r["step"], r["action_accuracy"]) for r in records
+                    if "action_accuracy" in r]
+        if accuracy:
+            right.plot(*zip(*accuracy), "s--", label="action accuracy (held-out demos)",
+                       linewidth=1.0, markersize=3)
+        right.set_xlabel("step")
+        right.set_ylim(0, 1.02)
+        right.set_title("the policy")
+        right.grid(alpha=0.3)
+        right.legend()
     if train:
         ax.plot(*zip(*train), label="train", linewidth=1.2)
     if val:
@@ -252,6 +267,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         *([f"  model state per rank (ZeRO stage {summary['zero_stage']}: params + grads + "
            f"optimizer): {format_memory(summary['model_state_mib'])}"]
           if "model_state_mib" in summary else []),
+        *([f"  policy: success rate {num(summary['final_success_rate'], '.3f')} on held-out "
+           f"seeds, action accuracy {num(summary.get('final_action_accuracy'), '.3f')} on "
+           f"held-out demonstrations"] if "final_success_rate" in summary else []),
         *([f"  fp16 loss scaling skipped {summary['skipped_steps']} step(s)"]
           if summary.get("skipped_steps") else []),
         f"  elapsed {summary['elapsed_s']:.1f} s (training {summary['train_time_s']:.1f} s)",

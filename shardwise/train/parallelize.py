@@ -41,6 +41,7 @@ from shardwise.parallel.tensor import default_plan, tp_context, vocab_parallel_c
 from shardwise.shard.offload import policy_of
 from shardwise.train.config import Config
 from shardwise.train.config.checks import sequence_parallel
+from shardwise.train.freeze import apply_freeze
 from shardwise.train.context import describe_cp
 from shardwise.train.lowbit import apply_matmul_precision, describe_matmul
 from shardwise.train.moe import apply_moe
@@ -105,6 +106,13 @@ def data_rank(cfg: Config, env: dist_env.DistEnv) -> tuple[int, int]:
     return ranks.index(env.rank), len(ranks)
 
 
+def data_leader(cfg: Config, env: dist_env.DistEnv) -> bool:
+    """Whether this rank speaks for its data rank: the first of the tensor and
+    context-parallel ranks that share its batches."""
+    dims = parallel_dims(cfg, env.world_size)
+    return all(dims.axis_ranks(axis, env.rank)[0] == env.rank for axis in ("tp", "cp"))
+
+
 def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> nn.Module:
     """Build the model on the meta device, apply tensor, expert and context parallelism,
     checkpoint and compile its blocks as ``train.activation_checkpoint`` and
@@ -129,7 +137,7 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
         With ``parallel.pp > 1``, this rank's pipeline part, its executor attached
         (:mod:`shardwise.train.pipeline`).
     """
-    from shardwise.models import TransformerBlock, init_module_weights
+    from shardwise.models import ModelBlock, init_module_weights
     from shardwise.models import build_model as build
 
     par = cfg.parallel
@@ -161,11 +169,13 @@ def build_parallel_model(cfg: Config, model_cfg: Any, env: dist_env.DistEnv) -> 
     if dims.cp > 1:  # after TP (it reads the heads per tensor rank), before AC and compile
         shardwise.apply_cp(model, mesh["cp"], impl=par.cp_impl, load_balance=par.cp_load_balance)
     t = cfg.train
-    shardwise.checkpoint_activations(model, t.activation_checkpoint, blocks=TransformerBlock)
+    # every tower's repeated blocks (a VLA's vision and decoder blocks, a decoder's blocks)
+    shardwise.checkpoint_activations(model, t.activation_checkpoint, blocks=ModelBlock)
     if t.compile:
-        shardwise.compile_blocks(model, TransformerBlock, backend=t.compile_backend)
+        shardwise.compile_blocks(model, ModelBlock, backend=t.compile_backend)
+    apply_freeze(model, cfg.model.freeze)  # before shard: frozen units get no gradient state
     torch.manual_seed(cfg.train.seed)
-    model = shardwise.shard(model, stage=par.stage, wrap={TransformerBlock}, mesh=mesh,
+    model = shardwise.shard(model, stage=par.stage, wrap={ModelBlock}, mesh=mesh,
                             reshard_after_forward=par.reshard_after_forward,
                             prefetch=par.prefetch, init_weights=init_module_weights,
                             mixed_precision=build_mixed_precision(cfg),

@@ -24,6 +24,7 @@ from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
 from shardwise.train.plan_layout import plan_start
+from shardwise.train.vla import build_vla_data, check_vla, is_vla, vla_model_config
 from shardwise.train.pipeline import bubble_warning, check_pipeline_config, check_pipeline_model
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
@@ -61,13 +62,16 @@ def build_model_config(cfg: Config, vocab_size: int | None = None):  # -> LlamaC
         ValueError: unknown model name or shape field, an invalid shape, or ``data.seq_len``
             longer than the model's ``max_seq_len``.
     """
-    from shardwise.models import get_model_config
+    from shardwise.models import get_model_config, list_model_configs
 
     overrides = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)
-                 if f.name != "name" and getattr(cfg.model, f.name) is not None}
+                 if f.name not in ("name", "freeze") and getattr(cfg.model, f.name) is not None}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     try:
+        if cfg.model.name in list_model_configs(multimodal=True) \
+                and is_vla(base := get_model_config(cfg.model.name)):  # [model]: its decoder
+            return vla_model_config(base, overrides)
         model_cfg = get_model_config(cfg.model.name, **overrides)
     except ValueError as exc:
         raise ValueError(f"model: {_planner_only(cfg.model.name) or exc}") from None
@@ -179,10 +183,17 @@ def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True
         raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
                          "expected 'gloo' or 'auto'")
     model_cfg = build_model_config(cfg)  # cheap shape / seq_len / [moe] checks first
-    check_moe(cfg, model_cfg)
-    check_model_combinations(cfg, model_cfg)
+    vla = is_vla(model_cfg)
+    shape = model_cfg.decoder if vla else model_cfg  # the decoder's checks, for a VLA too
+    if vla:
+        check_vla(cfg, model_cfg)
+        if cfg.parallel.sequence_parallel is None:  # samples of different lengths: off
+            cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
+                cfg.parallel, sequence_parallel=False))
+    check_moe(cfg, shape)
+    check_model_combinations(cfg, shape)
     check_pipeline_config(cfg)
-    check_pipeline_model(cfg, model_cfg)
+    check_pipeline_model(cfg, shape)
     check_fault_spec()
     if cfg.log.tensorboard:
         require_tensorboard()
@@ -190,14 +201,18 @@ def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True
     check_output_dir(cfg.log.dir)
     from shardwise.train.parallelize import validate_offload  # the engine's directory check
     validate_offload(cfg)
-    data = build_data(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
+    if vla:  # demonstrations made once, here, before any rank starts
+        data = build_vla_data(cfg)
+    else:
+        data = build_data(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
     model_cfg = build_model_config(cfg, data.vocab_size)
+    shape = model_cfg.decoder if vla else model_cfg
     # --parallel.plan auto: the planner's layout (same global batch), then the checks below
     cfg = plan_start(cfg, model_cfg, world_size)
     from shardwise.train.parallelize import validate_ep, validate_tp  # degrees vs the shape
-    validate_tp(cfg, model_cfg, world_size)
-    validate_ep(cfg, model_cfg)
-    validate_cp(cfg, model_cfg)
+    validate_tp(cfg, shape, world_size)
+    validate_ep(cfg, shape)
+    validate_cp(cfg, shape)
     resume = check_resume(cfg, model_cfg, verify=verify_checkpoint)
     if resume is not None and cfg.checkpoint.resume == "auto" and verify_checkpoint:
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from shardwise import LossScaler
-from shardwise.distributed import comm
 from shardwise.distributed import env as dist_env
 from shardwise.shard import clip_grads_with_norm_
 from shardwise.train.config import Config
@@ -32,7 +31,9 @@ from shardwise.train.moe import finish_moe_record, with_moe_loss
 from shardwise.train.parallelize import cross_entropy, data_rank, no_sync
 from shardwise.train.pipeline import grad_norm as total_grad_norm
 from shardwise.train.pipeline import pipeline_of
+from shardwise.train.stats import gather_stats
 from shardwise.train.stepguard import StepGuard
+from shardwise.train.vla import vla_loss
 
 __all__ = ["train_step", "evaluate", "gather_stats", "sync_debug"]
 
@@ -42,14 +43,14 @@ def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torc
     return cross_entropy(model, logits, targets)
 
 
-def gather_stats(values: list[torch.Tensor | float], env: dist_env.DistEnv) -> torch.Tensor:
-    """Every rank's ``values`` (0-d tensors or floats): (world_size, len(values)) on the host,
-    in one small all-gather and one host read."""
-    local = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(env.device)
-                         for v in values])
-    out = torch.empty(env.world_size * len(values), dtype=torch.float64, device=env.device)
-    comm.all_gather_into_tensor(out, local, label="train.stats")
-    return out.view(env.world_size, len(values)).cpu()
+def _micro_loss(model: nn.Module, batch: Any, env: dist_env.DistEnv) -> torch.Tensor:
+    """One micro-batch's loss: a VLA batch (frames, tokens, action labels:
+    shardwise.train.vla), or a text batch's whole sequences, of which this cp rank feeds
+    its part."""
+    if hasattr(batch, "images"):
+        return vla_loss(model, batch.to(env.device))
+    inputs, targets = local_sequences(model, *(t.to(env.device) for t in batch))
+    return _loss(model, inputs, targets)
 
 
 @contextlib.contextmanager
@@ -74,28 +75,31 @@ def _sync_debug(cfg: Config, env: dist_env.DistEnv):
 
 
 def _forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.DistEnv,
-                      scaler: LossScaler, guard: StepGuard | None) -> torch.Tensor:
-    """The step's ``grad_accum`` micro-batches; the summed loss as a device tensor (read on
-    the host once per step, with the other statistics)."""
+                      scaler: LossScaler, guard: StepGuard | None
+                      ) -> tuple[torch.Tensor, int | None]:
+    """The step's ``grad_accum`` micro-batches: the summed loss as a device tensor (read on
+    the host once per step, with the other statistics), and the token positions this rank
+    fed when the batches' lengths vary (VLA batches; None: ``batch_size x seq_len`` each)."""
     accum = cfg.train.grad_accum
     pipe = pipeline_of(model)
     if pipe is not None:  # the schedule's micro-batches are the accumulation (grad_accum 1)
         inputs, targets = local_sequences(model, *(t.to(env.device)
                                                    for t in loader.next_batch()))
-        return pipe.step(inputs, targets).to(env.device)
+        return pipe.step(inputs, targets).to(env.device), None
+    positions = None
     loss_sum = torch.zeros((), dtype=torch.float32, device=env.device)
     for micro in range(accum):
-        # The whole sequences of this data rank; this cp rank's part of them.
-        inputs, targets = local_sequences(model, *(t.to(env.device)
-                                                   for t in loader.next_batch()))
+        batch = loader.next_batch()
+        if hasattr(batch, "images"):  # lengths vary: count what was fed (shapes, no sync)
+            positions = (positions or 0) + batch.tokens.numel()
         # Gradients are communicated once per step, on the last micro-batch.
         with no_sync(model) if micro < accum - 1 else contextlib.nullcontext():
-            loss = _loss(model, inputs, targets) / accum
+            loss = _micro_loss(model, batch, env) / accum
             if guard is not None:
                 loss = guard.on_loss(loss)
             scaler.scale(with_moe_loss(model, loss, accum)).backward()  # + MoE balance losses
         loss_sum += loss.detach().float()
-    return loss_sum
+    return loss_sum, positions
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, cfg: Config,
@@ -123,7 +127,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     accum = cfg.train.grad_accum
     lr = optimizer.param_groups[0]["lr"]
     with _sync_debug(cfg, env):
-        loss_sum = _forward_backward(model, loader, cfg, env, scaler, guard)
+        loss_sum, positions = _forward_backward(model, loader, cfg, env, scaler, guard)
     scaler.unscale_(model)  # fp16: reads the agreed overflow flag (one host read)
     if guard is not None:
         guard.after_backward(model)
@@ -156,7 +160,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     optimizer.zero_grad(set_to_none=True)
     moe = finish_moe_record(model, update_bias=skip is None and stepped)
     elapsed = time.perf_counter() - start
-    tokens = data_rank(cfg, env)[1] * accum * cfg.train.batch_size * cfg.data.seq_len
+    ranks = data_rank(cfg, env)[1]
+    tokens = (ranks * accum * cfg.train.batch_size * cfg.data.seq_len if positions is None
+              else ranks * positions)  # VLA: this rank's positions, as if every rank's
     record = {"step": step, "loss": sum(losses) / len(losses), "lr": lr,
               "grad_norm": float(grad_norm), "tokens": tokens, "tokens_per_s": tokens / elapsed,
               "step_time_s": elapsed, "rss_mib": [round(m, 1) for m in stats[:, 2].tolist()]}

@@ -27,7 +27,7 @@ from shardwise.distributed import watchdog
 from shardwise.parallel.lowbit.recipes import RECIPES
 from shardwise.train.config import Config
 from shardwise.train.parallelize import (build_loss_scaler, build_parallel_model,
-                                         data_rank, describe_layout, describe_matmul,
+                                         data_leader, data_rank, describe_layout, describe_matmul,
                                          layout_record, wrap_optimizer)
 from shardwise.train.metrics import (
     MetricsLogger, format_summary, peak_rss_mib, plot_losses)
@@ -38,6 +38,8 @@ from shardwise.train.resume_checks import RUN_KEY, run_record
 from shardwise.train.lr_schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
 from shardwise.train.step import evaluate, gather_stats, train_step
 from shardwise.train.stepguard import StepGuard
+from shardwise.train.vla import (build_vla_loader, describe_vla_data, evaluate_vla, is_vla,
+                                 vla_validation_note)
 
 __all__ = [
     "build_env", "build_optimizer", "lr_factor", "build_lr_schedule", "train_step", "evaluate",
@@ -172,16 +174,21 @@ def _start_logger(cfg: Config, env: dist_env.DistEnv, model_cfg: Any, data: Any,
                   notes: list[str | None]) -> MetricsLogger:
     """Rank 0's metrics sink, and the lines that open the run: model, layout, data, the
     validation split, what was resumed or imported (``notes``)."""
-    val_label, val_line = validation_note(cfg)
+    val_label, val_line = (vla_validation_note(cfg) if is_vla(model_cfg)
+                           else validation_note(cfg))
     logger = MetricsLogger(cfg.log.dir, cfg.train.steps, enabled=env.is_main,
                            progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
                            refresh_every=cfg.train.log_interval, resume_step=done,
                            val_label=val_label)
-    logger.echo(f"model {cfg.model.name!r} (dim {model_cfg.dim}, {model_cfg.n_layers} layers, "
+    shape = model_cfg.decoder if is_vla(model_cfg) else model_cfg
+    vision = (f"vision {model_cfg.vision_layers} x {model_cfg.vision_dim}, " if
+              is_vla(model_cfg) else "")
+    described = (describe_vla_data(data) if is_vla(model_cfg) else
+                 f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
+    logger.echo(f"model {cfg.model.name!r} ({vision}dim {shape.dim}, {shape.n_layers} layers, "
                 f"vocab {model_cfg.vocab_size}): {model_cfg.num_params():,} parameters; "
                 f"{env.world_size} rank{'s' if env.world_size > 1 else ''} ({env.launcher}, "
-                f"{env.backend}); data "
-                f"{data.train_ids.numel():,} train / {data.val_ids.numel():,} val tokens")
+                f"{env.backend}); data {described}")
     logger.echo(val_line)
     logger.echo(f"layout {describe_layout(cfg, env.world_size)}; compute "
                 f"{cfg.precision.param_dtype}, reduce {cfg.precision.reduce_dtype}, masters "
@@ -221,13 +228,16 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv, replan: Any = None
     scaler = build_loss_scaler(cfg)
     schedule = build_lr_schedule(optimizer, cfg.optim, cfg.train.steps)
     rank, ranks = data_rank(cfg, env)  # tensor ranks of one data rank share its batches
-    loader = TokenLoader(data.train_ids, seq_len=cfg.data.seq_len,
-                         batch_size=cfg.train.batch_size, rank=rank, world_size=ranks,
-                         seed=cfg.data.seed)
+    vla = is_vla(model_cfg)
+    loader = (build_vla_loader(cfg, data, model_cfg, rank, ranks) if vla else
+              TokenLoader(data.train_ids, seq_len=cfg.data.seq_len,
+                          batch_size=cfg.train.batch_size, rank=rank, world_size=ranks,
+                          seed=cfg.data.seed))
     stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
     ckpt, done, note = resume_or_import(cfg, model, optimizer, stateful, env)
     horizon = apply_schedule_horizon(schedule, cfg.optim.schedule_horizon, cfg.train.steps, done)
-    notes = [describe_matmul(model), describe_moe(model_cfg, cfg), describe_pipeline(cfg, model),
+    shape = model_cfg.decoder if vla else model_cfg
+    notes = [describe_matmul(model), describe_moe(shape, cfg), describe_pipeline(cfg, model),
              note, horizon]
     logger = _start_logger(cfg, env, model_cfg, data, done, notes)
     saved = {**stateful, RUN_KEY: run_record(cfg)}  # the batch, for a later resume's check
@@ -241,7 +251,9 @@ def train(cfg: Config, data: Any, env: dist_env.DistEnv, replan: Any = None
             train_time += record["step_time_s"]
             logger.log_step(record)
             if _eval_due(step, cfg):
-                logger.log_eval(evaluate(model, data.val_ids, cfg, env, step))
+                logger.log_eval(evaluate_vla(model, loader, model_cfg, cfg, env, step, rank,
+                                             ranks, leader=data_leader(cfg, env)) if vla
+                                else evaluate(model, data.val_ids, cfg, env, step))
             if _checkpoint_due(step, cfg):
                 ckpt.save(step, model, optimizer, extra=saved)
             if replan is not None and replan.after_step(record, model, optimizer, logger):
@@ -304,6 +316,9 @@ def _finish(cfg: Config, env: dist_env.DistEnv, logger: MetricsLogger,
         "train_time_s": train_time, "elapsed_s": elapsed,
         "log_dir": str(log_dir), "outputs": outputs,
     }
+    if vals and "success_rate" in vals[-1]:  # a VLA policy's last evaluation
+        summary["final_success_rate"] = vals[-1]["success_rate"]
+        summary["final_action_accuracy"] = vals[-1]["action_accuracy"]
     if checkpoint is not None:
         summary["checkpoint"] = checkpoint
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="ascii")

@@ -25,10 +25,10 @@ from pathlib import Path
 from shardwise.compat import tomllib
 from shardwise.train.config import io as config_io
 from shardwise.train.config.sections import (CommConfig, MoEConfig, OffloadConfig,
-                                             ParallelConfig, PrecisionConfig)
+                                             ParallelConfig, PrecisionConfig, VLADataConfig)
 
 __all__ = [
-    "CommConfig", "OffloadConfig", "PrecisionConfig", "MoEConfig",
+    "CommConfig", "OffloadConfig", "PrecisionConfig", "MoEConfig", "VLADataConfig",
     "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig", "ParallelConfig", "LogConfig",
     "CheckpointConfig", "Config", "load_config", "validate", "resolve_world", "check_output_dir",
     "to_toml",
@@ -68,6 +68,9 @@ class ModelConfig:
     """Override: MoE feed-forward in every n-th block, others dense (unset: named config's)."""
     router_score: str | None = None
     """Override: router scores, "softmax" or "sigmoid" (unset: the named config's value)."""
+    freeze: tuple[str, ...] = ()
+    """Submodules trained frozen, e.g. vision (a VLA's vision tower): no gradient, no
+    reduction, no optimizer state."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,8 @@ class Config:
     """Outputs and progress display."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Checkpoints, resuming and weight import."""
+    vla: VLADataConfig = dataclasses.field(default_factory=VLADataConfig)
+    """Vision-language-action demonstrations and evaluation (VLA models only)."""
 
 
 # ----------------------------------------------------------------------------- loading

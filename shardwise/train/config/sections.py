@@ -176,3 +176,26 @@ class MoEConfig:
     bias_update_rate: float = 0.001
     """With balance "bias": the bias change per optimizer step of an overloaded (minus) or
     underloaded (plus) expert."""
+
+
+@dataclass(frozen=True)
+class VLADataConfig:
+    """Vision-language-action runs (a model such as debug-vla): demonstrations and evaluation
+    in the environment (docs/multimodal.md)."""
+
+    level: str = "BabyAI-GoToLocal-v0"
+    """BabyAI level the demonstrations come from and the policy is evaluated on."""
+    episodes: int = 1000
+    """Expert demonstrations (episodes) in the training dataset."""
+    dir: str = ""
+    """Dataset folder, made on first use ("": data/vla/<level>-<episodes>)."""
+    frames: int = 1
+    """Frames per sample: the last k observations before each action (0: text only)."""
+    val_fraction: float = 0.05
+    """Share of the episodes held out for validation loss and action accuracy (0 < x < 1)."""
+    eval_episodes: int = 200
+    """Episodes the policy acts in at each validation, on held-out seeds (success rate)."""
+    text_only_share: float = 0.0
+    """Probability that a training sample carries no frame (instruction only; 0 <= x <= 1)."""
+    strip: bool = True
+    """Write a PNG strip of one evaluation episode to <log.dir>/rollout.png."""

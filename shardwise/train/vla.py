@@ -1,0 +1,321 @@
+"""The trainer's side of vision-language-action models (issue 34): data, loss, evaluation.
+
+    shardwise train --config configs/vla.toml        # debug-vla on BabyAI-GoToLocal
+
+A model whose config is a :class:`~shardwise.models.VLAConfig` (``debug-vla``,
+``debug-vla-moe``, ``vla-7b``) trains on demonstrations of a BabyAI level made by
+minigrid's expert bot (``shardwise.data.vla``), written once to ``vla.dir`` (made by the
+launcher before any rank starts when it is missing). Each step's batches are
+:class:`~shardwise.data.vla.VLABatch` es: frames, the mission's words, and the expert's action
+as a token of the reserved top of the vocabulary; the loss is the cross-entropy of that
+action token.
+
+Validation reports, besides the loss on held-out demonstrations, ``action_accuracy`` (the
+greedy action over the reserved ids against the expert's) and ``success_rate``: the policy
+acting in the environment on ``vla.eval_episodes`` held-out seeds (greedy actions, the level's
+step limit), in ``metrics.jsonl``, the summary and the plot, and a PNG strip of one episode
+(``<log.dir>/rollout.png``).
+
+[Note: lockstep rollouts] Under sharding every forward is a collective (ZeRO-3 gathers,
+tensor-parallel all-reduces, expert all-to-alls), but episodes end when they end: each data
+rank acts in its own share of the seeds, and a rank whose episodes are over must still join
+the forwards of the ranks still acting. Before each forward the ranks agree, in one small
+all-reduce, how many of them still act; a rank that is done runs a one-sample forward with no
+frame until none is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.distributed import comm
+from shardwise.distributed import env as dist_env
+from shardwise.train.config import Config
+from shardwise.train.freeze import apply_freeze
+from shardwise.train.parallelize import cross_entropy
+from shardwise.train.stats import gather_stats
+
+__all__ = ["VLAData", "is_vla", "vla_model_config", "build_vla_data", "build_vla_loader",
+           "sample_spec", "vla_validation_note", "vla_loss", "evaluate_vla", "check_vla",
+           "describe_vla_data"]
+
+STRIP_NAME = "rollout.png"
+
+
+@dataclass(frozen=True)
+class VLAData:
+    """The demonstration dataset of a VLA run, made once before any rank starts.
+
+    Attributes:
+        path: the dataset directory (``vla.dir``).
+        index: its JSON index (level, seeds, episodes, steps).
+        vocab_size: None (the model's vocabulary is its own; the trainer keeps it).
+    """
+
+    path: Path
+    index: dict
+    vocab_size: None = None
+
+
+def is_vla(model_cfg: Any) -> bool:
+    """Whether ``model_cfg`` describes a vision-language-action model."""
+    from shardwise.models import VLAConfig
+
+    return isinstance(model_cfg, VLAConfig)
+
+
+def vla_model_config(base: Any, overrides: dict[str, Any]) -> Any:
+    """A VLA config with the ``[model]`` shape overrides applied to its decoder (the keys of
+    ``[model]`` are the decoder's: ``dim``, ``n_layers``, ``num_experts`` ...)."""
+    overrides = {k: v for k, v in overrides.items() if k != "vocab_size"}
+    if not overrides:
+        return base
+    return dataclasses.replace(base, decoder=dataclasses.replace(base.decoder, **overrides))
+
+
+def dataset_dir(cfg: Config) -> Path:
+    """``vla.dir``, or ``data/vla/<level>-<episodes>`` when it is empty."""
+    v = cfg.vla
+    return Path(v.dir) if v.dir else Path("data") / "vla" / f"{v.level}-{v.episodes}"
+
+
+def build_vla_data(cfg: Config) -> VLAData:
+    """Make the dataset if it is missing (idempotent), before any rank starts.
+
+    Raises:
+        ValueError: a dataset in ``vla.dir`` made for another level or episode count.
+        ImportError: minigrid is missing and the dataset must be generated
+            (``pip install shardwise[vla]``).
+    """
+    from shardwise.data.vla import ensure_dataset, read_index
+
+    path = dataset_dir(cfg)
+    fresh = not (path / "index.json").exists()
+    if fresh:
+        print(f"vla: generating {cfg.vla.episodes} demonstrations of {cfg.vla.level} with "
+              f"minigrid's expert bot into {path} (once)", flush=True)
+    path = ensure_dataset(path, cfg.vla.level, cfg.vla.episodes)
+    return VLAData(path=path, index=read_index(path))
+
+
+def describe_vla_data(data: VLAData) -> str:
+    """The start line's data part."""
+    idx = data.index
+    return (f"{idx.get('episodes', '?')} {idx.get('level', '?')} demonstrations "
+            f"({idx.get('steps', '?')} steps) in {data.path}")
+
+
+def vla_validation_note(cfg: Config) -> tuple[str, str]:
+    """What a VLA run's validation is: a short label, and the line printed at start."""
+    share = f"{cfg.vla.val_fraction * 100:g}%"
+    label = f"{share} of the episodes held out"
+    line = (f"validation: loss and action accuracy on {share} of the episodes (vla."
+            f"val_fraction), never trained on; success rate of the greedy policy acting on "
+            f"{cfg.vla.eval_episodes} held-out seeds of {cfg.vla.level} (vla.eval_episodes)")
+    return label, line
+
+
+def sample_spec(model_cfg: Any):  # -> SampleSpec
+    """The sample layout of the model's vocabulary and patches."""
+    from shardwise.data.vla import SampleSpec
+
+    return SampleSpec(vocab_size=model_cfg.vocab_size,
+                      num_action_tokens=model_cfg.num_action_tokens,
+                      patch_size=model_cfg.patch_size)
+
+
+def build_vla_loader(cfg: Config, data: VLAData, model_cfg: Any, rank: int, ranks: int):
+    """This data rank's resumable loader of the run's demonstrations."""
+    from shardwise.data.vla import VLALoader
+
+    return VLALoader(str(data.path), batch_size=cfg.train.batch_size, rank=rank,
+                     world_size=ranks, seed=cfg.data.seed, frames=cfg.vla.frames,
+                     spec=sample_spec(model_cfg), val_fraction=cfg.vla.val_fraction,
+                     text_only_share=cfg.vla.text_only_share)
+
+
+def full_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """The whole vocabulary's logits: gathered along the vocabulary when tensor parallelism
+    left them vocab-sharded (loss parallelism)."""
+    from shardwise.parallel.tensor import tp_context
+
+    ctx = tp_context(model)
+    if ctx is None or not ctx.loss_parallel:
+        return logits
+    from shardwise.distributed.comm.dims import all_gather_dim
+
+    return all_gather_dim(logits.contiguous(), -1, ctx.tp.group, label="vla.logits")
+
+
+def vla_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Mean cross-entropy of the action tokens of ``batch`` (a VLABatch on the device)."""
+    logits = model(batch.tokens, batch.images)  # (B, T, vocab) or vocab-sharded
+    return cross_entropy(model, logits, batch.labels)
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, loader: Any, spec: Any, env: dist_env.DistEnv,
+              max_batches: int) -> tuple[float, float, float, int]:
+    """(loss sum, correct, counted, batches) of this rank's validation batches."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    correct = torch.zeros((), dtype=torch.float64, device=env.device)
+    counted = torch.zeros((), dtype=torch.float64, device=env.device)
+    batches = 0
+    for batch in loader.val_batches(max_batches):
+        batch = batch.to(env.device)
+        logits = full_logits(model, model(batch.tokens, batch.images)).float()
+        at = batch.labels != -100  # (B, T): the ACT positions
+        loss_sum += F.cross_entropy(logits[at], batch.labels[at])
+        first = spec.text_limit
+        guess = logits[at][:, first:].argmax(dim=-1) + first
+        correct += (guess == batch.labels[at]).sum()
+        counted += at.sum()
+        batches += 1
+    return loss_sum, correct, counted, batches
+
+
+class _Lockstep:
+    """A greedy policy whose forwards every rank joins ([Note: lockstep rollouts])."""
+
+    def __init__(self, model: nn.Module, spec: Any, env: dist_env.DistEnv) -> None:
+        from shardwise.data.vla import GreedyActionPolicy
+
+        self.model, self.env = model, env
+        self.greedy = GreedyActionPolicy(
+            lambda tokens, images: full_logits(model, model(tokens, images)), spec=spec,
+            device=env.device)
+
+    def _acting(self, acting: bool) -> int:
+        flag = torch.tensor([1.0 if acting else 0.0], device=self.env.device)
+        comm.all_reduce(flag, label="vla.rollout")
+        return int(flag.item())
+
+    def __call__(self, batch: Any, envs: Any) -> torch.Tensor:
+        self._acting(True)
+        return self.greedy(batch, envs)
+
+    @torch.no_grad()
+    def drain(self, spec: Any) -> None:
+        """Join the forwards of the ranks still acting, with one frameless sample."""
+        from shardwise.data.vla import ACT_ID, BOS_ID
+
+        tokens = torch.tensor([[BOS_ID, ACT_ID]], device=self.env.device)
+        images = torch.zeros(0, 3, spec_image_size(self.model), spec_image_size(self.model),
+                             device=self.env.device)
+        while self._acting(False):
+            self.model(tokens, images)
+
+
+def spec_image_size(model: nn.Module) -> int:
+    """The frame side the model's vision tower takes."""
+    return model.config.image_size
+
+
+def _rollout(model: nn.Module, cfg: Config, spec: Any, env: dist_env.DistEnv,
+             rank: int, ranks: int, record: bool) -> tuple[int, int, Any]:
+    """This data rank's share of the held-out seeds, acted in lockstep with every rank."""
+    from shardwise.data.vla import eval_seeds, rollout
+
+    seeds = eval_seeds(cfg.vla.eval_episodes)[rank::ranks]
+    policy = _Lockstep(model, spec, env)
+    result = None
+    if seeds:
+        result = rollout(policy, cfg.vla.level, seeds, frames=cfg.vla.frames, record=record,
+                         spec=spec, num_envs=min(len(seeds), 32))
+    policy.drain(spec)
+    if result is None:
+        return 0, 0, None
+    return sum(result.successes), len(seeds), result.episode
+
+
+def evaluate_vla(model: nn.Module, loader: Any, model_cfg: Any, cfg: Config,
+                 env: dist_env.DistEnv, step: int, rank: int, ranks: int,
+                 leader: bool = True) -> dict[str, Any]:
+    """Validation of a VLA run: loss and action accuracy on held-out demonstrations, and the
+    success rate of the greedy policy acting on ``vla.eval_episodes`` held-out seeds.
+
+    Args:
+        rank, ranks: this data rank and the number of data ranks (each acts on its share of
+            the seeds).
+        leader: whether this rank speaks for its data rank (its tensor-parallel peers see
+            the same batches and seeds and are not counted again).
+    """
+    spec = sample_spec(model_cfg)
+    model.eval()
+    try:
+        loss_sum, correct, counted, batches = _accuracy(model, loader, spec, env,
+                                                        cfg.train.eval_batches)
+        wins, episodes, episode = _rollout(model, cfg, spec, env, rank, ranks,
+                                           record=cfg.vla.strip and rank == 0)
+    finally:
+        model.train()
+    weight = 1.0 if leader else 0.0  # tensor peers repeat their data rank's numbers
+    stats = gather_stats([weight * loss_sum / max(batches, 1), weight * correct,
+                          weight * counted, weight * wins, weight * episodes, weight], env)
+    rows = stats[stats[:, 5] > 0]
+    record = {"step": step, "val_loss": float(rows[:, 0].mean()),
+              "action_accuracy": float(rows[:, 1].sum() / rows[:, 2].sum().clamp_min(1)),
+              "success_rate": float(rows[:, 3].sum() / rows[:, 4].sum().clamp_min(1)),
+              "val_tokens": int(rows[:, 2].sum())}
+    if episode is not None and env.is_main:
+        from shardwise.data.vla import save_strip_png
+
+        save_strip_png(episode, Path(cfg.log.dir) / STRIP_NAME)
+    return record
+
+
+# Longest BabyAI mission in words (PutNextLocal / PickupLoc stay far below), with BOS and ACT.
+_TEXT_ROOM = 32
+
+
+def check_vla(cfg: Config, model_cfg: Any) -> None:
+    """The checks of a VLA run, before any rank starts (the decoder's own checks are the
+    text models').
+
+    Raises:
+        ValueError: a layout the VLA path does not take yet (pipeline, context parallelism,
+            sequence parallelism, the planner's layout), a vision tower the tensor degree
+            does not divide, a ``[vla]`` value out of range, samples longer than the
+            decoder's ``max_seq_len``, a ``model.freeze`` name that is not a submodule.
+    """
+    par, v = cfg.parallel, cfg.vla
+    refusals = [(par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp = 1"),
+                (par.cp > 1, f"parallel.cp={par.cp}", "parallel.cp = 1"),
+                (par.tp > 1 and par.sequence_parallel is True,
+                 "parallel.sequence_parallel=true", "false or unset"),
+                (par.plan == "auto", "parallel.plan='auto'", "'off'")]
+    for bad, value, expected in refusals:
+        if bad:
+            raise ValueError(f"{value} is not supported with the vision-language-action model "
+                             f"{cfg.model.name!r} yet; expected {expected}")
+    hidden = int(model_cfg.vision_dim * model_cfg.vision_mlp_ratio)
+    for name, size in (("vision_heads", model_cfg.vision_heads), ("vision MLP width", hidden)):
+        if par.tp > 1 and size % par.tp:
+            raise ValueError(f"parallel.tp={par.tp} does not divide the {name} {size} of "
+                             f"{cfg.model.name!r}; expected a tp that divides it")
+    for name, value, ok, expected in (
+            ("episodes", v.episodes, v.episodes >= 1, ">= 1"),
+            ("frames", v.frames, v.frames >= 0, ">= 0"),
+            ("val_fraction", v.val_fraction, 0 < v.val_fraction < 1, "0 < x < 1"),
+            ("eval_episodes", v.eval_episodes, v.eval_episodes >= 0, ">= 0"),
+            ("text_only_share", v.text_only_share, 0 <= v.text_only_share <= 1, "0 <= x <= 1"),
+            ("level", v.level, v.level.startswith("BabyAI-"), "a BabyAI level id")):
+        if not ok:
+            raise ValueError(f"vla.{name}={value!r}; expected {expected}")
+    longest = v.frames * model_cfg.num_patches + _TEXT_ROOM
+    if longest > model_cfg.max_seq_len:
+        raise ValueError(f"vla.frames={v.frames} makes samples of up to {longest} tokens "
+                         f"({model_cfg.num_patches} per frame), more than max_seq_len="
+                         f"{model_cfg.max_seq_len} of {cfg.model.name!r}; expected fewer frames "
+                         "or a larger model.max_seq_len")
+    if cfg.model.freeze:
+        from shardwise.models import build_model
+
+        apply_freeze(build_model(model_cfg, device="meta"), cfg.model.freeze)
