@@ -8,12 +8,15 @@
     DIR/shard-00000.safetensors          frames (S, H, W, 3) uint8, actions (S,) int64,
     DIR/shard-00001.safetensors ...      rewards (S,) float32, dones (S,) uint8
 
-A shard holds whole episodes, their steps concatenated. [Note: atomic dataset] The dataset
-is built in a hidden sibling directory (``.DIR.partial-...``), ``index.json`` written last,
-and the directory renamed onto ``DIR`` in one step; an interrupted write leaves no ``DIR``
-(and a crash at worst a ``.partial`` directory that nothing reads), so a directory with an
-index is always complete. Reading opens shards lazily with safetensors' memory-mapped
-``safe_open`` and copies only the frames a sample needs.
+A shard holds whole episodes, their steps concatenated.
+
+[Note: atomic dataset] The dataset is built in a hidden sibling directory
+(``.DIR.partial-...``), ``index.json`` written last, and the directory renamed onto ``DIR``
+in one step; an interrupted write leaves no ``DIR`` (and a crash at worst a ``.partial``
+directory that nothing reads), so a directory with an index is always complete.
+
+Reading opens shards lazily with safetensors' memory-mapped ``safe_open`` and copies only
+the frames a sample needs.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ def _index(episodes: list[Episode], shards: list[dict[str, Any]], meta: dict[str
 
 def write_dataset(out_dir: str | os.PathLike, episodes: list[Episode], *,
                   meta: dict[str, Any], shard_episodes: int = 256) -> dict[str, Any]:
-    """Write ``episodes`` once, atomically, as a sharded dataset at ``out_dir``.
+    """Write ``episodes`` once, atomically, as a sharded dataset at ``out_dir``
+    ([Note: atomic dataset]).
 
     Args:
         out_dir: the dataset directory; must not exist or be an empty directory.
@@ -233,6 +237,8 @@ class VLADataset:
         if not 0 <= start <= stop <= self.lengths[episode]:
             raise ValueError(f"frames [{start}, {stop}) out of range for episode {episode} of "
                              f"length {self.lengths[episode]}")
+        if start == stop:  # safetensors refuses an empty slice at a tensor's end
+            return np.zeros((0, *self.frame_shape), np.uint8)
         shard, offset = self.index["shard_of"][episode], self.index["offset"][episode]
         return self._handle(shard).get_slice("frames")[offset + start:offset + stop]
 

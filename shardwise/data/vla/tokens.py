@@ -66,7 +66,8 @@ class MissionTokenizer:
 
     def __init__(self) -> None:
         self.words: tuple[str, ...] = SPECIAL_TOKENS + MISSION_WORDS
-        self._ids = {w: i for i, w in enumerate(self.words)}
+        # Only words map to ids: split_mission never yields "<pad>" and the like whole.
+        self._ids = {w: i for i, w in enumerate(self.words) if i >= len(SPECIAL_TOKENS)}
         self.vocab_size: int = len(self.words)
         self.unknown: Counter[str] = Counter()
 
@@ -82,7 +83,7 @@ class MissionTokenizer:
         ids = []
         for word in split_mission(mission):
             i = self._ids.get(word)
-            if i is None or i < len(SPECIAL_TOKENS):  # "<pad>" typed in a mission is a word
+            if i is None:
                 self.unknown[word] += 1
                 i = UNK_ID
             ids.append(i)
