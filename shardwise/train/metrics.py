@@ -159,10 +159,14 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._write(record)
+        policy = [k for k in ("action_accuracy", "success_rate") if k in record]
         if self._tb is not None:
             self._tb.add_scalar("val/loss", record["val_loss"], record["step"])
+            for key in policy:
+                self._tb.add_scalar(f"val/{key}", record[key], record["step"])
         self.echo(f"step {record['step']}: val_loss {record['val_loss']:.4f} "
-                  f"({self.val_label})")
+                  + "".join(f"{key} {record[key]:.3f} " for key in policy)
+                  + f"({self.val_label})")
 
     def echo(self, text: str) -> None:
         """Print a line on rank 0 without breaking the progress bar."""

@@ -293,6 +293,8 @@ def _finish(cfg: Config, env: dist_env.DistEnv, logger: MetricsLogger,
     if cfg.log.plot:
         plot_losses(logger.all_records, log_dir / "loss.png")
         outputs.append("loss.png")
+    if (log_dir / "rollout.png").exists():  # a VLA policy's evaluation episode
+        outputs.append("rollout.png")
     if cfg.log.tensorboard:
         outputs.append("tb/")
     outputs.append("summary.json")
