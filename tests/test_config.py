@@ -189,7 +189,7 @@ def test_read_only_output_dir(tmp_path):
 def test_all_keys_cover_every_section():
     sections = {k.split(".")[0] for k in all_keys()}
     assert sections == {"model", "data", "train", "optim", "parallel", "precision", "comm",
-                        "offload", "moe", "log", "checkpoint"}
+                        "offload", "moe", "log", "checkpoint", "vla"}
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -178,7 +178,6 @@ def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True
             take, context parallelism with multi-head latent attention.
     """
     cfg = resolve_world(cfg, world_size)  # the layout first, then the shapes against it
-    check_sequence_split(cfg)
     if cfg.parallel.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA, which is not available here; "
                          "expected 'gloo' or 'auto'")
@@ -190,6 +189,7 @@ def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True
         if cfg.parallel.sequence_parallel is None:  # samples of different lengths: off
             cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
                 cfg.parallel, sequence_parallel=False))
+    check_sequence_split(cfg)  # after a VLA's sequence parallelism is resolved (off)
     check_moe(cfg, shape)
     check_model_combinations(cfg, shape)
     check_pipeline_config(cfg)
