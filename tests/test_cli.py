@@ -32,7 +32,7 @@ def test_help_lists_every_field_with_meaning_and_default(capsys):
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
     headings = [m.group(1) for m in re.finditer(r"\[(\w+)\]:", text)]
     assert headings == ["model", "data", "train", "optim", "parallel", "precision", "comm",
-                        "offload", "moe", "log", "checkpoint"]
+                        "offload", "moe", "log", "checkpoint", "vla"]
     assert "--nproc N alias of --parallel.nproc" in text and "--config FILE" in text
     text = text[text.index("[model]:"):]  # the grouped entries, not the usage or description
     for section, key, _hint, default, doc in config_io.iter_fields(Config()):

@@ -44,12 +44,21 @@ launcher); under torchrun or SLURM srun it runs as one rank of that job.
 See docs/configuration.md and docs/launching.md."""
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps help text at spaces only: a default such as "BabyAI-GoToLocal-v0" stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser(
         "train", help="train a model (default: the debug model on 2 local CPU ranks)",
         description=_TRAIN_DESCRIPTION, allow_abbrev=False,
         usage="shardwise train [-h] [--config FILE] [--nproc N] [--SECTION.KEY VALUE ...]",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=_HelpFormatter)
     _add_config_options(train)
 
 
@@ -66,7 +75,7 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
         "doctor", help="check that all ranks agree (versions, device, config) and can talk",
         description=_DOCTOR_DESCRIPTION, allow_abbrev=False,
         usage="shardwise doctor [-h] [--config FILE] [--nproc N] [--SECTION.KEY VALUE ...]",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=_HelpFormatter)
     _add_config_options(doctor)
 
 
