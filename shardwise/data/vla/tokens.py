@@ -56,7 +56,7 @@ def split_mission(mission: str) -> list[str]:
 class MissionTokenizer:
     """Fixed word-level tokenizer over :data:`MISSION_WORDS` with the VLA special ids.
 
-    Unknown words map to ``UNK_ID`` and are counted in :attr:`unknown` (a ``Counter`` of
+    Unknown words map to ``UNK_ID`` and are counted in ``unknown`` (a ``Counter`` of
     word -> occurrences), so a level whose grammar this list misses is noticed, not hidden.
 
     Attributes:
