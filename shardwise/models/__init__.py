@@ -50,6 +50,7 @@ from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import (MoE, MoESettings, MoEStepStats, configure_moe,
                                   finish_moe_step, moe_aux_loss, moe_layers,
                                   set_capacity_groups, set_stats_reducer)
+from shardwise.models.pieces import Piece, PipelinePieces
 from shardwise.models.registry import get_model_config, list_model_configs
 
 __all__ = [
@@ -60,6 +61,8 @@ __all__ = [
     "MoE",
     "MoESettings",
     "MoEStepStats",
+    "Piece",
+    "PipelinePieces",
     "RMSNorm",
     "RotaryEmbedding",
     "TiedOutput",

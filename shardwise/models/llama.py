@@ -38,6 +38,7 @@ RMSNorm, RoPE and the SwiGLU feed-forward live in layers.py (re-exported here).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,6 +52,7 @@ from shardwise.models.layers import linear as _linear
 from shardwise.models.experts import GroupedExperts
 from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import MoE
+from shardwise.models.pieces import Piece, PipelinePieces
 from shardwise.models.router import Router
 
 __all__ = [
@@ -227,6 +229,26 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
         return self.output(self.norm(h))  # (B, T, V)
 
+    def pipeline_pieces(self) -> PipelinePieces:
+        """This model's pieces, as the pipeline split reads them ([Note: declared pieces]
+        in pieces.py): the token embedding first, the blocks (``block(h, cos, sin)``, the
+        RoPE tables of the sequence as side inputs), then the final norm and the head (a
+        tied head names the embedding matrix). Running them in order is :meth:`forward`
+        on one sequence per row.
+
+        Returns:
+            The :class:`~shardwise.models.pieces.PipelinePieces`.
+        """
+        tie = "tok_embeddings.weight" if isinstance(self.output, TiedOutput) else None
+        return PipelinePieces(
+            pieces=(Piece("tok_embeddings", self.tok_embeddings, "first"),
+                    *(Piece(f"layers.{i}", block, call=_run_block)
+                      for i, block in enumerate(self.layers)),
+                    Piece("norm", self.norm, "last"),
+                    Piece("output", self.output, "last", tie=tie)),
+            # partial, not a bound method: a stage keeps the RoPE module, not the model
+            side=functools.partial(_rope_tables, self.rope), shared=(("rope", self.rope),))
+
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if not isinstance(tokens, torch.Tensor):
             raise ValueError(f"Transformer: tokens is a {type(tokens).__name__}, expected a "
@@ -249,6 +271,14 @@ class Transformer(nn.Module):
         """
         for module in self.modules():
             init_module_weights(module)
+
+
+def _rope_tables(rope: RotaryEmbedding, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return rope(tokens.shape[1])  # (T, hd/2) each, at the sequence's positions
+
+
+def _run_block(block: nn.Module, h: torch.Tensor, side: tuple) -> torch.Tensor:
+    return block(h, *side)  # (B, T, C); side = (cos, sin)
 
 
 def init_module_weights(module: nn.Module) -> None:
