@@ -8,7 +8,7 @@ within 1e-5 relative to each tensor's largest value, losses within 1e-6):
   the encoder and projector are ``"first"`` pieces of the first stage, the image features
   become prefix tokens of the decoder, so micro-batches with 2, 1 and 0 images send
   activations of different lengths (a shape message per new micro-batch signature); split
-  into 2 and 3 stages under 1F1B and GPipe;
+  into 2 and 3 stages under 1F1B and GPipe (and 4 virtual stages under ZB-V);
 * Hugging Face's ``LlamaForCausalLM`` from a small config, read through
   :func:`hf_decoder_pieces` (its own modules and forwards), at 2 stages, tied and untied.
 
@@ -119,6 +119,7 @@ class Case:
 
 
 CASES = [Case("two_tower", "1f1b", 2), Case("two_tower", "gpipe", 2, zero=3),
+         Case("two_tower", "zbv", 2),  # a V: 4 stages on 2 ranks, the backward split
          Case("two_tower", "1f1b", 3, zero=1), Case("two_tower", "gpipe", 3),
          Case("hf", "1f1b", 2, zero=3), Case("hf_tied", "gpipe", 2)]
 
