@@ -63,12 +63,25 @@ CFG = LlamaConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256,
 SEQ, PER_MICROBATCH = 128, 2
 
 
+class _TorchStage(torch.nn.Module):
+    """A stage as torch's runtime calls it, ``stage(x)``: our stages rebuild their RoPE
+    tables from the micro-batch's tokens, whose shape (every micro-batch's is the same) a
+    placeholder gives."""
+
+    def __init__(self, stage) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stage(x, torch.empty(x.shape[0], SEQ, dtype=torch.long))
+
+
 def _torch_schedule(name: str, part, microbatches: int):
     """torch.distributed.pipelining's schedule of the same name over the same stages."""
     from torch.distributed import pipelining as tp
 
-    stages = [tp.PipelineStage(st, st.index, part.num_stages, torch.device("cpu"),
-                               group=part.groups.pp) for st in part.stages]
+    stages = [tp.PipelineStage(_TorchStage(st), st.index, part.num_stages,
+                               torch.device("cpu"), group=part.groups.pp) for st in part.stages]
     single = {"gpipe": tp.ScheduleGPipe, "1f1b": tp.Schedule1F1B}
     multi = {"interleaved_1f1b": tp.ScheduleInterleaved1F1B,
              "looped_bfs": tp.ScheduleLoopedBFS, "zb1": tp.ScheduleInterleavedZeroBubble,

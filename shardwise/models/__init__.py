@@ -58,6 +58,7 @@ from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import (MoE, MoESettings, MoEStepStats, configure_moe,
                                   finish_moe_step, moe_aux_loss, moe_layers,
                                   set_capacity_groups, set_stats_reducer)
+from shardwise.models.pieces import Piece, PipelinePieces
 from shardwise.models.registry import get_model_config, list_model_configs
 from shardwise.models.vision import VisionBlock, VisionEncoder
 from shardwise.models.vla import VisionLanguageAction, VLAConfig
@@ -73,6 +74,8 @@ __all__ = [
     "MoESettings",
     "ModelBlock",
     "MoEStepStats",
+    "Piece",
+    "PipelinePieces",
     "RMSNorm",
     "RotaryEmbedding",
     "TiedOutput",

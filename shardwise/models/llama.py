@@ -38,6 +38,7 @@ RMSNorm, RoPE and the SwiGLU feed-forward live in layers.py (re-exported here).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -52,6 +53,7 @@ from shardwise.models.layers import linear as _linear
 from shardwise.models.experts import GroupedExperts
 from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import MoE
+from shardwise.models.pieces import Piece, PipelinePieces
 from shardwise.models.router import Router
 
 __all__ = [
@@ -214,6 +216,26 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, T, C)
         return decode(self, h, tokens.shape[1], positions, documents)  # (B, T, V)
 
+    def pipeline_pieces(self) -> PipelinePieces:
+        """This model's pieces, as the pipeline split reads them ([Note: declared pieces]
+        in pieces.py): the token embedding first, the blocks (``block(h, cos, sin)``, the
+        RoPE tables of the sequence as side inputs), then the final norm and the head (a
+        tied head names the embedding matrix). Running them in order is :meth:`forward`
+        on one sequence per row.
+
+        Returns:
+            The :class:`~shardwise.models.pieces.PipelinePieces`.
+        """
+        tie = "tok_embeddings.weight" if isinstance(self.output, TiedOutput) else None
+        return PipelinePieces(
+            pieces=(Piece("tok_embeddings", self.tok_embeddings, "first"),
+                    *(Piece(f"layers.{i}", block, call=_run_block)
+                      for i, block in enumerate(self.layers)),
+                    Piece("norm", self.norm, "last"),
+                    Piece("output", self.output, "last", tie=tie)),
+            # partial, not a bound method: a stage keeps the RoPE module, not the model
+            side=functools.partial(_rope_tables, self.rope), shared=(("rope", self.rope),))
+
     def init_weights(self) -> None:
         """Initialise every parameter and buffer from the global torch RNG.
 
@@ -292,6 +314,14 @@ def check_tokens(tokens: torch.Tensor, max_seq_len: int, who: str) -> None:
         raise ValueError(f"{who}: sequence length {seq_len} (tokens shape "
                          f"{tuple(tokens.shape)}) is outside [1, max_seq_len="
                          f"{max_seq_len}]")
+
+
+def _rope_tables(rope: RotaryEmbedding, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return rope(tokens.shape[1])  # (T, hd/2) each, at the sequence's positions
+
+
+def _run_block(block: nn.Module, h: torch.Tensor, side: tuple) -> torch.Tensor:
+    return block(h, *side)  # (B, T, C); side = (cos, sin)
 
 
 def init_module_weights(module: nn.Module) -> None:

@@ -5,6 +5,10 @@
     sim = simulate(s, Costs(f=1, b=2, i=1, w=1))
     print(s.to_text(), sim.bubble)
 
+A model is split along the pieces it declares (``pipeline_pieces``: shardwise's Transformer
+declares its own, a Hugging Face decoder is read by ``hf_decoder_pieces``, any other model
+passes ``split_stages(..., pieces=PipelinePieces(...))``).
+
 The same :class:`Schedule` drives the executor on real ranks and the planner's simulator:
 
     part = shard_stages(split_stages(model, pipeline_mesh(pp=2), s.virtual,
@@ -25,6 +29,8 @@ from shardwise.parallel.pipeline.timeline import (describe_simulation, draw_time
 from shardwise.parallel.pipeline.validate import validate_schedule
 from shardwise.parallel.pipeline.groups import (PipelineGroups, pipeline_mesh,
                                                 resolve_pipeline_groups)
+from shardwise.parallel.pipeline.pieces import (Piece, PipelinePieces, hf_decoder_pieces,
+                                                pipeline_pieces)
 from shardwise.parallel.pipeline.split import (PipelinePart, StageModule, split_stages,
                                                stage_layer_counts)
 from shardwise.parallel.pipeline.sharding import shard_stages
@@ -58,6 +64,10 @@ __all__ = [
     "PipelineGroups",
     "pipeline_mesh",
     "resolve_pipeline_groups",
+    "Piece",
+    "PipelinePieces",
+    "pipeline_pieces",
+    "hf_decoder_pieces",
     "PipelinePart",
     "StageModule",
     "split_stages",

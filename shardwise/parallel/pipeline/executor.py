@@ -48,6 +48,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,12 +102,32 @@ def forward_schedule(schedule: Schedule) -> Schedule:
                                  ranks).validate()
 
 
-def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
     """``batch`` cut along dim 0 into ``microbatches`` equal parts.
 
+    Args:
+        batch: a tensor, a tuple or dict of tensors (each cut along dim 0), or a list of the
+            ``microbatches`` micro-batches themselves (returned as they are: micro-batches
+            that differ, e.g. one with no image).
+        microbatches: how many.
+
+    Returns:
+        One input per micro-batch.
+
     Raises:
-        ValueError: the batch size is not a multiple of ``microbatches`` (naming both).
+        ValueError: the batch size is not a multiple of ``microbatches``, or a list of
+            another length (naming both).
     """
+    if isinstance(batch, list):
+        if len(batch) != microbatches:
+            raise ValueError(f"a list of {len(batch)} micro-batches was given; the schedule "
+                             f"runs pp_microbatches={microbatches}")
+        return batch
+    if isinstance(batch, tuple):
+        return list(zip(*(split_microbatches(t, microbatches) for t in batch)))
+    if isinstance(batch, dict):
+        cut = {k: split_microbatches(v, microbatches) for k, v in batch.items()}
+        return [{k: v[i] for k, v in cut.items()} for i in range(microbatches)]
     size = batch.shape[0]
     if size % microbatches:
         raise ValueError(f"a batch of {size} sequences does not split into "
@@ -190,9 +211,12 @@ class PipelineExecutor:
         """One training step's forward and backward passes (no optimizer step).
 
         Args:
-            inputs: the batch, ``(B, T)`` token ids, on every pipeline rank (ranks without
-                the first stage read only its shape).
-            targets: ``(B, T)`` next-token ids, on every pipeline rank.
+            inputs: the batch, ``(B, T)`` token ids, on every pipeline rank (every stage
+                rebuilds its side inputs from its micro-batch: the Transformer reads only its
+                shape); or any model's inputs, a tuple or dict of tensors or a list of the
+                micro-batches (:func:`split_microbatches`).
+            targets: ``(B, T)`` next-token ids (or a list per micro-batch), on every
+                pipeline rank.
 
         Returns:
             The mean loss over the whole batch (a 0-d fp32 tensor), on every pipeline rank.
@@ -216,7 +240,7 @@ class PipelineExecutor:
     def _run(self, prog: _Program, inputs, targets, train: bool) -> torch.Tensor:
         m = self.schedule.microbatches
         xs, ts = split_microbatches(inputs, m), split_microbatches(targets, m)
-        self.mailbox.begin((tuple(xs[0].shape), str(xs[0].dtype)))
+        self.mailbox.begin([_signature(x) for x in xs])
         self.ties.sync_weights()
         if train:
             self._begin_controls()
@@ -280,7 +304,7 @@ class PipelineExecutor:
         x = run.xs[mb] if st.is_first else self.mailbox.take(("F", s - 1, mb))
         if run.train and not st.is_first:
             x.requires_grad_()
-        out = st(x)
+        out = st(x, run.xs[mb])  # the micro-batch's inputs: each stage's side inputs
         if st.is_last:
             loss = self.loss_fn(out, run.ts[mb])
             run.losses.append(loss.detach().float())
@@ -327,6 +351,18 @@ class PipelineExecutor:
         if self.groups.pp is not None and self.groups.pp_size > 1:
             comm.all_reduce(total, self.groups.pp, label="pp.loss")
         return total
+
+
+def _signature(x: Any) -> tuple:
+    """The shapes and dtypes of a micro-batch's inputs ([Note: agreed shapes] in
+    mailbox.py): ``(shape, dtype)`` for a tensor, a tuple of those for a tuple, list or dict."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), str(x.dtype))
+    if isinstance(x, dict):
+        return tuple((k, _signature(v)) for k, v in x.items())
+    if isinstance(x, (tuple, list)):
+        return tuple(_signature(v) for v in x)
+    return (repr(x),)
 
 
 def _describe(step: tuple[Action, ...]) -> str:

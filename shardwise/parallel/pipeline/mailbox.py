@@ -12,10 +12,13 @@ computed itself. An activation's shape is known only to its sender, so the first
 on each link under a given micro-batch shape (every rank sees the batch, so every rank knows
 when that shape changes) is preceded by a small int64 message carrying its shape and dtype;
 the receiver takes it, allocates the buffer and then posts the receive of the data. After
-that the shape is agreed and activations travel alone. Sends are eager and sent in order, so
-waiting for the shape message before posting the data receive never waits longer than
-waiting for the data itself ([Note: communication semantics] in messages.py); later receives from
-the same peer are posted after it, keeping each link in order.
+that the shape is agreed and activations travel alone. Micro-batches of one step may differ
+(a list of micro-batches whose inputs differ in shape: one with no image): each has its own
+signature, the shapes of its inputs, which every rank knows, so a link agrees one shape per
+signature. Sends are eager and sent in order, so waiting for the shape message before
+posting the data receive never waits longer than waiting for the data itself
+([Note: communication semantics] in messages.py); later receives from the same peer are
+posted after it, keeping each link in order.
 
 [Note: early receives] On Gloo (CPU ranks) the executor posts the receives of a rank's next
 communication batch as soon as the current batch is done (``prepost``), before the compute
@@ -84,24 +87,30 @@ class Mailbox:
         self.posted: dict[Action, object] = {}  # receives posted ahead -> their handles
         self.global_rank = global_rank
         self.shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
-        self.signature: tuple = ()
+        self.signatures: tuple = ()
         self.outbox: dict[tuple, torch.Tensor] = {}
         self.inbox: dict[tuple, torch.Tensor] = {}
         self.pending: list = []  # handles of eager sends, waited at the end of the step
 
-    def begin(self, signature: tuple) -> None:
-        """Start a step whose micro-batches have ``signature`` (shape, dtype)."""
-        self.signature = signature
+    def begin(self, signatures: Sequence[tuple]) -> None:
+        """Start a step whose micro-batch ``mb`` has inputs of ``signatures[mb]`` (their
+        shapes and dtypes; [Note: agreed shapes])."""
+        self.signatures = tuple(signatures)
         self.outbox.clear()
         self.inbox.clear()
 
     # ---------------------------------------------------------------- compute side
     def post(self, key: tuple, tensor: torch.Tensor) -> None:
         """A compute action produced message ``key``: hand it over or keep it to send."""
-        kind, stage, _ = key
+        kind, stage, mb = key
         dest = stage + 1 if kind == "F" else stage - 1
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"pipeline stage {stage} produced a {type(tensor).__name__}; what "
+                             f"crosses between stages is one tensor ([Note: declared pieces] "
+                             f"in shardwise/models/pieces.py)")
         if kind == "F":
-            self.shapes[("out", stage, self.signature)] = (tuple(tensor.shape), tensor.dtype)
+            self.shapes[("out", stage, self.signatures[mb])] = (tuple(tensor.shape),
+                                                                tensor.dtype)
         if self.placement[dest] == self.me:
             self.inbox[key] = tensor.detach()
         else:
@@ -143,7 +152,7 @@ class Mailbox:
             h.wait()
         self._sort(messages, handles)
         for a, meta in waits:
-            self.shapes[("in", a.stage, self.signature)] = _decode(meta)
+            self.shapes[("in", a.stage, self.signatures[a.microbatch])] = _decode(meta)
         if deferred:
             later = [self._recv(a, message_key(a), peer_rank(a, self.placement),
                                 self._buffer(a)) for a in deferred]
@@ -165,7 +174,7 @@ class Mailbox:
 
     def _known_buffer(self, a: Action) -> torch.Tensor | None:
         side = "in" if a.kind is Kind.RECV_F else "out"
-        known = self.shapes.get((side, a.stage, self.signature))
+        known = self.shapes.get((side, a.stage, self.signatures[a.microbatch]))
         return None if known is None else torch.empty(known[0], dtype=known[1],
                                                       device=self.device)
 
@@ -183,7 +192,7 @@ class Mailbox:
         except KeyError:
             raise RuntimeError(f"{a.describe()}: nothing was produced to send") from None
         dest, out = self.global_rank(peer), []
-        link = ("agreed", a.stage + 1, self.signature)
+        link = ("agreed", a.stage + 1, self.signatures[a.microbatch])
         if a.kind is Kind.SEND_F and link not in self.shapes:  # [Note: agreed shapes]
             self.shapes[link] = (tuple(tensor.shape), tensor.dtype)
             out.append(p2p_comm.Message(_encode(tensor).to(tensor.device), dest, True,
@@ -194,9 +203,9 @@ class Mailbox:
     def _buffer(self, a: Action) -> torch.Tensor | None:
         """An empty receive buffer for ``a``, or None when its shape is not agreed yet."""
         if a.kind is Kind.RECV_F:
-            known = self.shapes.get(("in", a.stage, self.signature))
+            known = self.shapes.get(("in", a.stage, self.signatures[a.microbatch]))
         else:  # the gradient of this rank's own output
-            known = self.shapes.get(("out", a.stage, self.signature))
+            known = self.shapes.get(("out", a.stage, self.signatures[a.microbatch]))
             if known is None:
                 raise RuntimeError(f"{a.describe()} comes before any forward of stage "
                                    f"{a.stage} with this micro-batch shape")

@@ -90,12 +90,15 @@ def shard_stages(part: PipelinePart, *, stage: int = 3, init_weights=None,
 
 
 def _materialize_rest(part: PipelinePart, target: torch.device, init_weights) -> None:
-    """Tensors outside every piece: the RoPE tables (computed, not drawn) and the tied
-    head's mirror (its value is copied from the embedding before every step)."""
-    rope = part.rope
-    if any(b.is_meta for b in rope.buffers()):
-        rope.to_empty(device=target)
-        (init_weights or (lambda m: m.reset_parameters()))(rope)
+    """Tensors outside every piece: the shared modules' (the RoPE tables: computed, not
+    drawn) and the tied head's mirror (its value is copied from the embedding before every
+    step)."""
+    for _, module in part.shared:
+        for sub in module.modules():  # the declaration's modules, one at a time
+            if any(t.is_meta for t in (*sub.parameters(recurse=False),
+                                       *sub.buffers(recurse=False))):
+                sub.to_empty(device=target, recurse=False)
+                (init_weights or (lambda m: m.reset_parameters()))(sub)
     mirror = part.mirror
     if mirror is not None and mirror.weight.is_meta:
         mirror.to_empty(device=target)

@@ -9,7 +9,10 @@ same way over data axes of the same size, so the shards line up row for row).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch import nn
 
 from shardwise.distributed.comm import p2p as p2p_comm
 from shardwise.parallel.pipeline.split import PipelinePart
@@ -25,7 +28,8 @@ class TiedWeights:
         self.groups = part.groups
         first, last = part.placement[0], part.placement[-1]
         me = part.groups.pp_rank
-        self.owner = part.tok_embeddings.weight if part.tied and me == first else None
+        # Looked up now, after sharding: the engine may have swapped the Parameter in.
+        self.owner = _lookup(part, part.tie_owner) if part.tied and me == first else None
         self.mirror = part.mirror.weight if part.mirror is not None else None
         self.owner_rank, self.mirror_rank = first, last
 
@@ -76,3 +80,9 @@ class TiedWeights:
             self.owner.grad = grad.clone()
         else:
             self.owner.grad.add_(grad)
+
+
+def _lookup(part: nn.Module, name: str) -> torch.Tensor:
+    """The attribute at the dotted ``name`` (as ``part.tok_embeddings.weight`` reads it,
+    whatever tensor the engine has in place)."""
+    return functools.reduce(getattr, name.split("."), part)
