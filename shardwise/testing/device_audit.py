@@ -27,9 +27,9 @@ passes, ring attention) ``x.device`` says ``cpu``: a tensor placed with ``device
 there counts as a host tensor. Tensor parallelism (``sp_regather`` in backward), context
 parallelism (``cp.kv*`` sends) and quantized gathers at stage 3 (the backward re-gather)
 raise for that reason alone, not for a bug; re-entering the mode for those calls is the
-next step. Also not seen: tensors made in other threads or inside a tensor subclass's own dispatch (they
-count as host tensors, so the audit errs towards raising), and torch's object collectives,
-which place their own buffers.
+next step. Also not seen: tensors made in other threads or inside a tensor subclass's own
+dispatch (they count as host tensors, so the audit errs towards raising), and torch's object
+collectives, which place their own buffers.
 """
 
 from __future__ import annotations
