@@ -55,6 +55,7 @@ __all__ = [
     "check_devices",
     "recent_ops",
     "set_tracker",
+    "set_device_audit",
 ]
 
 
@@ -110,6 +111,8 @@ class _Recorder:
         self.tracker = None
         # Device types each process group serves, by group object ([Note: device check]).
         self.served: dict[int, tuple[object, frozenset[str]]] = {}
+        # A test's stand-in for an accelerator run ([Note: device audit]); None otherwise.
+        self.audit = None
 
     def record(self, kind: str, group, label: str, sent: int, received: int) -> int:
         gid = id(group) if group is not None else 0
@@ -158,6 +161,12 @@ def set_tracker(tracker) -> None:
     _RECORDER.tracker = tracker
 
 
+def set_device_audit(audit) -> None:
+    """Let ``audit`` answer :func:`group_device` and check every collective's tensors (None:
+    stop). Test-only: see [Note: device audit] in shardwise/testing/device_audit.py."""
+    _RECORDER.audit = audit
+
+
 def _issue(kind: str, pg, label: str, tensor, is_async: bool, fn, /, *args, **kwargs):
     """Call the c10d collective ``fn``, through the watchdog's tracker when one runs.
 
@@ -196,6 +205,8 @@ def served_devices(group=None) -> frozenset[str]:
     names the collective, the tensor's device and the group's devices instead. Small
     reductions are therefore built on :func:`group_device`.
     """
+    if _RECORDER.audit is not None:
+        return _RECORDER.audit.served_devices(group)
     if not dist.is_initialized():
         return frozenset({"cpu", "cuda", "meta"})
     key = id(group)
@@ -213,6 +224,8 @@ def served_devices(group=None) -> frozenset[str]:
 def group_device(group=None) -> torch.device:
     """The device small tensors handed to ``group`` should live on: the current CUDA device
     for groups that do not serve the CPU (NCCL, ``"cuda:gloo"``), else the CPU."""
+    if _RECORDER.audit is not None:
+        return _RECORDER.audit.group_device(group)
     if "cpu" in served_devices(group):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -225,6 +238,9 @@ def check_devices(kind: str, group, label: str, *tensors: torch.Tensor | None) -
     Raises:
         RuntimeError: naming the collective, its label, the tensor's device and the group's.
     """
+    if _RECORDER.audit is not None:
+        _RECORDER.audit.check(kind, group, label, tensors)
+        return
     served = served_devices(group)
     for t in tensors:
         if t is not None and t.device.type not in served:
