@@ -194,6 +194,12 @@ class ShardState:
                     u.reshard()
                 else:
                     u._drain()
+        self._settle()
+
+    def _settle(self) -> None:
+        """[Note: held buffers are bounded]: no staging buffer outlives its pass."""
+        for streams in {id(u.streams): u.streams for u in self.units}.values():
+            streams.settle()
 
     def _prefetch(self, u: Unit, order: list[Unit], eligible) -> None:
         """Issue the gathers of the next ``prefetch`` eligible units after ``u`` in ``order``."""
@@ -273,6 +279,7 @@ class ShardState:
             else:
                 u._drain()
             u.drop_secondary()  # after the drain: a gather in flight may read it
+        self._settle()
         self._backward_started = False
 
     # ---------------------------------------------------------------- misc

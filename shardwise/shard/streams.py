@@ -15,6 +15,17 @@ engine's pool is for the CPU heap, [Note: buffer pool]).
 
 On the CPU every method is a pass-through: collectives are issued from the calling thread
 and buffers go straight back to the pool once their collective has completed.
+
+[Note: held buffers are bounded] What :meth:`CommStreams.release` keeps on CUDA must not
+outlive the pass that used it. Two ways it did: a reduction that never ran on the side
+stream (a shard group of one rank: the packed gradients are copied on the compute stream)
+released its buffers into a list that only the side stream's next use clears, which never
+came, so every step kept two compute-dtype copies of every gradient (3.3 GiB a step for the
+~1B model of bench/gpu_check.py: its H100 run ran out of 80 GB, bench/results/
+gpu_check_h100.md); and at world sizes above one the last reductions' buffers lived through
+the optimizer step into the next backward. Now buffers no side stream touched are dropped
+at once (``on_side=False``), and :meth:`CommStreams.settle` at the end of each forward and
+backward pass makes the side streams wait for the compute stream and drops the rest.
 """
 
 from __future__ import annotations
@@ -67,18 +78,44 @@ class CommStreams:
         with torch.cuda.stream(stream):
             yield
 
-    def release(self, kind: str, *held: Any) -> None:
+    def release(self, kind: str, *held: Any, on_side: bool = True) -> None:
         """The collective of ``kind`` has completed and the compute stream has queued its
         last use of ``held`` (tensors, work handles): return them for reuse.
 
+        Args:
+            kind: "gather" or "reduce".
+            held: the tensors (and work handles) to give back; None entries are skipped.
+            on_side: whether the side stream of ``kind`` used them. False (a one-rank group
+                whose data never left the compute stream): CUDA frees them at once, in the
+                compute stream's order ([Note: held buffers are bounded]).
+
         CPU: pooled tensors go back to the pool at once. CUDA: they stay referenced until
-        the side stream's next use, which waits for the compute stream first.
+        the side stream's next use or :meth:`settle`, which wait for the compute stream.
         """
         if not self.cuda:
             for t in held:
                 if isinstance(t, torch.Tensor):
                     POOL.give(t)
             return
+        if not on_side:
+            return  # dropping the references frees them on the compute stream
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._pending[kind].append((event, held))
+
+    def settle(self) -> None:
+        """A pass has ended: every side stream waits for the compute stream's uses of the
+        buffers released so far, and they are freed (in the side stream's order, as at its
+        next use). Queues waits only: no host synchronisation. A no-op on the CPU."""
+        for kind, pending in self._pending.items():
+            if not pending:
+                continue
+            stream = self._stream(kind)
+            for event, _ in pending:
+                stream.wait_event(event)
+            pending.clear()
+
+    def held(self) -> int:
+        """How many released groups of buffers are still referenced (CUDA: awaiting the side
+        streams; always 0 on the CPU)."""
+        return sum(len(p) for p in self._pending.values())

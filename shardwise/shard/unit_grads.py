@@ -164,7 +164,9 @@ class GradientReduction:
         self.tracker.sub("comm", nbytes(self.inp) + nbytes(self.scratch) + nbytes(staged_out))
         # [Note: buffer pool] / [Note: CUDA streams]: the collective has completed and its
         # results are consumed (queued on the compute stream).
-        self.streams.release("reduce", self.inp, self.scratch, staged_out, self.work)
+        # One rank: the packing and the copy ran on the compute stream only.
+        self.streams.release("reduce", self.inp, self.scratch, staged_out, self.work,
+                             on_side=self.layout.world > 1)
         self.scratch = None
         self.work, self.inp, self.out = None, None, None
         return True

@@ -1,0 +1,137 @@
+"""Live tensor bytes on the CPU, and the engine's CUDA-only code paths taken on the CPU.
+
+[Note: CUDA lifetimes on the CPU] No CPU test ran the engine's CUDA branches: the buffer
+pool hands allocation to the caching allocator there, gathered parameters are resized
+instead of swapped, and :class:`~shardwise.shard.streams.CommStreams` keeps released buffers
+until a side stream waits for the compute stream. :func:`cuda_code_paths` takes those
+branches on the CPU (events and streams become no-ops that keep the same references), so
+the lifetimes of every buffer are the ones a GPU sees, and :class:`LiveStorages` counts the
+bytes still alive after every op, as ``torch.cuda.memory_allocated`` would. The ~1B
+stage-3 step of bench/gpu_check.py ran out of 80 GB on an H100 through one of those
+branches ([Note: held buffers are bounded] in shard/streams.py); bench/memory_phases.py
+measures the phases of a step with both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from unittest import mock
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveStorages", "cuda_code_paths", "gathered_bytes"]
+
+
+class LiveStorages(TorchDispatchMode):
+    """Every storage an op creates, with the op, step and phase that created it, until it
+    dies (weak references to the storages, checked after every op).
+
+    Args:
+        extra: bytes no op reports, sampled after every op (storages resized in place,
+            such as gathered parameters: see :func:`gathered_bytes`).
+
+    Attributes:
+        step, phase: set by the caller; recorded with each storage created.
+        peaks: ``(step, phase) -> (bytes, snapshot)``: the most bytes alive in that phase
+            and what was alive then, ``[(nbytes, step, phase, op)]``.
+    """
+
+    def __init__(self, extra: Callable[[], int] = lambda: 0) -> None:
+        super().__init__()
+        self.extra = extra
+        self.live: dict[int, tuple[StorageWeakRef, int, int, str, str]] = {}
+        self.total = 0
+        self.step, self.phase = 0, "setup"
+        self.peaks: dict[tuple[int, str], tuple[int, list]] = {}
+
+    def adopt(self, tensors: Iterable[torch.Tensor], label: str = "existing") -> None:
+        """Count storages that exist already (parameters made before tracking)."""
+        for t in tensors:
+            self._add(t, label)
+
+    def _add(self, t: torch.Tensor, op: str) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live or st.nbytes() == 0:
+            return
+        self.live[key] = (StorageWeakRef(st), st.nbytes(), self.step, self.phase, op)
+        self.total += st.nbytes()
+
+    def _prune(self) -> None:
+        for k in [k for k, v in self.live.items() if v[0].expired()]:
+            self.total -= self.live.pop(k)[1]
+
+    def now(self) -> int:
+        """Bytes alive now."""
+        self._prune()
+        return self.total + self.extra()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._prune()
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._add(t, func.__name__.split(".")[0])
+        held = self.total + self.extra()
+        key = (self.step, self.phase)
+        if key not in self.peaks or held > self.peaks[key][0]:
+            snap = [(n, s, p, op) for _, n, s, p, op in self.live.values()]
+            self.peaks[key] = (held, snap)
+        return out
+
+
+def gathered_bytes(model: torch.nn.Module) -> Callable[[], int]:
+    """A callback for :class:`LiveStorages`' ``extra``: the bytes of every unit's gathered
+    buffer that were resized in place (the CUDA path; the CPU's pooled donors are storages
+    an op made, counted already)."""
+    from shardwise.shard.registry import engine_states
+
+    units = [u for st in engine_states(model) for u in getattr(st, "units", [])]
+    return lambda: sum(u.full_buf.untyped_storage().nbytes() for u in units
+                       if u._full_donor is None)
+
+
+class _Event:
+    def record(self, stream=None) -> None:
+        pass
+
+
+class _Stream:
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def cuda_code_paths() -> Iterator[None]:
+    """Inside, the engine takes its CUDA branches on the CPU ([Note: CUDA lifetimes on the
+    CPU]): ``CommStreams`` made inside are in CUDA mode with no-op streams and events, the
+    buffer pool allocates plainly and keeps nothing, gathered buffers are resized."""
+    from shardwise.distributed.pool import POOL
+    from shardwise.shard import streams as streams_mod
+
+    real_init = streams_mod.CommStreams.__init__
+
+    def init(self, device):
+        real_init(self, device)
+        self.cuda = True
+
+    cuda = streams_mod.torch.cuda
+    with contextlib.ExitStack() as stack:
+        patch = stack.enter_context
+        patch(mock.patch.object(streams_mod.CommStreams, "__init__", init))
+        patch(mock.patch.object(cuda, "Event", _Event))
+        patch(mock.patch.object(cuda, "Stream", lambda device=None: _Stream()))
+        patch(mock.patch.object(cuda, "current_stream", lambda device=None: None))
+        patch(mock.patch.object(cuda, "stream", lambda s: contextlib.nullcontext()))
+        patch(mock.patch.object(POOL, "take", lambda numel, dtype, device, exact=False:
+                                torch.empty(int(numel), dtype=dtype, device=device)))
+        patch(mock.patch.object(POOL, "give", lambda buf: None))
+        patch(mock.patch("shardwise.shard.unit._CAN_SWAP", False))
+        yield
