@@ -10,9 +10,11 @@ Checks, in order, each a row of the summary table:
    model trained without shardwise on the same device; max relative weight difference;
 2. the trainer for 50 steps in bf16 with ``train.sync_debug = "error"`` (any host sync in
    forward, backward, norm, clipping or the optimizer step raises), final loss;
-3. throughput of a ~1B-parameter Llama (the ``small`` shape scaled up, bf16 compute, one
-   GPU, stage 3), tokens/s, MFU against the device's dense bf16 peak from the planner's
-   hardware catalogue, and peak memory, eager and with ``shardwise.compile_blocks``;
+3. memory per phase (forward, loss, backward, optimizer step) of a ~1B-parameter Llama
+   (the ``small`` shape scaled up, bf16 compute, one GPU, stage 3) over 3 steps at batch 1
+   and 4 x 2048 tokens, then its throughput, tokens/s, MFU against the device's dense bf16
+   peak from the planner's hardware catalogue, and peak memory per phase, eager and with
+   ``shardwise.compile_blocks`` (a FAIL when what a step leaves allocated keeps growing);
 4. compiled (inductor) training parity at stages 0-3 when ``bench/compile_check.py`` exists;
 5. a zero-bubble stage's split backward (``I`` then ``W``) against one backward, bitwise in
    bf16, with no host synchronisation in ``W``;
@@ -131,50 +133,136 @@ def _peak_flops(device: str) -> float | None:
     return None
 
 
-def timed_steps(model, opt, tokens: torch.Tensor, device: str, warmup: int = 3) -> float:
+PHASES = ("fwd", "loss", "bwd", "opt")
+
+
+class PhaseMemory:
+    """Per step, the peak of ``torch.cuda.memory_allocated`` in each phase (forward, the
+    logits' cast and loss, backward, optimizer step) and what is allocated after the step,
+    in GiB: allocator statistics, read on the host without synchronising. A no-op on the
+    CPU (``rows`` stays empty). A step that holds more than the one before it after the
+    step shows as a growing ``after`` column."""
+
+    def __init__(self, device: str) -> None:
+        self.on = device == "cuda"
+        self.rows: list[tuple[float, ...]] = []
+        self._row: list[float] = []
+
+    def begin(self) -> None:
+        if self.on:
+            self._row = []
+            torch.cuda.reset_peak_memory_stats()
+
+    def mark(self) -> None:
+        """The phase in progress has ended."""
+        if self.on:
+            self._row.append(torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+            if len(self._row) == len(PHASES):
+                self.rows.append((*self._row, torch.cuda.memory_allocated() / 2**30))
+
+    def summary(self, keep: int = 3) -> str:
+        """The first ``keep`` steps and the last, ``peak fwd/loss/bwd/opt > after``."""
+        if not self.rows:
+            return ""
+        picked = list(enumerate(self.rows, 1))
+        picked = picked[:keep] + (picked[-1:] if len(picked) > keep else [])
+        return "GiB " + "/".join(PHASES) + " > after: " + "; ".join(
+            f"s{i} " + "/".join(f"{v:.1f}" for v in r[:-1]) + f" > {r[-1]:.1f}"
+            for i, r in picked)
+
+    def steady(self) -> bool:
+        """What is allocated after each step stops growing after the second step (the
+        first creates the optimizer's state): within 64 MiB."""
+        after = [r[-1] for r in self.rows[1:]]
+        return all(b - a < 1 / 16 for a, b in zip(after, after[1:]))
+
+
+def timed_steps(model, opt, tokens: torch.Tensor, device: str, warmup: int = 3,
+                memory: PhaseMemory | None = None) -> float:
     """Seconds per training step over ``tokens`` (``(steps + warmup, batch, seq + 1)``),
-    after ``warmup`` untimed steps (and compiles)."""
+    after ``warmup`` untimed steps (and compiles); ``memory`` records each phase's peak."""
+    memory = memory or PhaseMemory("cpu")
     for i in range(tokens.shape[0]):
         if i == warmup:
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-        logits = model(tokens[i, :, :-1]).float()
-        F.cross_entropy(logits.flatten(0, 1), tokens[i, :, 1:].flatten()).backward()
+        memory.begin()
+        out = model(tokens[i, :, :-1])
+        memory.mark()
+        logits = out.float()
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[i, :, 1:].flatten())
+        memory.mark()
+        del out, logits
+        loss.backward()
+        memory.mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        memory.mark()
     if device == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / (tokens.shape[0] - warmup)
 
 
-def throughput(device: str, compiled: bool, steps: int) -> tuple[str, str, str]:
+def _billion_stage3(device: str, compiled: bool = False):
+    """bench/gpu_check's ~1B Llama (TINY on the CPU) at stage 3 with bf16 compute, and its
+    AdamW; None when ``compiled`` is asked and compile_blocks is not built."""
     _init(device)
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else "cpu"
-    shape = BILLION if device == "cuda" else TINY
-    cfg = get_model_config("debug", **shape)
+    cfg = get_model_config("debug", **(BILLION if device == "cuda" else TINY))
     model = build_model(cfg, device="meta")
     if compiled:
         if not hasattr(shardwise, "compile_blocks"):
-            return ("throughput, compiled", "skipped", "shardwise.compile_blocks not built")
+            return None
         shardwise.compile_blocks(model)
     shardwise.shard(model, stage=3, wrap={TransformerBlock}, device=dev,
                     mixed_precision=shardwise.MixedPrecision(param_dtype=torch.bfloat16))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return cfg, dev, model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def phase_memory(device: str) -> list[tuple[str, str, str]]:
+    """Per-phase peaks of the ~1B stage-3 step at batch 1 and 4 (x 2048 tokens), 3 steps
+    each: what the first H100 run's out-of-memory left open (bench/results/
+    gpu_check_h100.md). FAIL when what is allocated after a step grows after step 2."""
+    rows = []
+    for batch in (1, 4):
+        cfg, dev, model, opt = _billion_stage3(device)
+        seq = 2048 if device == "cuda" else 32
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, cfg.vocab_size, (3, batch, seq + 1), generator=g).to(dev)
+        memory = PhaseMemory(device)
+        timed_steps(model, opt, tokens, device, warmup=0, memory=memory)
+        rows.append((f"memory per phase, stage 3, {batch} x {seq}",
+                     memory.summary() or "no CUDA statistics",
+                     "ok" if memory.steady() else "FAIL"))
+        del model, opt
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def throughput(device: str, compiled: bool, steps: int) -> tuple[str, str, str]:
+    built = _billion_stage3(device, compiled)
+    if built is None:
+        return ("throughput, compiled", "skipped", "shardwise.compile_blocks not built")
+    cfg, dev, model, opt = built
     batch, seq = (4, 2048) if device == "cuda" else (2, 32)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (steps + 3, batch, seq + 1), generator=g).to(dev)
+    memory = PhaseMemory(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seconds = timed_steps(model, opt, tokens, device)
+    seconds = timed_steps(model, opt, tokens, device, memory=memory)
     tps = batch * seq / seconds
     peak = _peak_flops(device)
     mfu = f", MFU {cfg.flops_per_token(seq) * tps / peak:.1%}" if peak else ""
-    mem = (f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
-           if device == "cuda" else "")
+    mem = (f", peak {max(max(r[:-1]) for r in memory.rows):.1f} GiB ({memory.summary()})"
+           if memory.rows else "")
     mode = "compiled" if compiled else "eager"
     label = f"throughput {cfg.num_params() / 1e9:.2f}B params, {mode}"
-    return (label, f"{tps:,.0f} tokens/s{mfu}{mem}", "ok")
+    return (label, f"{tps:,.0f} tokens/s{mfu}{mem}", "ok" if memory.steady() else "FAIL")
 
 
 def compile_parity(device: str) -> tuple[str, str, str]:
@@ -363,6 +451,7 @@ def main() -> int:
     checks = [("parity", lambda: parity(args.device)),
               ("parity under torchrun", lambda: multi_gpu(args.device)),
               ("trainer", lambda: [trainer(args.device, 50 if args.device == "cuda" else 3)]),
+              ("memory per phase", lambda: phase_memory(args.device)),
               ("throughput, eager", lambda: [throughput(args.device, False, args.steps)]),
               ("throughput, compiled", lambda: [throughput(args.device, True, args.steps)]),
               ("inductor parity", lambda: [compile_parity(args.device)]),

@@ -60,3 +60,29 @@ def test_lowbit_throughput_rows_dry_run():
     rows = run_ranks(throughput_rows, 1, ("cpu", BILLION, 2))[0]
     assert len(rows) == 1 + 6 + 1 and all(v == "ok" for _, _, v in rows)
     assert rows[-1][0] == "low-bit fp8_tensorwise + fp8 all-gather"
+
+
+def test_phase_memory_rows_dry_run():
+    """The per-phase memory rows (batch 1 and 4) run the stage-3 steps on the CPU; no CUDA
+    statistics there, so the rows say so and pass."""
+    from bench.gpu_check import phase_memory
+    from shardwise.testing import run_ranks
+    rows = run_ranks(phase_memory, 1, ("cpu",))[0]
+    assert [r[0] for r in rows] == ["memory per phase, stage 3, 1 x 32",
+                                    "memory per phase, stage 3, 4 x 32"]
+    assert all(v == "ok" and s == "no CUDA statistics" for _, s, v in rows), rows
+
+
+def test_phase_memory_summary_names_the_phases_and_growth_fails():
+    """What the GPU run prints and judges: first steps and the last, and a FAIL verdict
+    when the bytes left after a step keep growing (the first H100 run: 3.3 GiB a step)."""
+    from bench.gpu_check import PhaseMemory
+    mem = PhaseMemory("cpu")
+    mem.rows = [(1.0, 2.0, 3.0, 4.0, 3.5), (5.0, 6.0, 7.0, 7.5, 7.0),
+                (5.0, 6.0, 7.0, 7.5, 7.0), (5.0, 6.0, 7.0, 7.5, 7.01), (5, 6, 7, 7.5, 7.0)]
+    assert mem.summary() == ("GiB fwd/loss/bwd/opt > after: s1 1.0/2.0/3.0/4.0 > 3.5; "
+                             "s2 5.0/6.0/7.0/7.5 > 7.0; s3 5.0/6.0/7.0/7.5 > 7.0; "
+                             "s5 5.0/6.0/7.0/7.5 > 7.0")
+    assert mem.steady()
+    mem.rows += [(8.3, 9.3, 10.3, 10.8, 10.3)]
+    assert not mem.steady()

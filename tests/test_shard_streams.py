@@ -18,7 +18,7 @@ from shardwise.models import TransformerBlock, build_model, get_model_config
 from shardwise.shard.registry import engine_states
 from shardwise.shard.streams import CommStreams
 from shardwise.testing import run_ranks
-from shardwise.testing.live_memory import LiveStorages, cuda_code_paths, gathered_bytes
+from shardwise.testing.live_memory import LiveStorages, cuda_code_paths
 
 MODEL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=509, max_seq_len=32,
              multiple_of=32)  # 509 rows: uneven over 2 ranks
@@ -47,7 +47,7 @@ def _steps_worker(steps):
                         mixed_precision=shardwise.MixedPrecision(param_dtype=torch.bfloat16))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         streams = {id(u.streams): u.streams for st in engine_states(model) for u in st.units}
-        tracker = LiveStorages(gathered_bytes(model))
+        tracker = LiveStorages()
         tracker.adopt(model.parameters())
         g = torch.Generator().manual_seed(torch.distributed.get_rank())
         after, held = [], []

@@ -15,7 +15,7 @@ measures the phases of a step with both.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from unittest import mock
 
 import torch
@@ -23,27 +23,24 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveStorages", "cuda_code_paths", "gathered_bytes"]
+__all__ = ["LiveStorages", "cuda_code_paths"]
 
 
 class LiveStorages(TorchDispatchMode):
-    """Every storage an op creates, with the op, step and phase that created it, until it
-    dies (weak references to the storages, checked after every op).
-
-    Args:
-        extra: bytes no op reports, sampled after every op (storages resized in place,
-            such as gathered parameters: see :func:`gathered_bytes`).
+    """Every storage an op creates or returns, with the op, step and phase that first
+    produced it, until it dies (weak references, checked after every op). Sizes are read
+    again after every op: storages resized or swapped in place (gathered parameters) count
+    what they hold now, not what they held when first seen.
 
     Attributes:
-        step, phase: set by the caller; recorded with each storage created.
+        step, phase: set by the caller; recorded with each storage first seen.
         peaks: ``(step, phase) -> (bytes, snapshot)``: the most bytes alive in that phase
             and what was alive then, ``[(nbytes, step, phase, op)]``.
     """
 
-    def __init__(self, extra: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.extra = extra
-        self.live: dict[int, tuple[StorageWeakRef, int, int, str, str]] = {}
+        self.live: dict[int, list] = {}  # key -> [weak ref, nbytes now, step, phase, op]
         self.total = 0
         self.step, self.phase = 0, "setup"
         self.peaks: dict[tuple[int, str], tuple[int, list]] = {}
@@ -52,47 +49,40 @@ class LiveStorages(TorchDispatchMode):
         """Count storages that exist already (parameters made before tracking)."""
         for t in tensors:
             self._add(t, label)
+        self._refresh()
 
     def _add(self, t: torch.Tensor, op: str) -> None:
         st = t.untyped_storage()
-        key = st._cdata
-        if key in self.live or st.nbytes() == 0:
-            return
-        self.live[key] = (StorageWeakRef(st), st.nbytes(), self.step, self.phase, op)
-        self.total += st.nbytes()
+        if st._cdata not in self.live:
+            self.live[st._cdata] = [StorageWeakRef(st), 0, self.step, self.phase, op]
 
-    def _prune(self) -> None:
-        for k in [k for k, v in self.live.items() if v[0].expired()]:
-            self.total -= self.live.pop(k)[1]
+    def _refresh(self) -> None:
+        total = 0
+        for k in list(self.live):
+            entry = self.live[k]
+            if entry[0].expired():
+                del self.live[k]
+                continue
+            entry[1] = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata).nbytes()
+            total += entry[1]
+        self.total = total
 
     def now(self) -> int:
         """Bytes alive now."""
-        self._prune()
-        return self.total + self.extra()
+        self._refresh()
+        return self.total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._prune()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._add(t, func.__name__.split(".")[0])
-        held = self.total + self.extra()
+        self._refresh()
         key = (self.step, self.phase)
-        if key not in self.peaks or held > self.peaks[key][0]:
-            snap = [(n, s, p, op) for _, n, s, p, op in self.live.values()]
-            self.peaks[key] = (held, snap)
+        if key not in self.peaks or self.total > self.peaks[key][0]:
+            snap = [(n, s, p, op) for _, n, s, p, op in self.live.values() if n]
+            self.peaks[key] = (self.total, snap)
         return out
-
-
-def gathered_bytes(model: torch.nn.Module) -> Callable[[], int]:
-    """A callback for :class:`LiveStorages`' ``extra``: the bytes of every unit's gathered
-    buffer that were resized in place (the CUDA path; the CPU's pooled donors are storages
-    an op made, counted already)."""
-    from shardwise.shard.registry import engine_states
-
-    units = [u for st in engine_states(model) for u in getattr(st, "units", [])]
-    return lambda: sum(u.full_buf.untyped_storage().nbytes() for u in units
-                       if u._full_donor is None)
 
 
 class _Event:
