@@ -15,6 +15,13 @@ llama3-70b     70.55B                  Llama 3 70B shape (GQA 64/8, ffn 28672)
 llama3-405b    405.85B                 Llama 3 405B shape (GQA 128/8, ffn 53248)
 deepseek-v3    671.03B     37.55B      DeepSeek-V3: MLA, 3 dense + 58 MoE blocks of 256
                                        experts of 2048 + 1 shared, top-8 sigmoid, x2.5
+debug-vla      3.74M                   vision-language-action (VLAConfig): ViT tower 0.42M,
+                                       projector 0.10M, debug-like decoder with 16 action
+                                       tokens; a training step in under a second on 2 cores
+debug-vla-moe  10.82M      3.74M       its MoE twin (8 experts, top-2 in the decoder)
+vla-7b         7.39B                   OpenVLA-sized: Llama 2 7B decoder (256 action
+                                       tokens) + a ViT-H/14-sized tower at 224 x 224
+                                       (OpenVLA fuses SigLIP + DINOv2: 7.54B)
 =============  ==========  ==========  ==============================================
 
 The Llama 3 feed-forward widths come from the Llama rule (``multiple_of`` and
