@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from shardwise.shard.offload import guard_unwrapped_steps
 from shardwise.shard.placed import PartialGrads, record_data_axes
 from shardwise.shard.registry import attach_state, engine_states, extra_trackers, is_sharded
 from shardwise.shard.scaled_gather import CODES_ATTR
+from shardwise.shard.skippable import resolve_skippable
 from shardwise.shard.state import ShardState
 from shardwise.shard.state_dict import placement_has_model_axes, register_state_dict_hooks
 
@@ -127,7 +128,9 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
           sync_module_states: bool = True, materialize: bool = True,
           mixed_precision: MixedPrecision | None = None, comm: CommQuant | None = None,
           offload: Offload | None = None,
-          device: torch.device | str | None = None, name: str | None = None) -> nn.Module:
+          device: torch.device | str | None = None, name: str | None = None,
+          skippable: Iterable[nn.Module] | None = None,
+          auto_skippable: bool = True) -> nn.Module:
     """Shard ``module`` for zero-redundancy data parallelism, in place.
 
     Args:
@@ -173,6 +176,17 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
         name: what this call's gathers are called by, to tell it from other calls over
             modules whose parameters are named and shaped alike ([Note: gather identity];
             default None: its parameters' names and shapes).
+        skippable: submodules that some ranks may not call in a forward (a vision tower on a
+            text-only micro-batch), each a unit or holding units (make it one with
+            ``wrap``): a rank that skips one still takes part in its collectives, with
+            zero gradients ([Note: skipped units] in skippable.py). Default None: only the
+            automatic ones.
+        auto_skippable: also treat as skippable what the automatic rule finds: modules
+            with ``shardwise_skippable = True``, and the towers and projectors of Hugging
+            Face VLMs / audio LMs (``vision_tower``, ``vision_model``, ``visual``,
+            ``multi_modal_projector``, ``connector``, ... under a config with a
+            ``vision_config`` / ``audio_config`` and a placeholder token; see
+            ``shardwise.shard.skippable.auto_skippable``). Default True.
 
     Returns:
         ``module``, whose ``named_parameters()`` now yield this rank's shards.
@@ -180,7 +194,8 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     Raises:
         ValueError: for bad arguments, or parameters the engine cannot shard (non-float,
             mixed dtypes in one unit, a mix of meta and real tensors), naming them; data
-            axes that run along the tensor-parallel ranks of ``apply_tp``.
+            axes that run along the tensor-parallel ranks of ``apply_tp``; a ``skippable``
+            entry that is not a submodule, or neither a unit nor holding one, naming it.
     """
     _validate(module, stage, prefetch, bucket_mb, materialize)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -195,17 +210,19 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     if stage == 0:  # the same call as replicate()
         return replicate(module, mesh=mesh, wrap=wrap, bucket_mb=bucket_mb,
                          mixed_precision=mixed_precision, init_weights=init_weights,
-                         sync_module_states=sync_module_states, device=device, name=name)
+                         sync_module_states=sync_module_states, device=device, name=name,
+                         skippable=skippable, auto_skippable=auto_skippable)
     return _build(module, ZeroPolicy.from_stage(stage), wrap, mesh, reshard_after_forward,
                   prefetch, init_weights, bucket_mb, sync_module_states, materialize,
-                  mixed_precision, comm, offload, device, name)
+                  mixed_precision, comm, offload, device, name, (skippable, auto_skippable))
 
 
 def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.0,
               mixed_precision: MixedPrecision | None = None,
               init_weights: Callable[[nn.Module], None] | None = None,
               sync_module_states: bool = True,
-              device: torch.device | str | None = None, name: str | None = None
+              device: torch.device | str | None = None, name: str | None = None,
+              skippable: Iterable[nn.Module] | None = None, auto_skippable: bool = True
               ) -> nn.Module:
     """Plain data parallelism, in place: every rank keeps whole parameters, gradients are
     all-reduced during backward (``shard(module, stage=0, ...)`` is this call).
@@ -227,6 +244,9 @@ def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.
         sync_module_states: broadcast the first rank's parameters and buffers (default True).
         device: where a meta-device model is materialised (default None: the CPU).
         name: as for :func:`shard` (default None).
+        skippable, auto_skippable: as for :func:`shard` (defaults None, True); stage 0's
+            buckets need nothing of a rank that skips a module, units (with a compute
+            dtype) do.
 
     Returns:
         ``module``, whose gradients are averaged over the data-parallel ranks in backward.
@@ -240,19 +260,22 @@ def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.
                          f"{type(mixed_precision).__name__}")
     return _build(module, ZeroPolicy.from_stage(0), wrap, mesh, True, 1, init_weights,
                   bucket_mb, sync_module_states, True, mixed_precision, None, None, device,
-                  name)
+                  name, (skippable, auto_skippable))
 
 
 def _build(module, policy: ZeroPolicy, wrap, mesh, reshard_after_forward: bool,
            prefetch: int, init_weights, bucket_mb: float, sync_module_states: bool,
            materialize: bool, mixed_precision, comm, offload, device,
-           name: str | None) -> nn.Module:
+           name: str | None, skip: tuple = (None, True)) -> nn.Module:
     """Build and attach the engine state of one ``shard`` / ``replicate`` call."""
     # Stage 0 with a compute dtype runs as units over one-rank shard groups (see
     # replicated_groups); plain stage 0 keeps DDP-style buckets.
     as_units = policy.shard_optimizer or bool(mixed_precision and mixed_precision.param_dtype)
     plans, _ = plan_units(module, wrap if as_units else None, split_data_axes=as_units)
     _check_plans(plans)
+    # [Note: skipped units]: checked before any collective
+    skippable = resolve_skippable(module, skip[0], [p.module for p in plans] if as_units
+                                  else None, skip[1])
     target = torch.device(device) if device is not None else None
     real = next((p.device for p in module.parameters() if not p.is_meta), None)
     groups = resolve_groups(mesh, (target or real or torch.device("cpu")).type)
@@ -285,7 +308,7 @@ def _build(module, policy: ZeroPolicy, wrap, mesh, reshard_after_forward: bool,
         # parameters were replaced by real ones)
         partial = PartialGrads([sp.param for u in units for sp in u.params])
         state = ShardState(module, units, groups, policy, reshard_after_forward, prefetch,
-                           tracker, offload, [partial] if partial else [])
+                           tracker, offload, [partial] if partial else [], skippable)
         register_state_dict_hooks(module, state)
         if mixed_precision is not None:
             _register_casts(module, mixed_precision)
