@@ -18,6 +18,7 @@ holding none, raises a ValueError naming it before any collective (no process gr
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -112,6 +113,7 @@ def _zero_missing(model) -> None:
             p.grad = torch.zeros_like(p)
 
 
+@functools.lru_cache(maxsize=None)  # shared by the stages' cases; never mutated
 def vlm_reference(kind: str, frozen: bool, schedule: str) -> dict[str, torch.Tensor]:
     """One process, one forward over the global batch (images where some rank had them)."""
     model, _, per_image = build_vlm(kind, frozen)

@@ -57,7 +57,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from shardwise.shard.unit import Unit
+from shardwise.shard.unit import Phase, Unit
 
 __all__ = ["SKIPPABLE_ATTR", "AUTO_NAMES", "auto_skippable", "resolve_skippable", "SkipPlan"]
 
@@ -200,6 +200,30 @@ class SkipPlan:
         """A skippable unit that never gathers in backward: frozen, or holding other units
         (stage 3 keeps it gathered from its forward where its backward needs it)."""
         return id(u) in self._ids and (not u.trainable or id(u) in self._holders)
+
+    def check_forward(self, u: Unit, seen: set[int]) -> None:
+        """Refuse a skippable unit's forward after it ran (or ran virtually) in this pass."""
+        if id(u) in self._ids and id(u) in seen:
+            raise RuntimeError(
+                f"skippable unit {u.label!r} started its forward after it had run, or been run "
+                f"virtually because a unit registered after it ran first, in this forward pass: "
+                f"a skippable unit runs at most once per forward, before the units registered "
+                f"after it, so that ranks skipping it can issue its collectives at the same "
+                f"place (docs/engine.md, 'Ranks that skip a module')")
+
+    def check_backward(self, u: Unit, later: list[Unit]) -> None:
+        """Refuse a skippable unit's backward after one of the ``later`` units' (those after
+        it in the backward order) began: a skipping rank gathers them the other way round."""
+        if id(u) not in self._ids:
+            return
+        late = [v for v in later if not self.kept(v)
+                and v.phase in (Phase.BACKWARD, Phase.BACKWARD_DONE)]
+        if late:
+            raise RuntimeError(
+                f"skippable unit {u.label!r} began its backward after unit {late[0].label!r}, "
+                f"which follows it in the backward order (the reverse of the forward order); "
+                f"a rank that skipped {u.label!r} could not issue its gathers at the same "
+                f"place (docs/engine.md, 'Ranks that skip a module')")
 
     def due_before(self, u: Unit, seen: set[int]) -> list[Unit]:
         """Skippable units that would have run before ``u`` and have not run in this pass."""

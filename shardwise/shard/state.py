@@ -19,6 +19,10 @@ end of backward    units that saw no gradient contribute zeros, all reductions f
                    still in flight are completed and discarded, the sharded parameters get
                    their averaged ``.grad``.
 
+A skippable unit this rank's data did not run is run *virtually* (its gathers, prefetches,
+place in the orders and zero reduction, without compute) where it would have run, so every
+rank issues the same collectives ([Note: skipped units] in skippable.py).
+
 [Note: stage 1 vs 2] Both keep each rank's gradient shard after the step and reduce-scatter
 the rest away. Stage 2 reduces a unit as soon as backward is done with it (overlapping
 communication with the rest of backward, freeing its whole gradients at once); stage 1, as
@@ -145,7 +149,7 @@ class ShardState:
                         other.swap_out(placeholders=True)
                 self._in_forward = True
             elif self._in_forward and self.skips:  # [Note: skipped units]
-                self._check_skippable_call(u)
+                self.skips.check_forward(u, self._seen)
                 self._run_virtual(self.skips.due_before(u, self._seen), grad)
             self._enter(u, grad)
             u.swap_in()
@@ -199,15 +203,6 @@ class ShardState:
                 self._leave(v, None, grad)
                 if grad:
                     self._virtual.add(id(v))
-
-    def _check_skippable_call(self, u: Unit) -> None:
-        if self.skips.skippable(u) and id(u) in self._seen:
-            raise RuntimeError(
-                f"skippable unit {u.label!r} started its forward after it had run, or been run "
-                f"virtually because a unit registered after it ran first, in this forward pass: "
-                f"a skippable unit runs at most once per forward, before the units registered "
-                f"after it, so that ranks skipping it can issue its collectives at the same "
-                f"place (docs/engine.md, 'Ranks that skip a module')")
 
     def _finish_forward(self, module, args, output) -> None:
         """The root's forward ended (returned or raised): shards back in every module, and
@@ -314,16 +309,8 @@ class ShardState:
         skipped them does. A skippable unit's real backward after a later unit's begun
         raises: a skipping rank would have gathered them the other way round."""
         at = self._bwd_index.get(id(upto), -1) if upto is not None else len(self.bwd_order)
-        if upto is not None and self.skips.skippable(upto):
-            late = [v for v in self.bwd_order[at + 1:] if not self.skips.kept(v)
-                    and v.phase in (Phase.BACKWARD, Phase.BACKWARD_DONE)]
-            if late:
-                raise RuntimeError(
-                    f"skippable unit {upto.label!r} began its backward after unit "
-                    f"{late[0].label!r}, which follows it in the backward order (the reverse "
-                    f"of the forward order); a rank that skipped {upto.label!r} could not "
-                    f"issue its gathers at the same place (docs/engine.md, 'Ranks that skip "
-                    f"a module')")
+        if upto is not None:
+            self.skips.check_backward(upto, self.bwd_order[at + 1:])
         for v in self._bwd_virtual:
             if self._bwd_index[id(v)] >= at:
                 break
