@@ -361,3 +361,24 @@ def test_the_automatic_rule_finds_hf_towers_and_projectors_only_in_vlms():
     marked = Branchy()
     marked.branch.shardwise_skippable = True
     assert auto_skippable(marked) == [marked.branch]
+
+
+class Twice(Branchy):
+    def forward(self, x, use_branch: bool):
+        h = self.a(self.inp(x))
+        return self.out(self.b(h + self.branch(h) + self.branch(h)))
+
+
+def _called_twice() -> str:
+    model = Twice()
+    shardwise.shard(model, stage=3, wrap={Block}, skippable=[model.branch])
+    try:
+        model(torch.randn(2, 6), True)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_skippable_unit_run_twice_in_one_forward_is_named():
+    msg = run_ranks(_called_twice, world_size=1, timeout_s=60)[0]
+    assert "skippable unit 'branch.0' started its forward after it had run" in msg, msg

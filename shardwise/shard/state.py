@@ -309,7 +309,7 @@ class ShardState:
         skipped them does. A skippable unit's real backward after a later unit's begun
         raises: a skipping rank would have gathered them the other way round."""
         at = self._bwd_index.get(id(upto), -1) if upto is not None else len(self.bwd_order)
-        if upto is not None:
+        if at >= 0 and upto is not None:
             self.skips.check_backward(upto, self.bwd_order[at + 1:])
         for v in self._bwd_virtual:
             if self._bwd_index[id(v)] >= at:
