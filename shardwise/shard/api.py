@@ -15,33 +15,28 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardwise.distributed import comm
 from shardwise.distributed.env import flight_recorder_active
-from shardwise.distributed.mesh import (ShardGroups, node_group, replicated_groups,
-                                        resolve_groups)
+from shardwise.distributed.mesh import ShardGroups, resolve_groups
+from shardwise.shard.build import build_replicate, build_units, plan_groups
 from shardwise.shard.discover import UnitPlan, plan_units
 from shardwise.shard.engine_state import ZeroPolicy
-from shardwise.shard.identity import StepCount, UnitTag, call_identity
-from shardwise.shard.materialize import has_meta, materialize
+from shardwise.shard.identity import call_identity
 from shardwise.shard.memory import MemoryReport, MemoryTracker, build_memory_report
 from shardwise.shard.precision import MixedPrecision, cast_floating
 from shardwise.shard.offload.config import Offload
 from shardwise.shard.comm_quant import CommQuant
 from shardwise.shard.offload import guard_unwrapped_steps
-from shardwise.shard.placed import PartialGrads, record_data_axes, unit_groups
+from shardwise.shard.placed import PartialGrads, record_data_axes
 from shardwise.shard.registry import attach_state, engine_states, extra_trackers, is_sharded
-from shardwise.shard.replicate import ReplicateState
-from shardwise.shard.scaled_gather import CODES_ATTR, attach_scaled_gathers
+from shardwise.shard.scaled_gather import CODES_ATTR
+from shardwise.shard.skippable import resolve_skippable
 from shardwise.shard.state import ShardState
-from shardwise.shard.streams import CommStreams
 from shardwise.shard.state_dict import placement_has_model_axes, register_state_dict_hooks
-from shardwise.shard.unit import Unit
 
 __all__ = ["shard", "replicate", "no_sync", "memory_report", "engine_states"]
 
@@ -86,111 +81,14 @@ def _check_plans(plans: list[UnitPlan]) -> None:
                              f"one dtype or wrap the parts in separate units")
 
 
-def _broadcast_from_first(tensors: list[torch.Tensor], groups: ShardGroups) -> None:
-    """Make every rank start from the first rank's values (as DDP does), flattened."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors or groups.dp_size == 1:
-        return
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    for g in (groups.shard, groups.replicate):
-        if g is not None and dist.get_world_size(g) > 1:
-            comm.broadcast(flat, dist.get_global_rank(g, 0), g, label="shard.sync_states")
-    off = 0
-    with torch.no_grad():
-        for t in tensors:
-            t.copy_(flat[off:off + t.numel()].view_as(t))
-            off += t.numel()
 
 
-def _broadcast_buffers(module: nn.Module, groups: ShardGroups) -> None:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for b in module.buffers():
-        by_dtype.setdefault(b.dtype, []).append(b)
-    for bufs in by_dtype.values():
-        _broadcast_from_first(bufs, groups)
 
 
-def _plan_groups(plans: list[UnitPlan], groups: ShardGroups, replicated: bool
-                 ) -> tuple[ShardGroups, list[ShardGroups]]:
-    """(the call's groups, each unit's): the call's, or its parameters' own data axis
-    ([Note: expert placement]); ``replicated``: stage 0 run as units (every rank a whole
-    copy, see replicated_groups)."""
-    per_unit = [unit_groups([e.param for e in p.entries], [e.fqns[0] for e in p.entries],
-                            groups, p.name or "<root>") for p in plans]
-    if not replicated:
-        return groups, per_unit
-    call = replicated_groups(groups)
-    return call, [call if g is groups else replicated_groups(g) for g in per_unit]
 
 
-def _build_units(module, plans, groups, tracker, init_weights, sync_states,
-                 do_materialize: bool, mp: MixedPrecision | None,
-                 target: torch.device | None, quant: CommQuant | None,
-                 per_unit: list[ShardGroups], state_id: int) -> list[Unit]:
-    is_meta = any(e.param.is_meta for p in plans for e in p.entries) or has_meta(module)
-    device = None
-    if is_meta:
-        device = (target or torch.device("cpu")) if do_materialize else torch.device("meta")
-    nodes = {id(g): node_group(g, quant.hierarchy) if quant and quant.hierarchy else None
-             for g in per_unit}
-    names: dict = {}
-    count = StepCount()  # [Note: step identity]: one per call, carried by its units' gathers
-    real = next((e.param.device for p in plans for e in p.entries), torch.device("cpu"))
-    streams = CommStreams(device if device is not None and device.type != "meta" else real)
-    units = [Unit(p.name, p.module, p.entries, g, tracker, device, mp, nodes[id(g)],
-                  quant, UnitTag(state_id, i, p.name or "<root>", names, count), streams)
-             for i, (p, g) in enumerate(zip(plans, per_unit))]
-    attach_scaled_gathers(units, quant)
-    where = {id(sp.param): sp for u in units for sp in u.params}
-    if is_meta and not do_materialize:
-        pass  # planning mode: shards stay on the meta device, bytes are still accounted
-    elif is_meta:
-        def sink(param, full):
-            where[id(param)].load_full(full)
-        tracker.peak_init = materialize(module, units[0].device, init_weights, sink)
-    else:
-        for u in units:
-            if sync_states:
-                _broadcast_from_first([sp.param for sp in u.params], u.groups)
-            for sp in u.params:
-                sp.load_full(sp.param.detach())
-        if sync_states:
-            _broadcast_buffers(module, groups)
-    for u in units:
-        u.adopt_shards()
-        u.swap_out()
-    return units
 
 
-def _replicate(module, entries, groups, bucket_mb, tracker, init_weights,
-               sync_states, target: torch.device | None) -> ReplicateState:
-    # Expert parameters reduce over their own data axis ([Note: expert placement]).
-    per_entry, same = [], {}
-    for e in entries:
-        g = unit_groups([e.param], e.fqns[:1], groups, "<root>")
-        per_entry.append(same.setdefault((id(g.shard), g.data_degree), g))
-    if any(e.param.is_meta for e in entries) or has_meta(module):
-        fresh: dict[int, torch.Tensor] = {}
-
-        def sink(param, full):
-            fresh[id(param)] = full.clone()
-        tracker.peak_init = materialize(module, target or torch.device("cpu"), init_weights,
-                                        sink)
-        for e in entries:
-            new = nn.Parameter(fresh[id(e.param)], requires_grad=e.param.requires_grad)
-            new.__dict__.update(e.param.__dict__)
-            e.param = new
-            for m, a in e.registrations:
-                m._parameters[a] = new
-    elif sync_states:
-        for g in same.values():
-            _broadcast_from_first([e.param for e, eg in zip(entries, per_entry) if eg is g], g)
-        _broadcast_buffers(module, groups)
-    # [Note: partial gradients]: of the materialised parameters
-    partial = PartialGrads([e.param for e in entries])
-    return ReplicateState(module, entries, groups, bucket_mb, tracker,
-                          {id(e.param): g for e, g in zip(entries, per_entry)},
-                          [partial] if partial else [])
 
 
 def _validate_comm(quant, stage: int, reshard_after_forward: bool, module: nn.Module) -> None:
@@ -230,7 +128,9 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
           sync_module_states: bool = True, materialize: bool = True,
           mixed_precision: MixedPrecision | None = None, comm: CommQuant | None = None,
           offload: Offload | None = None,
-          device: torch.device | str | None = None, name: str | None = None) -> nn.Module:
+          device: torch.device | str | None = None, name: str | None = None,
+          skippable: Iterable[nn.Module] | None = None,
+          auto_skippable: bool = True) -> nn.Module:
     """Shard ``module`` for zero-redundancy data parallelism, in place.
 
     Args:
@@ -276,6 +176,17 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
         name: what this call's gathers are called by, to tell it from other calls over
             modules whose parameters are named and shaped alike ([Note: gather identity];
             default None: its parameters' names and shapes).
+        skippable: submodules that some ranks may not call in a forward (a vision tower on a
+            text-only micro-batch), each a unit or holding units (make it one with
+            ``wrap``): a rank that skips one still takes part in its collectives, with
+            zero gradients ([Note: skipped units] in skippable.py). Default None: only the
+            automatic ones.
+        auto_skippable: also treat as skippable what the automatic rule finds: modules
+            with ``shardwise_skippable = True``, and the towers and projectors of Hugging
+            Face VLMs / audio LMs (``vision_tower``, ``vision_model``, ``visual``,
+            ``multi_modal_projector``, ``connector``, ... under a config with a
+            ``vision_config`` / ``audio_config`` and a placeholder token; see
+            ``shardwise.shard.skippable.auto_skippable``). Default True.
 
     Returns:
         ``module``, whose ``named_parameters()`` now yield this rank's shards.
@@ -283,7 +194,8 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     Raises:
         ValueError: for bad arguments, or parameters the engine cannot shard (non-float,
             mixed dtypes in one unit, a mix of meta and real tensors), naming them; data
-            axes that run along the tensor-parallel ranks of ``apply_tp``.
+            axes that run along the tensor-parallel ranks of ``apply_tp``; a ``skippable``
+            entry that is not a submodule, or neither a unit nor holding one, naming it.
     """
     _validate(module, stage, prefetch, bucket_mb, materialize)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -298,17 +210,19 @@ def shard(module: nn.Module, *, stage: int = 3, wrap=None, mesh=None,
     if stage == 0:  # the same call as replicate()
         return replicate(module, mesh=mesh, wrap=wrap, bucket_mb=bucket_mb,
                          mixed_precision=mixed_precision, init_weights=init_weights,
-                         sync_module_states=sync_module_states, device=device, name=name)
+                         sync_module_states=sync_module_states, device=device, name=name,
+                         skippable=skippable, auto_skippable=auto_skippable)
     return _build(module, ZeroPolicy.from_stage(stage), wrap, mesh, reshard_after_forward,
                   prefetch, init_weights, bucket_mb, sync_module_states, materialize,
-                  mixed_precision, comm, offload, device, name)
+                  mixed_precision, comm, offload, device, name, (skippable, auto_skippable))
 
 
 def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.0,
               mixed_precision: MixedPrecision | None = None,
               init_weights: Callable[[nn.Module], None] | None = None,
               sync_module_states: bool = True,
-              device: torch.device | str | None = None, name: str | None = None
+              device: torch.device | str | None = None, name: str | None = None,
+              skippable: Iterable[nn.Module] | None = None, auto_skippable: bool = True
               ) -> nn.Module:
     """Plain data parallelism, in place: every rank keeps whole parameters, gradients are
     all-reduced during backward (``shard(module, stage=0, ...)`` is this call).
@@ -330,6 +244,9 @@ def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.
         sync_module_states: broadcast the first rank's parameters and buffers (default True).
         device: where a meta-device model is materialised (default None: the CPU).
         name: as for :func:`shard` (default None).
+        skippable, auto_skippable: as for :func:`shard` (defaults None, True); stage 0's
+            buckets need nothing of a rank that skips a module, units (with a compute
+            dtype) do.
 
     Returns:
         ``module``, whose gradients are averaged over the data-parallel ranks in backward.
@@ -343,19 +260,22 @@ def replicate(module: nn.Module, *, mesh=None, wrap=None, bucket_mb: float = 25.
                          f"{type(mixed_precision).__name__}")
     return _build(module, ZeroPolicy.from_stage(0), wrap, mesh, True, 1, init_weights,
                   bucket_mb, sync_module_states, True, mixed_precision, None, None, device,
-                  name)
+                  name, (skippable, auto_skippable))
 
 
 def _build(module, policy: ZeroPolicy, wrap, mesh, reshard_after_forward: bool,
            prefetch: int, init_weights, bucket_mb: float, sync_module_states: bool,
            materialize: bool, mixed_precision, comm, offload, device,
-           name: str | None) -> nn.Module:
+           name: str | None, skip: tuple = (None, True)) -> nn.Module:
     """Build and attach the engine state of one ``shard`` / ``replicate`` call."""
     # Stage 0 with a compute dtype runs as units over one-rank shard groups (see
     # replicated_groups); plain stage 0 keeps DDP-style buckets.
     as_units = policy.shard_optimizer or bool(mixed_precision and mixed_precision.param_dtype)
     plans, _ = plan_units(module, wrap if as_units else None, split_data_axes=as_units)
     _check_plans(plans)
+    # [Note: skipped units]: checked before any collective
+    skippable = resolve_skippable(module, skip[0], [p.module for p in plans] if as_units
+                                  else None, skip[1])
     target = torch.device(device) if device is not None else None
     real = next((p.device for p in module.parameters() if not p.is_meta), None)
     groups = resolve_groups(mesh, (target or real or torch.device("cpu")).type)
@@ -372,23 +292,23 @@ def _build(module, policy: ZeroPolicy, wrap, mesh, reshard_after_forward: bool,
                                     for p in plans for e in p.entries])
     per_unit: list[ShardGroups] = []
     if as_units:
-        groups, per_unit = _plan_groups(plans, groups, replicated=not policy.shard_optimizer)
+        groups, per_unit = plan_groups(plans, groups, replicated=not policy.shard_optimizer)
     params = [e.param for p in plans for e in p.entries]
     record_data_axes(params, groups, sharded=as_units)  # [Note: placement is data]
     if not as_units:
-        state = _replicate(module, plans[0].entries, groups, bucket_mb, tracker, init_weights,
+        state = build_replicate(module, plans[0].entries, groups, bucket_mb, tracker, init_weights,
                            sync_module_states, target)
         if any(placement_has_model_axes(p) for p in params):
             register_state_dict_hooks(module, state)
     else:
-        units = _build_units(module, plans, groups, tracker, init_weights,
+        units = build_units(module, plans, groups, tracker, init_weights,
                              sync_module_states, materialize, mixed_precision, target, comm,
                              per_unit, state_id)
         # [Note: partial gradients]: of the materialised parameters (a meta-device model's
         # parameters were replaced by real ones)
         partial = PartialGrads([sp.param for u in units for sp in u.params])
         state = ShardState(module, units, groups, policy, reshard_after_forward, prefetch,
-                           tracker, offload, [partial] if partial else [])
+                           tracker, offload, [partial] if partial else [], skippable)
         register_state_dict_hooks(module, state)
         if mixed_precision is not None:
             _register_casts(module, mixed_precision)

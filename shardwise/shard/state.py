@@ -19,6 +19,10 @@ end of backward    units that saw no gradient contribute zeros, all reductions f
                    still in flight are completed and discarded, the sharded parameters get
                    their averaged ``.grad``.
 
+A skippable unit this rank's data did not run is run *virtually* (its gathers, prefetches,
+place in the orders and zero reduction, without compute) where it would have run, so every
+rank issues the same collectives ([Note: skipped units] in skippable.py).
+
 [Note: stage 1 vs 2] Both keep each rank's gradient shard after the step and reduce-scatter
 the rest away. Stage 2 reduces a unit as soon as backward is done with it (overlapping
 communication with the rest of backward, freeing its whole gradients at once); stage 1, as
@@ -61,10 +65,11 @@ from torch import nn
 from shardwise.distributed.compiled import refuse_in_compiled_region
 from shardwise.distributed.mesh import ShardGroups
 from shardwise.shard.hooks import (OrderedLauncher, in_backward, queue_end_of_backward,
-                                   register_output_hooks)
+                                   register_output_hooks, tensors_in)
 from shardwise.shard.engine_state import ParamRows, ZeroPolicy
 from shardwise.shard.memory import MemoryTracker
 from shardwise.shard.offload.config import Offload
+from shardwise.shard.skippable import SkipPlan
 from shardwise.shard.unit import Phase, Unit
 
 __all__ = ["ShardState"]
@@ -85,12 +90,15 @@ class ShardState:
         tracker: its memory accounting.
         offload: the offload policy of its optimizer state, if any.
         after_reduce: callbacks after every reduction ([Note: partial gradients]).
+        skippable: the modules some ranks may not run ([Note: skipped units] in
+            skippable.py); default: none.
     """
 
     def __init__(self, module: nn.Module, units: list[Unit], groups: ShardGroups,
                  policy: ZeroPolicy, reshard_after_forward: bool, prefetch: int,
                  tracker: MemoryTracker, offload: Offload | None = None,
-                 after_reduce: list[Callable[[], None]] | None = None) -> None:
+                 after_reduce: list[Callable[[], None]] | None = None,
+                 skippable: list[nn.Module] | None = None) -> None:
         self.module, self.units, self.root, self.groups = module, units, units[0], groups
         self.policy, self.prefetch, self.tracker = policy, prefetch, tracker
         self.offload, self.after_reduce = offload, list(after_reduce or [])
@@ -106,6 +114,10 @@ class ShardState:
         self._pre_order: list[Unit] = []
         self._post_order: list[Unit] = []
         self._seen: set[int] = set()          # units run in the current forward pass
+        self.skips = SkipPlan(module, units, skippable or [])  # [Note: skipped units]
+        self._virtual: set[int] = set()       # units run virtually in the latest forward
+        self._bwd_virtual: list[Unit] = []    # ... expected in this backward
+        self._bwd_index: dict[int, int] = {}
         self._in_forward = False              # between the root's pre- and post-hooks
         self._backward_started = False
         self._handles = []
@@ -136,35 +148,61 @@ class ShardState:
                     if other is not u:
                         other.swap_out(placeholders=True)
                 self._in_forward = True
-            self._seen.add(id(u))
-            if grad:
-                if u not in self._pre_order:
-                    self._pre_order.append(u)
-                u.phase = Phase.FORWARD
-            u.unshard(keep_secondary=self.reshard_after_forward and u is not self.root
-                      and grad)
-            self._prefetch(u, self.fwd_order, lambda v: id(v) not in self._seen)
+            elif self._in_forward and self.skips:  # [Note: skipped units]
+                self.skips.check_forward(u, self._seen)
+                self._run_virtual(self.skips.due_before(u, self._seen), grad)
+            self._enter(u, grad)
             u.swap_in()
             return None
         return hook
+
+    def _enter(self, u: Unit, grad: bool) -> None:
+        """A unit's forward begins (really or virtually): gather it, prefetch the next."""
+        self._seen.add(id(u))
+        if grad:
+            if u not in self._pre_order:
+                self._pre_order.append(u)
+            u.phase = Phase.FORWARD
+        u.unshard(keep_secondary=self.reshard_after_forward and u is not self.root and grad)
+        self._prefetch(u, self.fwd_order, lambda v: id(v) not in self._seen)
 
     def _make_post_forward(self, u: Unit):
         def hook(module, args, output):
             if in_backward():
                 return None
+            grad = torch.is_grad_enabled()
+            if u is self.root and self._in_forward and self.skips:  # [Note: skipped units]
+                self._run_virtual(self.skips.due_at_end(self._seen), grad)
             u.swap_out(placeholders=self._in_forward and u is not self.root)
-            if torch.is_grad_enabled():
-                if u in self._post_order:
-                    self._post_order.remove(u)
-                self._post_order.append(u)
-                u.phase = Phase.FORWARD_DONE
-                register_output_hooks(output, lambda: self._pre_backward(u))
-                if self.reshard_after_forward and u is not self.root:
-                    u.reshard()
-            elif self.policy.shard_params:
-                u.reshard()
+            self._leave(u, output, grad)
             return None
         return hook
+
+    def _leave(self, u: Unit, output, grad: bool) -> None:
+        """A unit's forward ended (really, with ``output``, or virtually: None)."""
+        if grad:
+            if u in self._post_order:
+                self._post_order.remove(u)
+            self._post_order.append(u)
+            u.phase = Phase.FORWARD_DONE
+            if output is not None:
+                register_output_hooks(output, lambda: self._pre_backward(u))
+            if self.reshard_after_forward and u is not self.root and not (
+                    self.skips.kept(u) and output is not None
+                    and any(t.requires_grad for t in tensors_in(output))):
+                u.reshard()  # [Note: skipped units]: kept for its backward
+        elif self.policy.shard_params:
+            u.reshard()
+
+    def _run_virtual(self, todo: list[Unit], grad: bool) -> None:
+        """[Note: skipped units]: the engine side of calls this rank's data skipped."""
+        for is_pre, v in self.skips.nested(todo):
+            if is_pre:
+                self._enter(v, grad)
+            else:
+                self._leave(v, None, grad)
+                if grad:
+                    self._virtual.add(id(v))
 
     def _finish_forward(self, module, args, output) -> None:
         """The root's forward ended (returned or raised): shards back in every module, and
@@ -184,7 +222,7 @@ class ShardState:
         self.root.tag.count.forward(sum(u.shard_version() for u in self.units))
         if self._pre_order:
             self.fwd_order = self._pre_order
-        self._pre_order, self._post_order = [], []
+        self._pre_order, self._post_order, self._virtual = [], [], set()
 
     def _end_forward(self) -> None:
         """[Note: prefetch safety]: discard gathers of prefetched units that did not run."""
@@ -218,7 +256,11 @@ class ShardState:
         self._backward_started = True
         queue_end_of_backward(self._end_backward)
         self.bwd_order = list(reversed(self._post_order))
-        expected = {id(u) for u in self.bwd_order}
+        # [Note: skipped units]: a frozen skippable unit has no backward on any rank
+        expected = {id(u) for u in self.bwd_order if not self.skips.no_backward(u)}
+        self._bwd_virtual = [u for u in self.bwd_order
+                             if id(u) in expected and self.skips.skippable(u)]
+        self._bwd_index = {id(u): i for i, u in enumerate(self.bwd_order)}
         for u in self.units:  # [Note: micro-batch passes]
             u.pending = len(u.trainable)
             u.phase = Phase.FORWARD_DONE if id(u) in expected else Phase.IDLE
@@ -231,11 +273,19 @@ class ShardState:
             return
         if not self._backward_started:
             self._start_backward()
+        if self.skips.kept(u):  # gathered since its forward ([Note: skipped units])
+            assert u.gathered or not u.params, u.label
+            u.swap_in()
+            if u.phase is Phase.FORWARD_DONE:
+                u.phase = Phase.BACKWARD
+            return
         if u.phase in (Phase.BACKWARD, Phase.BACKWARD_DONE):
             return  # gathered already, or done: another of its outputs' gradients arrived
+        if self._bwd_virtual:
+            self._virtual_backward(u)
         u.phase = Phase.BACKWARD
         u.unshard()
-        self._prefetch(u, self.bwd_order, lambda v: v.phase is Phase.FORWARD_DONE)
+        self._prefetch(u, self.bwd_order, self._bwd_eligible)
         u.swap_in()
 
     def _make_on_grad(self, u: Unit):
@@ -258,7 +308,32 @@ class ShardState:
             u.pack_grads()
             self.launcher.mark_ready(u)
 
+    def _virtual_backward(self, upto: Unit | None) -> None:
+        """[Note: skipped units]: before ``upto``'s backward gather (None: at the end of
+        backward), the backward of virtually run units before it in the backward order;
+        at the end also of skippable units that ran but saw no gradient, as a rank that
+        skipped them does. A skippable unit's real backward after a later unit's begun
+        raises: a skipping rank would have gathered them the other way round."""
+        at = self._bwd_index.get(id(upto), -1) if upto is not None else len(self.bwd_order)
+        if at >= 0 and upto is not None:
+            self.skips.check_backward(upto, self.bwd_order[at + 1:])
+        for v in self._bwd_virtual:
+            if self._bwd_index[id(v)] >= at:
+                break
+            if v.phase is Phase.FORWARD_DONE and (upto is None or id(v) in self._virtual):
+                v.phase = Phase.BACKWARD
+                if not self.skips.kept(v):
+                    v.unshard()
+                    self._prefetch(v, self.bwd_order, self._bwd_eligible)
+                self._post_backward(v)
+
+    def _bwd_eligible(self, v: Unit) -> bool:
+        """A unit backward may still gather ([Note: prefetch safety], [Note: skipped units])."""
+        return v.phase is Phase.FORWARD_DONE and not self.skips.kept(v)
+
     def _end_backward(self) -> None:
+        if self._bwd_virtual:
+            self._virtual_backward(None)
         for u in self.launcher.order:
             self._post_backward(u)
         if self.sync and self.policy.reduce_at_end:  # [Note: stage 1 vs 2]
