@@ -1,8 +1,8 @@
 """The VLA training step at ZeRO stage 3 beside PyTorch FSDP2 wrapping the same towers
 (issue 34's speed target: shardwise no slower than FSDP2 in every round).
 
-    python bench/vla_bench.py                 # 6 rounds x (2 warm-up + 20 timed) steps (~12 min at load 8)
-    python bench/vla_bench.py --rounds 10     # more rounds when the verdict is "not settled"
+    python bench/vla_bench.py                 # 6 rounds x (2 + 20) steps (~15 min at load 12)
+    python bench/vla_bench.py --steps 40      # narrower per-round intervals ("not settled")
     python bench/vla_bench.py --tiny --out /tmp/vla   # 1 round, 2 steps: the test's smoke run
     python bench/vla_bench.py --from-json bench/results/vla_bench.json   # re-render the table
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import statistics
 
-__all__ = ["LOSS_RTOL", "TARGET", "PEER", "median_interval", "round_ratio", "overall_verdict",
-           "loss_agreement", "to_markdown"]
+__all__ = ["LOSS_RTOL", "TARGET", "PEER", "median_interval", "round_ratio", "pooled_ratio",
+           "overall_verdict", "loss_agreement", "to_markdown"]
 
 TARGET, PEER = "sw3", "fsdp2"
 LOSS_RTOL = 1e-5  # the relative loss difference the peers must stay within
@@ -51,6 +51,14 @@ def round_ratio(rec: dict, key: str = "wall", target: str = TARGET,
     return {"ratio": statistics.median(ratios), "lo": lo, "hi": hi, "verdict": _verdict(lo, hi)}
 
 
+def pooled_ratio(rounds: list[dict], key: str = "wall") -> dict:
+    """:func:`round_ratio` over the paired steps of every round together (more pairs, a
+    narrower interval; the target itself is per round)."""
+    pooled = {"peers": {n: {key: [x for r in rounds for x in r["peers"][n][key]]}
+                        for n in (TARGET, PEER)}}
+    return round_ratio(pooled, key)
+
+
 def overall_verdict(rounds: list[dict], key: str = "wall") -> str:
     """"met in every round", "not met in round k, ..." (any round whose interval lies above
     1.00), or "not settled (round k straddles 1.00 ...)"."""
@@ -63,7 +71,7 @@ def overall_verdict(rounds: list[dict], key: str = "wall") -> str:
     open_ = [str(k) for k, v in per if v == "unsettled"]
     if open_:
         return (f"not settled (round {', '.join(open_)}: the 95% interval straddles 1.00; "
-                f"run more rounds)")
+                f"rerun with more steps per round, on a quieter machine)")
     return "met in every round"
 
 
@@ -146,7 +154,11 @@ def to_markdown(data: dict) -> str:
               f"{overall_verdict(rounds, 'wall')}.** Per-round ratios {_spread(data, 'wall')}.",
               "",
               f"CPU time (process time of the ranks, insensitive to load): "
-              f"{overall_verdict(rounds, 'cpu')}; per-round ratios {_spread(data, 'cpu')}.", ""]
+              f"{overall_verdict(rounds, 'cpu')}; per-round ratios {_spread(data, 'cpu')}.", "",
+              f"All rounds pooled ({sum(len(r['peers'][TARGET]['wall']) for r in rounds)} "
+              f"paired steps): wall {_ratio_cell(pooled_ratio(rounds, 'wall'))}, CPU "
+              f"{_ratio_cell(pooled_ratio(rounds, 'cpu'))} (median paired ratio, 95% "
+              f"interval).", ""]
     lines += _round_table(data) + [""]
     lines += ["Columns: step times are per-round medians of the slowest rank's time per step; "
               "sw3/fsdp2 is the median of the per-step paired ratios (the two peers' step i "
