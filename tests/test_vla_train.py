@@ -57,6 +57,13 @@ LAYOUTS = {
     "text_only": {"parallel.stage": "3", "vla.text_only_share": "0.5"},
     "ac_full": {"parallel.stage": "3", "train.activation_checkpoint": "full"},
     "moe_ep2": {"model.name": "debug-vla-moe", "parallel.stage": "3", "parallel.ep": "2"},
+    # pp 2 x dp 1: one data rank of 8 samples in 4 micro-batches, the vision tower on stage 0
+    "pp2": {"parallel.stage": "1", "parallel.pp": "2", "train.batch_size": "8",
+            "parallel.pp_microbatches": "4"},
+    # ... ZeRO-3 inside the stages, GPipe, micro-batches with no frame
+    "pp2_text": {"parallel.stage": "3", "parallel.pp": "2", "train.batch_size": "8",
+                 "parallel.pp_microbatches": "4", "parallel.pp_schedule": "gpipe",
+                 "vla.text_only_share": "0.5"},
 }
 
 
@@ -93,6 +100,9 @@ def test_the_zero_stages_agree_and_tensor_parallelism_matches(runs):
     for name in ("stage1", "stage2", "stage3", "ac_full"):
         got = _losses(runs[name])
         assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (name, got, ref)
+    for name, ref_name in (("pp2", "stage0"), ("pp2_text", "text_only")):
+        got, want = _losses(runs[name]), _losses(runs[ref_name])
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (name, got, want)
     got = _losses(runs["tp2"])
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-4, (got, ref)
     # the same first batch from the same init: the frozen run's first loss is the others'
@@ -131,7 +141,10 @@ def test_the_vla_config_file_runs_through_the_command(dataset, tmp_path):
 
 
 @pytest.mark.parametrize("extra, expected", [
-    ({"parallel.pp": "2"}, "parallel.pp=2 is not supported with the vision-language-action"),
+    ({"parallel.pp": "2", "parallel.tp": "2", "parallel.nproc": "4"},
+     "parallel.pp=2 with parallel.tp=2 is not supported with the vision-language-action"),
+    ({"parallel.pp": "2", "model.freeze": "vision"},
+     "parallel.pp=2 with model.freeze=['vision'] is not supported"),
     ({"parallel.cp": "2"}, "parallel.cp=2 is not supported"),
     ({"parallel.tp": "2", "parallel.sequence_parallel": "true"},
      "parallel.sequence_parallel=true is not supported"),
