@@ -10,6 +10,12 @@
 
     shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.cp 2   # pp x cp
 
+    shardwise train --config configs/vla.toml --parallel.nproc 2 --parallel.pp 2   # a VLA
+
+Any model that declares its pieces (``pipeline_pieces()``: the Transformer, the
+vision-language-action model, whose batches shardwise/train/vla_pipeline.py cuts into
+micro-batches) is built the same way.
+
 Checks that refuse a pipeline before any rank starts, the world split into pipeline, data,
 context and tensor ranks (one ParallelMesh: pp outermost, tp innermost, ep carved out of
 each stage's data x cp ranks), the pipelined model (built on the meta device,
