@@ -4,7 +4,10 @@ layout the trainer takes, evaluation in the loop, the refusals.
 The layouts share one launch of ranks per world size (``train_runs``); every run trains the
 same global batches from the same init, so in fp32 the ZeRO stages agree with one another
 to rounding, tensor parallelism to a looser bound, and a frozen vision tower leaves its
-weights untouched. The model-level parity against one process is tests/test_vla_model.py's.
+weights untouched. Pipelined layouts (pp 2 x dp 1 on two ranks, pp 3 on three: one data rank
+of the same global batch, the vision tower on the first stage) match the unpipelined losses
+within 1e-5 and validate to the same accuracy and success rate. The model-level parity
+against one process is tests/test_vla_model.py's (tests/test_vla_pp.py's for pipelines).
 """
 
 from __future__ import annotations
@@ -57,20 +60,30 @@ LAYOUTS = {
     "text_only": {"parallel.stage": "3", "vla.text_only_share": "0.5"},
     "ac_full": {"parallel.stage": "3", "train.activation_checkpoint": "full"},
     "moe_ep2": {"model.name": "debug-vla-moe", "parallel.stage": "3", "parallel.ep": "2"},
+    # pp 2 x dp 1: one data rank of 8 samples in 4 micro-batches, the vision tower on stage 0
+    "pp2": {"parallel.stage": "1", "parallel.pp": "2", "train.batch_size": "8",
+            "parallel.pp_microbatches": "4"},
+    # ... ZeRO-3 inside the stages, GPipe, micro-batches with no frame
+    "pp2_text": {"parallel.stage": "3", "parallel.pp": "2", "train.batch_size": "8",
+                 "parallel.pp_microbatches": "4", "parallel.pp_schedule": "gpipe",
+                 "vla.text_only_share": "0.5"},
 }
+
+
+def _launch(dataset: Path, root: Path, layouts: dict, world: int) -> dict[str, Path]:
+    prepared, dirs = [], {}
+    for name, extra in layouts.items():
+        dirs[name] = root / name
+        cfg = load_config(None, _values(dataset, dirs[name], **extra))
+        prepared.append(preflight(cfg, world_size=world))
+    run_ranks(train_runs, world, args=(prepared,), timeout_s=600)
+    return dirs
 
 
 @pytest.fixture(scope="module")
 def runs(dataset, tmp_path_factory) -> dict[str, Path]:
     """Every layout of LAYOUTS trained in one launch of 2 ranks; their log folders."""
-    root = tmp_path_factory.mktemp("vla-runs")
-    prepared, dirs = [], {}
-    for name, extra in LAYOUTS.items():
-        dirs[name] = root / name
-        cfg = load_config(None, _values(dataset, dirs[name], **extra))
-        prepared.append(preflight(cfg, world_size=2))
-    run_ranks(train_runs, 2, args=(prepared,), timeout_s=600)
-    return dirs
+    return _launch(dataset, tmp_path_factory.mktemp("vla-runs"), LAYOUTS, 2)
 
 
 def _losses(log_dir: Path) -> list[float]:
@@ -93,11 +106,33 @@ def test_the_zero_stages_agree_and_tensor_parallelism_matches(runs):
     for name in ("stage1", "stage2", "stage3", "ac_full"):
         got = _losses(runs[name])
         assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (name, got, ref)
+    for name, ref_name in (("pp2", "stage0"), ("pp2_text", "text_only")):
+        got, want = _losses(runs[name]), _losses(runs[ref_name])
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (name, got, want)
     got = _losses(runs["tp2"])
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-4, (got, ref)
     # the same first batch from the same init: the frozen run's first loss is the others'
     assert abs(_losses(runs["frozen"])[0] - ref[0]) / ref[0] < 1e-5
     assert _losses(runs["frozen"])[1:] != ref[1:]  # ... and then only the rest learns
+
+
+def test_pipelined_validation_counts_what_one_stage_counts(runs, dataset, tmp_path):
+    # the same weights (within rounding): the same accuracy and, acting in lockstep through
+    # the schedule, the same episodes
+    for name, ref_name in (("pp2", "stage0"), ("pp2_text", "text_only")):
+        (got,), (want,) = logged(runs[name], "success_rate"), logged(runs[ref_name],
+                                                                     "success_rate")
+        assert got["action_accuracy"] == want["action_accuracy"], (name, got, want)
+        assert got["success_rate"] == want["success_rate"], (name, got, want)
+        assert got["val_tokens"] == want["val_tokens"], (name, got, want)
+        assert abs(got["val_loss"] - want["val_loss"]) / want["val_loss"] < 1e-5, name
+    # three stages on three ranks (pp 3 x dp 1), the tower on the first
+    pp3 = _launch(dataset, tmp_path, {"pp3": {**LAYOUTS["pp2"], "parallel.pp": "3",
+                                              "parallel.nproc": "3"}}, 3)["pp3"]
+    got, ref = _losses(pp3), _losses(runs["stage0"])
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (got, ref)
+    (val,) = logged(pp3, "success_rate")
+    assert val["success_rate"] == logged(runs["stage0"], "success_rate")[0]["success_rate"]
 
 
 def test_a_frozen_vision_tower_holds_no_gradient_or_optimizer_state(runs):
@@ -131,7 +166,10 @@ def test_the_vla_config_file_runs_through_the_command(dataset, tmp_path):
 
 
 @pytest.mark.parametrize("extra, expected", [
-    ({"parallel.pp": "2"}, "parallel.pp=2 is not supported with the vision-language-action"),
+    ({"parallel.pp": "2", "parallel.tp": "2", "parallel.nproc": "4"},
+     "parallel.pp=2 with parallel.tp=2 is not supported with the vision-language-action"),
+    ({"parallel.pp": "2", "model.freeze": "vision"},
+     "parallel.pp=2 with model.freeze=['vision'] is not supported"),
     ({"parallel.cp": "2"}, "parallel.cp=2 is not supported"),
     ({"parallel.tp": "2", "parallel.sequence_parallel": "true"},
      "parallel.sequence_parallel=true is not supported"),

@@ -26,12 +26,17 @@ Pieces, in data-flow and registration order (what a pipeline split cuts along): 
 ``projector``, then the decoder of llama.py: ``tok_embeddings``, ``layers.{i}``, ``norm``,
 ``output``. The decoder's pieces sit at the top level with Transformer's names, so its
 tensor-parallel plan, MoE helpers and checkpoint names carry over unchanged.
+``pipeline_pieces()`` declares them for the pipeline split: the tower, the projector and
+the token embedding (with the patch features merged in) on the first stage, the decoder
+blocks divided between stages, the final norm and head on the last.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +44,9 @@ from torch import nn
 
 from shardwise.models.config import LlamaConfig
 from shardwise.models.layers import linear as _linear
-from shardwise.models.llama import add_decoder, check_tokens, decode, init_module_weights
+from shardwise.models.llama import (TiedOutput, add_decoder, check_tokens, decode,
+                                    init_module_weights)
+from shardwise.models.pieces import Piece, PipelinePieces
 from shardwise.models.vision import VisionEncoder
 
 __all__ = ["VLAConfig", "VisionLanguageAction", "Projector"]
@@ -221,24 +228,97 @@ class VisionLanguageAction(nn.Module):
             ValueError: bad tokens or images, or ``N * num_patches`` differing from the
                 number of IMAGE ids (naming both).
         """
-        check_tokens(tokens, self.config.max_seq_len, "VisionLanguageAction")
         # Before any collective: a count mismatch is the caller's, and fails on its rank.
-        is_image = tokens == self.config.image_token_id  # (B, T)
-        slots = int(is_image.sum())
-        rows = images.shape[0] * self.config.num_patches if images.dim() == 4 else -1
-        if slots != rows:
-            raise ValueError(f"VisionLanguageAction: tokens hold {slots} IMAGE ids (id "
-                             f"{self.config.image_token_id}) but images {tuple(images.shape)} "
-                             f"give {rows} patch rows ({self.config.num_patches} per frame)")
+        check_inputs(self.config, tokens, images)
         patches = self.projector(self.vision(images))  # (N, P, C), N may be 0
-        h = self.tok_embeddings(tokens)  # (B, T, C)
-        # masked_scatter fills the IMAGE positions in row-major (sample, position) order,
-        # which is the frames' sample-major order.
-        h = h.masked_scatter(is_image.unsqueeze(-1), patches.to(h.dtype).flatten(0, 1))
+        h = merge_patches(self.config.image_token_id, self.tok_embeddings, tokens, patches)
         return decode(self, h, tokens.shape[1])  # (B, T, V)
+
+    def pipeline_pieces(self) -> PipelinePieces:
+        """This model's pieces, as the pipeline split reads them ([Note: declared pieces] in
+        pieces.py), in ``named_modules()`` order: on the first stage the vision tower
+        (``vision``: patch embedding, position embeddings, blocks, norm, as :meth:`forward`
+        runs it), the ``projector`` and ``tok_embeddings`` (the token embedding and the
+        scatter of the patch features into the IMAGE positions); the decoder blocks
+        ``layers.{i}`` (``block(h, cos, sin)``, the RoPE tables as side inputs, as the
+        Transformer's); ``norm`` and ``output`` on the last stage (a tied head names the
+        embedding matrix).
+
+        The micro-batch inputs are ``(tokens, images)``; between the first pieces the
+        running value is ``(tokens, features)``, and what leaves the first stage is the
+        ``(B, T, dim)`` embeddings. Running the pieces in order is :meth:`forward`, a
+        micro-batch of no frame included ([Note: the vision tower always runs]).
+
+        Returns:
+            The :class:`~shardwise.models.pieces.PipelinePieces`.
+        """
+        tie = "tok_embeddings.weight" if isinstance(self.output, TiedOutput) else None
+        # partials of module-level functions, not bound methods: a stage keeps its own
+        # pieces and the config, never the whole model
+        return PipelinePieces(
+            pieces=(Piece("vision", self.vision, "first",
+                          call=functools.partial(_encode, self.config)),
+                    Piece("projector", self.projector, "first", call=_project),
+                    Piece("tok_embeddings", self.tok_embeddings, "first",
+                          call=functools.partial(_embed, self.config.image_token_id)),
+                    *(Piece(f"layers.{i}", block, call=_run_block)
+                      for i, block in enumerate(self.layers)),
+                    Piece("norm", self.norm, "last"),
+                    Piece("output", self.output, "last", tie=tie)),
+            side=functools.partial(_rope_tables, self.rope), shared=(("rope", self.rope),))
 
     def init_weights(self) -> None:
         """Initialise every parameter and buffer from the global torch RNG:
         ``init_module_weights(m)`` for each ``m`` in ``self.modules()`` order."""
         for module in self.modules():
             init_module_weights(module)
+
+
+def check_inputs(config: VLAConfig, tokens: torch.Tensor, images: torch.Tensor) -> None:
+    """Refuse tokens and frames that do not fit together (before any collective).
+
+    Raises:
+        ValueError: bad tokens or images, or ``N * num_patches`` differing from the number
+            of IMAGE ids (naming both).
+    """
+    check_tokens(tokens, config.max_seq_len, "VisionLanguageAction")
+    slots = int((tokens == config.image_token_id).sum())
+    rows = images.shape[0] * config.num_patches if images.dim() == 4 else -1
+    if slots != rows:
+        raise ValueError(f"VisionLanguageAction: tokens hold {slots} IMAGE ids (id "
+                         f"{config.image_token_id}) but images {tuple(images.shape)} "
+                         f"give {rows} patch rows ({config.num_patches} per frame)")
+
+
+def merge_patches(image_id: int, embedding: nn.Module, tokens: torch.Tensor,
+                  patches: torch.Tensor) -> torch.Tensor:
+    """The token embeddings ``(B, T, dim)`` of ``tokens``, with the projected patch features
+    ``patches`` ``(N, P, dim)`` in the IMAGE positions."""
+    h = embedding(tokens)  # (B, T, C)
+    is_image = (tokens == image_id).unsqueeze(-1)  # (B, T, 1)
+    # masked_scatter fills the IMAGE positions in row-major (sample, position) order,
+    # which is the frames' sample-major order.
+    return h.masked_scatter(is_image, patches.to(h.dtype).flatten(0, 1))
+
+
+# The pieces' calls ([Note: declared pieces]): x is (tokens, images), then (tokens, features).
+def _encode(config: VLAConfig, vision: nn.Module, x: tuple, side: Any) -> tuple:
+    tokens, images = x
+    check_inputs(config, tokens, images)  # before the tower's collectives, on this rank
+    return tokens, vision(images)  # (N, P, vision_dim)
+
+
+def _project(projector: nn.Module, x: tuple, side: Any) -> tuple:
+    return x[0], projector(x[1])  # (N, P, dim)
+
+
+def _embed(image_id: int, embedding: nn.Module, x: tuple, side: Any) -> torch.Tensor:
+    return merge_patches(image_id, embedding, *x)  # (B, T, dim): one tensor leaves stage 0
+
+
+def _rope_tables(rope: nn.Module, inputs: tuple) -> tuple[torch.Tensor, ...]:
+    return rope(inputs[0].shape[1])  # (T, hd/2) each, from the micro-batch's tokens
+
+
+def _run_block(block: nn.Module, h: torch.Tensor, side: tuple) -> torch.Tensor:
+    return block(h, *side)  # (B, T, C); side = (cos, sin)

@@ -10,6 +10,12 @@
 
     shardwise train --parallel.nproc 4 --parallel.pp 2 --parallel.cp 2   # pp x cp
 
+    shardwise train --config configs/vla.toml --parallel.nproc 2 --parallel.pp 2   # a VLA
+
+Any model that declares its pieces (``pipeline_pieces()``: the Transformer, the
+vision-language-action model, whose batches shardwise/train/vla_pipeline.py cuts into
+micro-batches) is built the same way.
+
 Checks that refuse a pipeline before any rank starts, the world split into pipeline, data,
 context and tensor ranks (one ParallelMesh: pp outermost, tp innermost, ep carved out of
 each stage's data x cp ranks), the pipelined model (built on the meta device,
@@ -184,7 +190,9 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
 
     Args:
         cfg: the run config.
-        model_cfg: the model's LlamaConfig.
+        model_cfg: the model's config (any model that declares its pieces,
+            ``pipeline_pieces()``: a LlamaConfig's Transformer, a VLAConfig's
+            VisionLanguageAction).
         env: this process's place in the job.
         shard_kwargs: the engine settings every piece is sharded with (precision, comm,
             prefetch...).
@@ -192,7 +200,7 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     Returns:
         The :class:`PipelinePart` (parameter names as in the unsplit model).
     """
-    from shardwise.models import TransformerBlock, build_model, init_module_weights
+    from shardwise.models import ModelBlock, build_model, init_module_weights
     from shardwise.parallel import checkpoint_activations, compile_blocks
 
     par = cfg.parallel
@@ -213,12 +221,13 @@ def build_pipeline_model(cfg: Any, model_cfg: Any, env: Any, shard_kwargs: dict)
     part = split_stages(model, mesh, v, layers, placement=schedule.placement)
     share_cp_context(model, part)  # the loop shards each batch by the part's layout
     share_low_precision_report(model, part)  # the start lines describe the whole model's
-    # Checkpointing and compile wrap each block of this rank's stages, before sharding (the
-    # composition order of shardwise.train.parallelize).
+    # Checkpointing and compile wrap each block of this rank's stages (every tower's: a VLA's
+    # vision blocks too), before sharding (the composition order of
+    # shardwise.train.parallelize).
     t = cfg.train
-    checkpoint_activations(part, t.activation_checkpoint, blocks=TransformerBlock)
+    checkpoint_activations(part, t.activation_checkpoint, blocks=ModelBlock)
     if t.compile:
-        compile_blocks(part, TransformerBlock, backend=t.compile_backend)
+        compile_blocks(part, ModelBlock, backend=t.compile_backend)
     torch.manual_seed(cfg.train.seed)
     shard_stages(part, stage=par.stage, init_weights=init_module_weights, device=env.device,
                  **shard_kwargs)

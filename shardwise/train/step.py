@@ -34,6 +34,7 @@ from shardwise.train.pipeline import pipeline_of
 from shardwise.train.stats import gather_stats
 from shardwise.train.stepguard import StepGuard
 from shardwise.train.vla import vla_loss
+from shardwise.train.vla_pipeline import vla_microbatches
 
 __all__ = ["train_step", "evaluate", "gather_stats", "sync_debug"]
 
@@ -83,8 +84,11 @@ def _forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.
     accum = cfg.train.grad_accum
     pipe = pipeline_of(model)
     if pipe is not None:  # the schedule's micro-batches are the accumulation (grad_accum 1)
-        inputs, targets = local_sequences(model, *(t.to(env.device)
-                                                   for t in loader.next_batch()))
+        batch = loader.next_batch()
+        if hasattr(batch, "images"):  # VLA: micro-batches of samples, each its own frames
+            micro = vla_microbatches(batch, pipe.schedule.microbatches, env.device)
+            return pipe.step(*micro).to(env.device), batch.tokens.numel()
+        inputs, targets = local_sequences(model, *(t.to(env.device) for t in batch))
         return pipe.step(inputs, targets).to(env.device), None
     positions = None
     loss_sum = torch.zeros((), dtype=torch.float32, device=env.device)

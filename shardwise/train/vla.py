@@ -40,7 +40,9 @@ from shardwise.distributed import env as dist_env
 from shardwise.train.config import Config
 from shardwise.train.freeze import apply_freeze
 from shardwise.train.parallelize import cross_entropy
+from shardwise.train.pipeline import pipeline_of
 from shardwise.train.stats import gather_stats
+from shardwise.train.vla_pipeline import PipelineLogits, is_last_stage, pipeline_accuracy
 
 __all__ = ["VLAData", "is_vla", "vla_model_config", "build_vla_data", "build_vla_loader",
            "sample_spec", "vla_validation_note", "vla_loss", "evaluate_vla", "check_vla",
@@ -168,7 +170,13 @@ def _accuracy(model: nn.Module, loader: Any, spec: Any, env: dist_env.DistEnv,
     correct = torch.zeros((), dtype=torch.float64, device=env.device)
     counted = torch.zeros((), dtype=torch.float64, device=env.device)
     batches = 0
+    pipe = pipeline_of(model)
     for batch in loader.val_batches(max_batches):
+        batches += 1
+        if pipe is not None:  # the schedule's forward-only path; the counts on its last stage
+            loss, right, seen = pipeline_accuracy(pipe, batch, spec.text_limit, env.device)
+            loss_sum, correct, counted = loss_sum + loss, correct + right, counted + seen
+            continue
         batch = batch.to(env.device)
         logits = full_logits(model, model(batch.tokens, batch.images)).float()
         at = batch.labels != -100  # (B, T): the ACT positions
@@ -177,7 +185,6 @@ def _accuracy(model: nn.Module, loader: Any, spec: Any, env: dist_env.DistEnv,
         guess = logits[at][:, first:].argmax(dim=-1) + first
         correct += (guess == batch.labels[at]).sum()
         counted += at.sum()
-        batches += 1
     return loss_sum, correct, counted, batches
 
 
@@ -187,10 +194,15 @@ class _Lockstep:
     def __init__(self, model: nn.Module, spec: Any, env: dist_env.DistEnv) -> None:
         from shardwise.data.vla import GreedyActionPolicy
 
+        from shardwise.data.vla import ACT_ID, BOS_ID
+
         self.model, self.env = model, env
-        self.greedy = GreedyActionPolicy(
-            lambda tokens, images: full_logits(model, model(tokens, images)), spec=spec,
-            device=env.device)
+        pipe = pipeline_of(model)
+        if pipe is not None:  # [Note: the pipelined policy] in vla_pipeline.py
+            self.forward = PipelineLogits(pipe, model.config.vocab_size, ACT_ID, BOS_ID)
+        else:
+            self.forward = lambda tokens, images: full_logits(model, model(tokens, images))
+        self.greedy = GreedyActionPolicy(self.forward, spec=spec, device=env.device)
 
     def _acting(self, acting: bool) -> int:
         flag = torch.tensor([1.0 if acting else 0.0], device=self.env.device)
@@ -210,7 +222,7 @@ class _Lockstep:
         images = torch.zeros(0, 3, spec_image_size(self.model), spec_image_size(self.model),
                              device=self.env.device)
         while self._acting(False):
-            self.model(tokens, images)
+            self.forward(tokens, images)
 
 
 def spec_image_size(model: nn.Module) -> int:
@@ -256,6 +268,9 @@ def evaluate_vla(model: nn.Module, loader: Any, model_cfg: Any, cfg: Config,
                                            record=cfg.vla.strip and rank == 0)
     finally:
         model.train()
+    pipe = pipeline_of(model)
+    if pipe is not None:  # the pipeline's last stage counts; the other stages hold zeros
+        leader = leader and is_last_stage(pipe)
     weight = 1.0 if leader else 0.0  # tensor peers repeat their data rank's numbers
     stats = gather_stats([weight * loss_sum / max(batches, 1), weight * correct,
                           weight * counted, weight * wins, weight * episodes, weight], env)
@@ -280,13 +295,21 @@ def check_vla(cfg: Config, model_cfg: Any) -> None:
     text models').
 
     Raises:
-        ValueError: a layout the VLA path does not take yet (pipeline, context parallelism,
-            sequence parallelism, the planner's layout), a vision tower the tensor degree
+        ValueError: a layout the VLA path does not take yet (a pipeline with tensor or
+            expert parallelism or a frozen tower, context parallelism, sequence
+            parallelism, the planner's layout), a vision tower the tensor degree
             does not divide, a ``[vla]`` value out of range, samples longer than the
             decoder's ``max_seq_len``, a ``model.freeze`` name that is not a submodule.
     """
     par, v = cfg.parallel, cfg.vla
-    refusals = [(par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp = 1"),
+    pipelined = par.pp > 1
+    refusals = [(pipelined and par.tp > 1, f"parallel.pp={par.pp} with parallel.tp={par.tp}",
+                 "one of them 1"),
+                (pipelined and par.ep > 1, f"parallel.pp={par.pp} with parallel.ep={par.ep}",
+                 "one of them 1"),
+                (pipelined and bool(cfg.model.freeze),
+                 f"parallel.pp={par.pp} with model.freeze={list(cfg.model.freeze)}",
+                 "one of them unset"),
                 (par.cp > 1, f"parallel.cp={par.cp}", "parallel.cp = 1"),
                 (par.tp > 1 and par.sequence_parallel is True,
                  "parallel.sequence_parallel=true", "false or unset"),

@@ -79,6 +79,48 @@ class VLABatch:
         return VLABatch(*(t.to(device, non_blocking=non_blocking)
                           for t in (self.tokens, self.labels, self.images)))
 
+    def frames_per_sample(self) -> list[int]:
+        """Frames of each row: its ``IMAGE`` ids over the patches per frame (every frame has
+        the same patches, ``num_image_tokens / N``); all 0 when the batch has no frame."""
+        per_row = (self.tokens == IMAGE_ID).sum(dim=1).tolist()
+        if self.num_images == 0:
+            return [0] * self.batch_size
+        patches, rest = divmod(sum(per_row), self.num_images)
+        if rest or any(r % patches for r in per_row):
+            raise ValueError(f"VLABatch: rows hold {per_row} IMAGE ids, which {self.num_images} "
+                             f"frames of equal patches do not fill")
+        return [r // patches for r in per_row]
+
+    def split(self, parts: int) -> list[VLABatch]:
+        """The batch cut by samples into ``parts`` equal micro-batches, each with its own
+        frames (those of its samples, in order; a micro-batch may hold none). Rows keep the
+        batch's length ``T`` (right padding changes no earlier position).
+
+        Args:
+            parts: how many micro-batches (a pipeline's ``pp_microbatches``).
+
+        Returns:
+            ``parts`` batches of ``B / parts`` samples, in order.
+
+        Raises:
+            ValueError: ``parts`` is not a positive int dividing ``B`` (naming both), or
+                rows whose IMAGE ids the frames do not fill.
+        """
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 \
+                or self.batch_size % parts:
+            raise ValueError(f"VLABatch.split: a batch of {self.batch_size} samples does not "
+                             f"split into parts={parts!r} equal micro-batches")
+        rows = self.batch_size // parts
+        frames = self.frames_per_sample()
+        out, first = [], 0
+        for i in range(parts):
+            n = sum(frames[i * rows:(i + 1) * rows])
+            cut = slice(i * rows, (i + 1) * rows)
+            out.append(VLABatch(self.tokens[cut], self.labels[cut],
+                                self.images[first:first + n]))
+            first += n
+        return out
+
 
 def collate(samples: Sequence[VLASample], pad_to: int | None = None) -> VLABatch:
     """Right-pad and stack ``samples`` into a :class:`VLABatch`.

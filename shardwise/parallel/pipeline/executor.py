@@ -229,22 +229,29 @@ class PipelineExecutor:
         return self._run(self.train_program, inputs, targets, train=True)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 loss_fn: LossFn | None = None) -> torch.Tensor:
         """The batch's mean loss from a forward-only run of the schedule (validation).
 
         Same arguments and result as :meth:`step`; no gradient is computed.
+
+        Args:
+            loss_fn: this run's ``(logits, targets) -> loss`` on the last stage, in place of
+                the executor's (default None: the executor's); it sees each micro-batch's
+                logits, e.g. to count accuracy or keep what a policy acts on.
         """
-        return self._run(self.eval_program, inputs, targets, train=False)
+        return self._run(self.eval_program, inputs, targets, train=False, loss_fn=loss_fn)
 
     # ------------------------------------------------------------------ running
-    def _run(self, prog: _Program, inputs, targets, train: bool) -> torch.Tensor:
+    def _run(self, prog: _Program, inputs, targets, train: bool,
+             loss_fn: LossFn | None = None) -> torch.Tensor:
         m = self.schedule.microbatches
         xs, ts = split_microbatches(inputs, m), split_microbatches(targets, m)
         self.mailbox.begin([_signature(x) for x in xs])
         self.ties.sync_weights()
         if train:
             self._begin_controls()
-        run = _Run(xs, ts, train)
+        run = _Run(xs, ts, train, loss_fn or self.loss_fn)
         wd = watchdog.active()
         times: list[ActionTime] = []
         for i, step in enumerate(prog.steps):
@@ -306,7 +313,7 @@ class PipelineExecutor:
             x.requires_grad_()
         out = st(x, run.xs[mb])  # the micro-batch's inputs: each stage's side inputs
         if st.is_last:
-            loss = self.loss_fn(out, run.ts[mb])
+            loss = run.loss_fn(out, run.ts[mb])
             run.losses.append(loss.detach().float())
             out = loss / self.schedule.microbatches
         else:
@@ -372,8 +379,8 @@ def _describe(step: tuple[Action, ...]) -> str:
 class _Run:
     """What one run of the list keeps between actions."""
 
-    def __init__(self, xs, ts, train: bool) -> None:
-        self.xs, self.ts, self.train = xs, ts, train
+    def __init__(self, xs, ts, train: bool, loss_fn: LossFn) -> None:
+        self.xs, self.ts, self.train, self.loss_fn = xs, ts, train, loss_fn
         self.losses: list[torch.Tensor] = []
         self.acts: dict[tuple[int, int], tuple] = {}   # (stage, mb) -> (input, output)
         self.roots: dict[tuple[int, int], list] = {}   # (stage, mb) -> extra backward roots
