@@ -176,6 +176,8 @@ def test_the_vla_config_file_runs_through_the_command(dataset, tmp_path):
     ({"model.freeze": "eyes"}, "model.freeze: 'eyes' is not a submodule of the model"),
     ({"vla.frames": "9"}, "vla.frames=9 makes samples of up to"),
     ({"vla.level": "MiniGrid-Empty-5x5-v0"}, "vla.level='MiniGrid-Empty-5x5-v0'"),
+    ({"vla.val_fraction": "0.05", "train.batch_size": "8"},
+     "fewer than one global batch of 16"),
     ({"parallel.tp": "3", "parallel.nproc": "3"}, "parallel.tp=3 does not divide"),
 ])
 def test_layouts_the_vla_path_does_not_take_are_refused_before_any_rank(

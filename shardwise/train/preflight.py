@@ -24,7 +24,8 @@ from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
 from shardwise.train.plan_layout import plan_start
-from shardwise.train.vla import build_vla_data, check_vla, is_vla, vla_model_config
+from shardwise.train.vla import (build_vla_data, check_vla, check_vla_data, is_vla,
+                                 vla_model_config)
 from shardwise.train.pipeline import bubble_warning, check_pipeline_config, check_pipeline_model
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
@@ -207,6 +208,8 @@ def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True
         data = build_data(cfg, cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
     model_cfg = build_model_config(cfg, data.vocab_size)
     shape = model_cfg.decoder if vla else model_cfg
+    if vla:
+        check_vla_data(cfg, data, model_cfg)
     # --parallel.plan auto: the planner's layout (same global batch), then the checks below
     cfg = plan_start(cfg, model_cfg, world_size)
     from shardwise.train.parallelize import validate_ep, validate_tp  # degrees vs the shape

@@ -45,8 +45,8 @@ from shardwise.train.stats import gather_stats
 from shardwise.train.vla_pipeline import PipelineLogits, is_last_stage, pipeline_accuracy
 
 __all__ = ["VLAData", "is_vla", "vla_model_config", "build_vla_data", "build_vla_loader",
-           "sample_spec", "vla_validation_note", "vla_loss", "evaluate_vla", "check_vla",
-           "describe_vla_data"]
+           "check_vla_data", "sample_spec", "vla_validation_note", "vla_loss", "evaluate_vla",
+           "check_vla", "describe_vla_data"]
 
 STRIP_NAME = "rollout.png"
 
@@ -105,6 +105,24 @@ def build_vla_data(cfg: Config) -> VLAData:
               f"minigrid's expert bot into {path} (once)", flush=True)
     path = ensure_dataset(path, cfg.vla.level, cfg.vla.episodes)
     return VLAData(path=path, index=read_index(path))
+
+
+def check_vla_data(cfg: Config, data: VLAData, model_cfg: Any) -> None:
+    """The dataset against the batch, before any rank starts: at least one global batch of
+    training samples and, since every validation reads them, of held-out samples.
+
+    Raises:
+        ValueError: too few samples in either split (naming the counts and what to raise).
+    """
+    par = cfg.parallel
+    ranks = max(par.dp_replicate * par.dp_shard, 1)
+    loader = build_vla_loader(cfg, data, model_cfg, 0, ranks)  # checks the training split
+    need = cfg.train.batch_size * ranks
+    if loader.num_val_samples < need:
+        raise ValueError(f"vla.val_fraction={cfg.vla.val_fraction} of {cfg.vla.episodes} "
+                         f"episodes holds out {loader.num_val_samples} samples, fewer than one "
+                         f"global batch of {need} (train.batch_size x data ranks); expected a "
+                         "larger vla.val_fraction or vla.episodes")
 
 
 def describe_vla_data(data: VLAData) -> str:

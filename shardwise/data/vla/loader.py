@@ -143,6 +143,11 @@ class VLALoader:
         return int(self._train.shape[0])
 
     @property
+    def num_val_samples(self) -> int:
+        """Held-out samples (time steps of the validation episodes)."""
+        return int(self._val.shape[0])
+
+    @property
     def val_seeds(self) -> list[int]:
         """Env seeds of the held-out episodes."""
         return [self.dataset.seeds[e] for e in self.val_episodes]
