@@ -79,6 +79,16 @@ def test_patches_replace_image_embeddings_and_padding_is_causal():
     torch.testing.assert_close(one, out[:1, :8], rtol=1e-5, atol=1e-6)
 
 
+def test_a_part_decodes_only_those_positions_after_the_whole_merge():
+    model = build_model(TINY, seed=0)
+    tokens, _, images = _sample_batch(TINY, [1, 2])  # sample 1's frames end past position 5
+    out = model(tokens, images)
+    part = model(tokens, images, torch.arange(5))  # a prefix: RoPE's 0 .. 4 are its places
+    torch.testing.assert_close(part, out[:, :5], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="IMAGE ids"):  # the merge still sees every frame
+        model(tokens, images[:1], torch.arange(5))
+
+
 def test_action_tokenizer_round_trips():
     tok = ActionTokenizer(128, 16)
     ids = tok.encode(torch.arange(7))

@@ -6,8 +6,10 @@ same global batches from the same init, so in fp32 the ZeRO stages agree with on
 to rounding, tensor parallelism to a looser bound, and a frozen vision tower leaves its
 weights untouched. Pipelined layouts (pp 2 x dp 1 on two ranks, pp 3 on three: one data rank
 of the same global batch, the vision tower on the first stage) match the unpipelined losses
-within 1e-5 and validate to the same accuracy and success rate. The model-level parity
-against one process is tests/test_vla_model.py's (tests/test_vla_pp.py's for pipelines).
+within 1e-5 and validate to the same accuracy and success rate; so does context
+parallelism (cp 2 x dp 1: each cp rank decodes its zigzag part of the same global batch).
+The model-level parity against one process is tests/test_vla_model.py's
+(tests/test_vla_pp.py's for pipelines).
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ LAYOUTS = {
     "text_only": {"parallel.stage": "3", "vla.text_only_share": "0.5"},
     "ac_full": {"parallel.stage": "3", "train.activation_checkpoint": "full"},
     "moe_ep2": {"model.name": "debug-vla-moe", "parallel.stage": "3", "parallel.ep": "2"},
+    # cp 2 x dp 1: one data rank of 8 samples, each cp rank decoding its zigzag part
+    "cp2": {"parallel.stage": "3", "parallel.cp": "2", "train.batch_size": "8"},
+    # ... and samples with no frame, ZeRO 1
+    "cp2_text": {"parallel.stage": "1", "parallel.cp": "2", "train.batch_size": "8",
+                 "vla.text_only_share": "0.5"},
     # pp 2 x dp 1: one data rank of 8 samples in 4 micro-batches, the vision tower on stage 0
     "pp2": {"parallel.stage": "1", "parallel.pp": "2", "train.batch_size": "8",
             "parallel.pp_microbatches": "4"},
@@ -106,7 +113,8 @@ def test_the_zero_stages_agree_and_tensor_parallelism_matches(runs):
     for name in ("stage1", "stage2", "stage3", "ac_full"):
         got = _losses(runs[name])
         assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (name, got, ref)
-    for name, ref_name in (("pp2", "stage0"), ("pp2_text", "text_only")):
+    for name, ref_name in (("pp2", "stage0"), ("pp2_text", "text_only"), ("cp2", "stage0"),
+                           ("cp2_text", "text_only")):
         got, want = _losses(runs[name]), _losses(runs[ref_name])
         assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (name, got, want)
     got = _losses(runs["tp2"])
@@ -118,8 +126,9 @@ def test_the_zero_stages_agree_and_tensor_parallelism_matches(runs):
 
 def test_pipelined_validation_counts_what_one_stage_counts(runs, dataset, tmp_path):
     # the same weights (within rounding): the same accuracy and, acting in lockstep through
-    # the schedule, the same episodes
-    for name, ref_name in (("pp2", "stage0"), ("pp2_text", "text_only")):
+    # the schedule (the cp ranks: on gathered logits), the same episodes
+    for name, ref_name in (("pp2", "stage0"), ("pp2_text", "text_only"), ("cp2", "stage0"),
+                           ("cp2_text", "text_only")):
         (got,), (want,) = logged(runs[name], "success_rate"), logged(runs[ref_name],
                                                                      "success_rate")
         assert got["action_accuracy"] == want["action_accuracy"], (name, got, want)
@@ -170,7 +179,10 @@ def test_the_vla_config_file_runs_through_the_command(dataset, tmp_path):
      "parallel.pp=2 with parallel.tp=2 is not supported with the vision-language-action"),
     ({"parallel.pp": "2", "model.freeze": "vision"},
      "parallel.pp=2 with model.freeze=['vision'] is not supported"),
-    ({"parallel.cp": "2"}, "parallel.cp=2 is not supported"),
+    ({"parallel.cp": "2", "parallel.pp": "2", "parallel.nproc": "4"},
+     "parallel.cp=2 with parallel.pp=2 is not supported"),
+    ({"parallel.cp": "2", "parallel.tp": "2", "parallel.nproc": "4"},
+     "parallel.cp=2 with parallel.tp=2 is not supported"),
     ({"parallel.tp": "2", "parallel.sequence_parallel": "true"},
      "parallel.sequence_parallel=true is not supported"),
     ({"model.freeze": "eyes"}, "model.freeze: 'eyes' is not a submodule of the model"),

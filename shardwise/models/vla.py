@@ -211,7 +211,8 @@ class VisionLanguageAction(nn.Module):
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights()
 
-    def forward(self, tokens: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, images: torch.Tensor,
+                part: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits of a batch of samples with their frames.
 
         Args:
@@ -220,9 +221,14 @@ class VisionLanguageAction(nn.Module):
                 never changes earlier positions.
             images: ``(N, channels, image_size, image_size)`` float frames of the whole batch
                 in the order of their IMAGE runs (sample-major); ``N`` may be 0.
+            part: ``(T',)`` int64 positions of the sequence to decode, or None (all of
+                them). The whole sequence is embedded (tower and merge on every frame), then
+                only these positions go through the decoder, whose RoPE must place them:
+                a context-parallel rank's part in ``apply_cp``'s layout (the trainer's
+                ``shardwise.train.vla``), which gives RoPE those global positions.
 
         Returns:
-            ``(B, T, vocab_size)`` logits.
+            ``(B, T, vocab_size)`` logits (``(B, T', vocab_size)`` with ``part``).
 
         Raises:
             ValueError: bad tokens or images, or ``N * num_patches`` differing from the
@@ -232,7 +238,9 @@ class VisionLanguageAction(nn.Module):
         check_inputs(self.config, tokens, images)
         patches = self.projector(self.vision(images))  # (N, P, C), N may be 0
         h = merge_patches(self.config.image_token_id, self.tok_embeddings, tokens, patches)
-        return decode(self, h, tokens.shape[1])  # (B, T, V)
+        if part is not None:
+            h = h[:, part]  # (B, T', C): the tokens this call decodes
+        return decode(self, h, h.shape[1])  # (B, T | T', V)
 
     def pipeline_pieces(self) -> PipelinePieces:
         """This model's pieces, as the pipeline split reads them ([Note: declared pieces] in

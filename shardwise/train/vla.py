@@ -22,6 +22,19 @@ rank acts in its own share of the seeds, and a rank whose episodes are over must
 the forwards of the ranks still acting. Before each forward the ranks agree, in one small
 all-reduce, how many of them still act; a rank that is done runs a one-sample forward with no
 frame until none is left.
+
+[Note: the VLA under context parallelism] The cp ranks of a data rank hold the whole batch
+(like tensor ranks). Each embeds the whole sequence (the tower and the merge on every frame:
+cheap, and the same collectives on every rank), then decodes only its part in the layout of
+``apply_cp`` (the batch right-padded to a length the layout cuts into equal chunks), whose
+RoPE places the part at its global positions. The action labels are not spread evenly (one
+per sample, wherever its ACT falls), so a rank's plain mean would weigh its few labels like
+another's many: each rank's loss is instead ``cp x`` (its labels' summed cross-entropy) /
+(the whole batch's labels), and the mean over the cp ranks, the engine's gradient average
+over ``dp_cp`` and the loop's average of the logged losses are the batch's mean, as for text
+([Note: the loss under context parallelism] in context.py). Validation and rollouts gather
+the parts' logits over the cp group, so every cp rank sees the whole sequences and acts alike
+(one of them speaks for the data rank, like a tensor rank's leader).
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from torch import nn
 
 from shardwise.distributed import comm
 from shardwise.distributed import env as dist_env
+from shardwise.parallel.context import chunk_count, cp_context, unshard_sequence
 from shardwise.train.config import Config
 from shardwise.train.freeze import apply_freeze
 from shardwise.train.parallelize import cross_entropy
@@ -49,6 +63,7 @@ __all__ = ["VLAData", "is_vla", "vla_model_config", "build_vla_data", "build_vla
            "check_vla", "describe_vla_data"]
 
 STRIP_NAME = "rollout.png"
+IGNORE = -100  # the label of a position with no action (the data side's IGNORE_INDEX)
 
 
 @dataclass(frozen=True)
@@ -174,10 +189,49 @@ def full_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return all_gather_dim(logits.contiguous(), -1, ctx.tp.group, label="vla.logits")
 
 
+def _cp_padded(model: nn.Module, ctx: Any, tokens: torch.Tensor, labels: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tokens`` and ``labels`` right-padded to a length the cp layout cuts into equal
+    chunks (padding never changes earlier positions: causal attention), and this rank's
+    part of that length (its global positions)."""
+    extra = -tokens.shape[1] % chunk_count(ctx.cp, ctx.load_balance)
+    if extra:
+        tokens = F.pad(tokens, (0, extra), value=model.config.pad_id)
+        labels = F.pad(labels, (0, extra), value=IGNORE)
+    return tokens, labels, ctx.positions(tokens.shape[1] // ctx.cp, tokens.device)
+
+
 def vla_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """Mean cross-entropy of the action tokens of ``batch`` (a VLABatch on the device)."""
-    logits = model(batch.tokens, batch.images)  # (B, T, vocab) or vocab-sharded
-    return cross_entropy(model, logits, batch.labels)
+    """Mean cross-entropy of the action tokens of ``batch`` (a VLABatch on the device).
+
+    Under context parallelism ([Note: the VLA under context parallelism]) this cp rank's
+    share of it: the ranks' shares average to the batch's mean."""
+    ctx = cp_context(model)
+    if ctx is None:
+        logits = model(batch.tokens, batch.images)  # (B, T, vocab) or vocab-sharded
+        return cross_entropy(model, logits, batch.labels)
+    tokens, labels, part = _cp_padded(model, ctx, batch.tokens, batch.labels)
+    logits = model(tokens, batch.images, part)  # (B, T / cp, vocab)
+    summed = F.cross_entropy(logits.flatten(0, 1).float(), labels[:, part].flatten(),
+                             ignore_index=IGNORE, reduction="sum")
+    return summed * ctx.cp / (labels != IGNORE).sum().clamp_min(1)
+
+
+def whole_logits(model: nn.Module, tokens: torch.Tensor, images: torch.Tensor
+                 ) -> torch.Tensor:
+    """The ``(B, T, vocab)`` logits of the whole sequences, on every rank (validation and
+    rollouts): under context parallelism each cp rank decodes its part and the parts are
+    gathered, so the cp ranks of a data rank see the same logits and act alike."""
+    ctx = cp_context(model)
+    if ctx is None:
+        return full_logits(model, model(tokens, images))
+    from shardwise.distributed.comm.dims import all_gather_dim
+
+    seq_len = tokens.shape[1]
+    tokens, _, part = _cp_padded(model, ctx, tokens, torch.zeros_like(tokens))
+    local = full_logits(model, model(tokens, images, part)).contiguous()  # (B, T / cp, V)
+    parts = all_gather_dim(local, 1, ctx.group, label="vla.cp_logits").chunk(ctx.cp, dim=1)
+    return unshard_sequence(list(parts), ctx.load_balance)[:, :seq_len]
 
 
 @torch.no_grad()
@@ -196,7 +250,7 @@ def _accuracy(model: nn.Module, loader: Any, spec: Any, env: dist_env.DistEnv,
             loss_sum, correct, counted = loss_sum + loss, correct + right, counted + seen
             continue
         batch = batch.to(env.device)
-        logits = full_logits(model, model(batch.tokens, batch.images)).float()
+        logits = whole_logits(model, batch.tokens, batch.images).float()
         at = batch.labels != -100  # (B, T): the ACT positions
         loss_sum += F.cross_entropy(logits[at], batch.labels[at])
         first = spec.text_limit
@@ -219,7 +273,7 @@ class _Lockstep:
         if pipe is not None:  # [Note: the pipelined policy] in vla_pipeline.py
             self.forward = PipelineLogits(pipe, model.config.vocab_size, ACT_ID, BOS_ID)
         else:
-            self.forward = lambda tokens, images: full_logits(model, model(tokens, images))
+            self.forward = lambda tokens, images: whole_logits(model, tokens, images)
         self.greedy = GreedyActionPolicy(self.forward, spec=spec, device=env.device)
 
     def _acting(self, acting: bool) -> int:
@@ -314,8 +368,9 @@ def check_vla(cfg: Config, model_cfg: Any) -> None:
 
     Raises:
         ValueError: a layout the VLA path does not take yet (a pipeline with tensor or
-            expert parallelism or a frozen tower, context parallelism, sequence
-            parallelism, the planner's layout), a vision tower the tensor degree
+            expert parallelism or a frozen tower, context parallelism with a pipeline,
+            tensor or expert parallelism, sequence parallelism, the planner's layout), a
+            vision tower the tensor degree
             does not divide, a ``[vla]`` value out of range, samples longer than the
             decoder's ``max_seq_len``, a ``model.freeze`` name that is not a submodule.
     """
@@ -328,7 +383,9 @@ def check_vla(cfg: Config, model_cfg: Any) -> None:
                 (pipelined and bool(cfg.model.freeze),
                  f"parallel.pp={par.pp} with model.freeze={list(cfg.model.freeze)}",
                  "one of them unset"),
-                (par.cp > 1, f"parallel.cp={par.cp}", "parallel.cp = 1"),
+                *((par.cp > 1 and getattr(par, axis) > 1,
+                   f"parallel.cp={par.cp} with parallel.{axis}={getattr(par, axis)}",
+                   "one of them 1") for axis in ("pp", "tp", "ep")),
                 (par.tp > 1 and par.sequence_parallel is True,
                  "parallel.sequence_parallel=true", "false or unset"),
                 (par.plan == "auto", "parallel.plan='auto'", "'off'")]
@@ -351,6 +408,8 @@ def check_vla(cfg: Config, model_cfg: Any) -> None:
         if not ok:
             raise ValueError(f"vla.{name}={value!r}; expected {expected}")
     longest = v.frames * model_cfg.num_patches + _TEXT_ROOM
+    if par.cp > 1:  # padded to the cp layout's chunks
+        longest += -longest % chunk_count(par.cp, par.cp_load_balance)
     if longest > model_cfg.max_seq_len:
         raise ValueError(f"vla.frames={v.frames} makes samples of up to {longest} tokens "
                          f"({model_cfg.num_patches} per frame), more than max_seq_len="
