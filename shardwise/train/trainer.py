@@ -38,7 +38,8 @@ from shardwise.train.resume_checks import RUN_KEY, run_record
 from shardwise.train.lr_schedule import apply_schedule_horizon, build_lr_schedule, lr_factor
 from shardwise.train.step import evaluate, gather_stats, train_step
 from shardwise.train.stepguard import StepGuard
-from shardwise.train.vla import (build_vla_loader, describe_vla_data, evaluate_vla, is_vla,
+from shardwise.train.vla_eval import evaluate_vla
+from shardwise.train.vla import (build_vla_loader, describe_vla_data, is_vla,
                                  vla_validation_note)
 
 __all__ = [
