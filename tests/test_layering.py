@@ -1,8 +1,9 @@
 """The package's dependencies run one way, bottom up (docs/design.md, "Floors").
 
-sizes, quant, models, data -> distributed -> shard -> parallel -> checkpoint -> planner ->
-train. Every import a module makes (at module level or inside a function) may only reach its
-own floor or one below; module-level imports form no cycle; and the core import path
+sizes, quant, models, data -> distributed -> shard -> parallel -> checkpoint -> inference,
+planner -> train (inference and planner share a floor and import neither each other). Every
+import a module makes (at module level or inside a function) may only reach its own floor or
+one below; module-level imports form no cycle; and the core import path
 (``import shardwise``) never imports the trainer or ``tomllib`` (which Python 3.10 lacks).
 """
 
@@ -18,7 +19,7 @@ import shardwise
 
 ROOT = Path(shardwise.__file__).parent
 FLOORS = {"sizes": 0, "compat": 0, "quant": 0, "models": 0, "data": 0, "distributed": 1, "shard": 2,
-          "parallel": 3, "checkpoint": 4, "planner": 5, "train": 6}
+          "parallel": 3, "checkpoint": 4, "inference": 5, "planner": 5, "train": 6}
 
 
 def _module(path: Path) -> str:
@@ -67,6 +68,21 @@ def test_imports_only_reach_down():
             if theirs is not None and theirs > mine:
                 wrong.append(f"{me}:{line} imports {name} (floor {theirs} > {mine})")
     assert not wrong, "imports that reach up a floor:\n" + "\n".join(wrong)
+
+
+SIBLINGS = ("inference", "planner")  # one floor, two concerns: neither depends on the other
+
+
+def test_floor_siblings_do_not_import_each_other():
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        me = _module(path).split(".")
+        if len(me) < 2 or me[1] not in SIBLINGS:
+            continue
+        other = SIBLINGS[1 - SIBLINGS.index(me[1])]
+        wrong += [f"{'.'.join(me)}:{line} imports {name}" for name, line, _ in _imports(path)
+                  if name.split(".")[1:2] == [other]]
+    assert not wrong, "\n".join(wrong)
 
 
 def _graph() -> dict[str, set[str]]:
