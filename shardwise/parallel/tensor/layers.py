@@ -68,7 +68,9 @@ class TPContext:
         """The input of the region ``x`` enters, made once per ``x``: ``(whole input,
         SequenceInput or None)``. Several linears reading one tensor (q, k, v) share one
         ``f`` or one sequence all-gather, so the backward reduces once for all of them."""
-        key = (x._version,)
+        # an inference tensor (torch.inference_mode: the KV-cache decoder) has no version
+        # counter; it cannot change between the linears of one region anyway
+        key = (None if x.is_inference() else x._version,)
         if self._entry is not None and self._key is not None and self._key() is x \
                 and self._entry[0] == key:
             return self._entry[1], self._entry[2]

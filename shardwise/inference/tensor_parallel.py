@@ -1,0 +1,241 @@
+"""Tensor-parallel decoding: a built-in decoder split over the ranks of a tensor-parallel
+group, each rank holding and reading only its own rows of the weights.
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    loaded = load_tp_model("runs/debug", mesh["tp"])            # this rank's pieces only
+    out = generate(loaded.model, prompts, max_new_tokens=32,
+                   choose=rank0_tokens(mesh["tp"].get_group(), loaded.device))
+
+[Note: tensor-parallel decode]
+The model is parallelised by :func:`shardwise.parallel.tensor.apply_tp` exactly as in
+training, with ``sequence_parallel=False`` (a decode step has one token per row: there is
+no sequence to split) and ``loss_parallel=False`` (the head's logits are gathered whole, so
+every rank samples from the same ``(B, V)``). Each block then costs one all-reduce after
+the row-parallel ``wo`` and one after ``w2``, plus one for the vocab-parallel embedding and
+one all-gather of the logits per forward. The attention modules produce ``n_heads / tp``
+query heads and ``max(n_kv_heads / tp, 1)`` KV heads, and the KV cache allocates from those
+shapes, so it is split by heads with no change to it. An MoE block is held whole and run
+redundantly on every rank ([Note: MoE under tensor parallelism] in parallel/tensor/plan.py).
+
+[Note: one token choice for all ranks]
+Every rank samples from the same gathered logits with the same seed, so the ranks should
+pick the same tokens. "Should" is not enough: a logit that differs in its last bit (an
+all-reduce that sums in another order on one rank, a kernel that is not deterministic on a
+GPU) can flip an argmax or a sample on one rank only. That rank would then feed another
+token, stop at another step, and either hang in a collective the others never enter or
+pair its collectives with the wrong ones of the others. :func:`rank0_tokens` therefore
+broadcasts rank 0's picks every step (``B`` int64 values: one tiny collective) and every
+rank continues with those.
+
+[Note: loading only the local rows]
+The model is built on the meta device, parallelised (every parameter gets its
+:class:`~shardwise.distributed.placement.Placement` and its local shape), then allocated.
+A DCP checkpoint stores global tensors as chunks with offsets, so a load planner that asks
+for each parameter's local range (``Placement.local_range``) makes every rank read only the
+bytes of its rows (and, for a row-parallel weight, its columns), with no collective.
+Hugging Face safetensors are loaded whole on each rank and then cut
+(:func:`~shardwise.inference.checkpoint.load_model` then ``apply_tp``): the peak memory of a
+rank is then the whole model's.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from shardwise.checkpoint import atomic
+from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.metadata import SafeReader
+from shardwise.distributed.placement import placement_of, set_placement
+from shardwise.inference.checkpoint import (LoadedModel, load_model, read_model_config,
+                                            resolve_checkpoint)
+from shardwise.models import LlamaConfig, build_model
+from shardwise.parallel.tensor import apply_tp, default_plan
+
+__all__ = ["check_tp_degree", "parallelize_for_decode", "rank0_tokens", "load_tp_model"]
+
+
+def check_tp_degree(config: LlamaConfig, tp: int) -> None:
+    """Refuse a tensor-parallel degree the model's plan cannot split, before any rank or
+    collective exists (apply_tp's own rules, run on a meta-device build).
+
+    Raises:
+        ValueError: ``tp`` < 1, or heads / KV heads / vocabulary / feed-forward width not
+            divisible by it, or a model with no built-in plan (multi-head latent attention),
+            naming the value.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r}, expected an int >= 1")
+    if not isinstance(config, LlamaConfig):
+        raise ValueError(f"tensor-parallel decoding covers shardwise Transformers (a "
+                         f"LlamaConfig), got a {type(config).__name__}")
+    if tp > 1:
+        default_plan(build_model(config, device="meta"), tp)
+
+
+def parallelize_for_decode(model: nn.Module, tp_mesh) -> nn.Module:
+    """``apply_tp`` for decoding ([Note: tensor-parallel decode]): no sequence parallelism,
+    whole logits. In place; returns ``model``.
+
+    Raises:
+        ValueError: see :func:`shardwise.parallel.tensor.apply_tp` (raised before any
+            collective).
+    """
+    return apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=False)
+
+
+def rank0_tokens(group, device: torch.device | str
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The ``choose=`` of :func:`~shardwise.inference.generate` for the ranks of ``group``:
+    every rank continues with the tokens the group's rank 0 picked ([Note: one token choice
+    for all ranks]).
+
+    Args:
+        group: the tensor-parallel process group.
+        device: where the group's collectives run (the model's device: NCCL needs CUDA
+            tensors, Gloo CPU ones).
+
+    Returns:
+        ``choose(tokens) -> tokens``: ``(B,)`` int64 in, rank 0's ``(B,)`` out.
+    """
+    src = dist.get_global_rank(group, 0)
+    device = torch.device(device)
+
+    def choose(tokens: torch.Tensor) -> torch.Tensor:
+        picked = tokens.to(device=device, dtype=torch.int64).contiguous()
+        dist.broadcast(picked, src=src, group=group)
+        return picked.to(tokens.device)
+
+    return choose
+
+
+class _LocalPiecesPlanner(DefaultLoadPlanner):
+    """Reads, for every target tensor, only the chunk ``chunks[fqn]`` of the saved global
+    tensor ([Note: loading only the local rows]); the target holds exactly that chunk."""
+
+    def __init__(self, chunks: dict[str, ChunkStorageMetadata]) -> None:
+        super().__init__()
+        self.chunks = chunks
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn in self.state_dict:
+            md = self.metadata.state_dict_metadata[fqn]
+            items += create_read_items_for_chunk_list(fqn, md, [self.chunks[fqn]])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index) -> torch.Tensor:  # noqa: ANN001 - a MetadataIndex
+        # The target is this rank's chunk itself (a plain tensor, which DCP would only
+        # accept at offset 0); the read item's dest_offsets are relative to it.
+        return self.state_dict[index.fqn]
+
+
+def _chunk(tensor: torch.Tensor) -> ChunkStorageMetadata:
+    """This rank's chunk of ``tensor`` in global coordinates (the whole tensor when it has
+    no placement or a replicated one)."""
+    pl = placement_of(tensor)
+    if pl is None:
+        return ChunkStorageMetadata(offsets=torch.Size([0] * tensor.dim()), sizes=tensor.shape)
+    offsets = [0] * len(pl.shape)
+    for dim, start, _ in pl.local_range():
+        offsets[dim] = start
+    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=pl.local_shape())
+
+
+def _read_local_dcp(path: Path, model: nn.Module) -> int | None:
+    """Fill ``model``'s (local) parameters and persistent buffers from checkpoint ``path``;
+    returns its step."""
+    manifest = atomic.read_manifest(path)
+    atomic.verify_metadata_file(path, manifest)
+    reader = SafeReader(path)
+    md = reader.read_metadata()
+    targets: dict[str, torch.Tensor] = {}
+    chunks: dict[str, ChunkStorageMetadata] = {}
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    persistent = set(model.state_dict())
+    for name, t in tensors.items():
+        if name not in persistent:
+            continue  # RoPE tables: recomputed, never saved
+        key = f"model.{name}"
+        saved = md.state_dict_metadata.get(key)
+        if saved is None:
+            raise CheckpointError(f"checkpoint {path} has no tensor {key}: it is from another "
+                                  f"model", path=path, file=".metadata", tensor=key)
+        whole = placement_of(t).shape if placement_of(t) is not None else t.shape
+        if tuple(saved.size) != tuple(whole):
+            raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(saved.size)}, the "
+                                  f"model's is {tuple(whole)}", path=path, tensor=key)
+        targets[key], chunks[key] = t.data, _chunk(t)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, storage_reader=reader, planner=_LocalPiecesPlanner(chunks),
+                 no_dist=True)
+    return manifest.get("step")
+
+
+def _materialise(model: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-device model on ``device``; recompute non-persistent buffers.
+    ``to_empty`` makes new Parameter objects (meta tensors cannot take real data in place),
+    so the placements recorded on the old ones are copied over by name."""
+    placements = {n: placement_of(p) for n, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        set_placement(param, placements[name])
+    for module in model.modules():
+        if module._non_persistent_buffers_set and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+def load_tp_model(path: str | os.PathLike, tp_mesh, *, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a trained model parallelised over ``tp_mesh`` for decoding, each rank reading
+    only its pieces of a DCP checkpoint ([Note: loading only the local rows]). Call it on
+    every rank of the mesh; it runs no collective.
+
+    Args:
+        path: a run directory, checkpoint folder or safetensors (see
+            :func:`~shardwise.inference.checkpoint.resolve_checkpoint`).
+        tp_mesh: the 1-D tensor-parallel DeviceMesh.
+        device: this rank's device.
+        dtype: the parameters' dtype (buffers stay as built).
+
+    Returns:
+        A :class:`~shardwise.inference.checkpoint.LoadedModel` whose model holds this rank's
+        pieces, parallelised by :func:`parallelize_for_decode`, in eval mode.
+
+    Raises:
+        ValueError: a bad path, or a degree the model cannot be split by.
+        CheckpointError: damaged files, or tensors that do not fit the config.
+    """
+    p = resolve_checkpoint(path)
+    config = read_model_config(p)
+    check_tp_degree(config, tp_mesh.size())
+    device = torch.device(device)
+    if not (p / atomic.MANIFEST).exists():  # safetensors: whole, then cut by apply_tp
+        loaded = load_model(p, device=device, dtype=torch.float32)
+        parallelize_for_decode(loaded.model, tp_mesh)
+        step, fmt, run_dir = loaded.step, loaded.format, loaded.run_dir
+        model = loaded.model
+    else:
+        model = build_model(config, device="meta")
+        parallelize_for_decode(model, tp_mesh)
+        _materialise(model, device)
+        step, fmt = _read_local_dcp(p, model), "dcp"
+        run_dir = p.parent.parent if p.parent.name == "checkpoints" else None
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, config, p, fmt, step, run_dir)
