@@ -143,3 +143,20 @@ def test_bad_input_exits_2_before_any_rank(run, tmp_path, capfd, monkeypatch):
     line = _refused(capfd, monkeypatch, "--checkpoint", str(run), "--prompt", "a",
                     "--stop", "ab")
     assert "--stop 'ab' is 2 tokens" in line
+
+
+def test_streamed_and_low_bit_weights(run, capfd, monkeypatch):
+    """--stream-weights gives the loaded model's greedy text; --weights int8 / int4 stream a
+    store written from the checkpoint (its text may differ: the weights are rounded)."""
+    code = main(["generate", "--checkpoint", str(run), "--prompt", "def ",
+                 "--max-new-tokens", "8", "--stream-weights", "--device", "cpu"])
+    text, m = _printed(capfd, code)
+    assert text == _want(run, "def ", 8) and m.groups() == ("4", "8")
+    for kind in ("int8", "int4"):
+        code = main(["generate", "--checkpoint", str(run), "--prompt", "def ",
+                     "--max-new-tokens", "8", "--weights", kind, "--device", "cpu"])
+        text, m = _printed(capfd, code)
+        assert text.startswith("def ") and m.groups() == ("4", "8")
+    line = _refused(capfd, monkeypatch, "--checkpoint", str(run), "--prompt", "a",
+                    "--stream-weights", "--tp", "2")
+    assert "--stream-weights runs on one process" in line

@@ -38,8 +38,9 @@ class GenerateRequest:
         threads: intra-op CPU threads per rank (None: torch's default).
         tokenizer: decodes ids to text for printing (None: print ids).
         tp: tensor-parallel degree (1: one process).
-        model_source: a callable ``(request, device, dtype) -> LoadedModel`` replacing the
-            plain load at tp 1 (streamed or low-bit weights); None: load it whole.
+        model_source: at tp 1, a callable ``(request, device, dtype)`` returning a context
+            manager that yields the model (weights streamed from disk, a low-bit store) and
+            releases it on exit; None: the model is loaded whole.
     """
 
     checkpoint: str
@@ -150,9 +151,9 @@ def run_single(req: GenerateRequest) -> dict[str, Any]:
         torch.set_num_threads(req.threads)
     device = torch.device(req.device)
     if req.model_source is not None:
-        loaded = req.model_source(req, device, DTYPES[req.dtype])
-    else:
-        loaded = load_model(req.checkpoint, device=device, dtype=DTYPES[req.dtype])
+        with req.model_source(req, device, DTYPES[req.dtype]) as model:
+            return _summary(_generate_and_print(req, model, None, True))
+    loaded = load_model(req.checkpoint, device=device, dtype=DTYPES[req.dtype])
     return _summary(_generate_and_print(req, loaded.model, None, True))
 
 

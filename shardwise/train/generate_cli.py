@@ -12,7 +12,10 @@ value); the ranks get the prompts as token ids. Exit codes as ``shardwise train`
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +227,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from shardwise.train.launch import launch_local
 
     req = request_from_args(args)
-    if args.stream_weights or args.weights:
+    if args.stream_weights or args.weights:  # checked before any rank starts
         req.model_source = _weights_source(args, req)
     if in_torchrun():
         decode_rank(req)
@@ -235,5 +238,37 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+
+@contextmanager
+def _streamed(req: GenerateRequest, device, dtype, kind: str | None):  # noqa: ANN001
+    """The model with its weights streamed from the checkpoint (``kind`` None) or from an
+    int8 / int4 store written from it into a temporary folder first."""
+    import torch
+
+    from shardwise.inference.checkpoint import read_model_config
+    from shardwise.inference.weights import quantize_checkpoint, stream_weights
+    from shardwise.models import build_model
+
+    model = build_model(read_model_config(req.checkpoint), device="meta").to(dtype)
+    with tempfile.TemporaryDirectory(prefix="shardwise-weights-") as tmp:
+        source = req.checkpoint
+        if kind is not None:
+            source = quantize_checkpoint(req.checkpoint, Path(tmp) / kind, kind=kind)
+        with stream_weights(model, source, prefetch=1), torch.no_grad():
+            yield model.eval()
+
+
 def _weights_source(args: argparse.Namespace, req: GenerateRequest):
-    raise ValueError("TODO wire inference.weights")
+    """The ``model_source`` of ``--stream-weights`` / ``--weights`` (tp 1, CPU).
+
+    Raises:
+        ValueError: with --tp > 1 or a CUDA device (the stream's buffers are CPU memory and
+            it reads whole tensors).
+    """
+    flag = "--stream-weights" if args.stream_weights else f"--weights {args.weights}"
+    if req.tp > 1:
+        raise ValueError(f"{flag} runs on one process; --tp {req.tp} reads each rank's rows "
+                         f"itself: drop one of them")
+    if req.device != "cpu":
+        raise ValueError(f"{flag} streams into CPU memory; pass --device cpu")
+    return functools.partial(_streamed, kind=args.weights)
