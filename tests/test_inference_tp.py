@@ -9,8 +9,8 @@ MoE, on a left-padded batch of prompts of different lengths:
   1e-5;
 * seeded top-k / top-p sampling identical on every rank and to tp 1, also when the ranks
   are given different seeds (rank 0's picks are broadcast: the ``choose`` hook matters);
-* a DCP checkpoint loaded with only each rank's rows, and Hugging Face safetensors, decode
-  as the model that was saved;
+* DCP checkpoints (dense, tied, MoE) and Hugging Face safetensors, each rank reading only
+  its rows, hold exactly the pieces of the saved model and decode as it does;
 * degrees the plan cannot split are refused with a ValueError naming the value, on every
   rank before any collective (the collectives after it still pair up), and in the launching
   process by ``check_tp_degree``.
@@ -48,6 +48,7 @@ REFUSED = {  # (variant overrides, tp) the plan cannot split
     "mla_tp_2": ({"attention": "mla", "n_kv_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24,
                   "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12}, 2),
 }
+LOADED = ("dense", "tied", "moe")  # saved as DCP checkpoints; dense also as safetensors
 PROMPTS = [[1, 5, 9, 33, 2, 7, 8, 40, 41], [4, 5], [60], [90, 12, 13, 14, 15]]
 NEW = 8
 SAMPLING = Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=5)
@@ -99,7 +100,7 @@ def _refusals(mesh) -> dict:
     return out
 
 
-def _worker(dcp_path: str, hf_path: str) -> dict:
+def _worker(checkpoints: dict[str, str]) -> dict:
     world = dist.get_world_size()
     meshes = {4: init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"],
               2: init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]}
@@ -109,16 +110,17 @@ def _worker(dcp_path: str, hf_path: str) -> dict:
             model = parallelize_for_decode(_model(name), mesh)
             out[(tp, name)] = _decode_all(model, mesh.get_group())
         out[(tp, "refused")] = _refusals(mesh)
-        for kind, path in (("dcp", dcp_path), ("hf", hf_path)):
+        for kind, path in checkpoints.items():
             loaded = load_tp_model(path, mesh)
-            local = {n: tuple(p.shape) for n, p in loaded.model.named_parameters()}
-            pieces = {n: placement_of(p).local_piece(_model("dense").state_dict()[n])
-                      for n, p in loaded.model.named_parameters()}
-            same = all(torch.equal(p, pieces[n]) for n, p in loaded.model.named_parameters())
-            out[(tp, kind)] = {"greedy": generate(loaded.model, PROMPTS, max_new_tokens=NEW,
-                                                  choose=rank0_tokens(mesh.get_group(), "cpu")
-                                                  ).tokens,
-                               "local_shapes": local, "pieces_equal": same}
+            name = kind.split("-")[1]
+            whole = _model(name).state_dict()
+            params = dict(loaded.model.named_parameters())
+            out[(tp, kind)] = {
+                "greedy": generate(loaded.model, PROMPTS, max_new_tokens=NEW,
+                                   choose=rank0_tokens(mesh.get_group(), "cpu")).tokens,
+                "local_shapes": {n: tuple(p.shape) for n, p in params.items()},
+                "pieces_equal": all(torch.equal(p, placement_of(p).local_piece(whole[n]))
+                                    for n, p in params.items())}
         dist.barrier()  # a refusal that had entered a collective would hang or mis-pair here
     return out
 
@@ -134,10 +136,13 @@ def _reference(name: str) -> dict:
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
     root = tmp_path_factory.mktemp("inference_tp")
-    save(root / "dcp", _model("dense"), step=7)
-    export_safetensors(root / "dcp", root / "hf")
-    per_rank = run_ranks(_worker, 4, args=(str(root / "dcp"), str(root / "hf")),
-                         timeout_s=240)
+    checkpoints = {}
+    for name in LOADED:
+        save(root / name, _model(name), step=7)
+        checkpoints[f"dcp-{name}"] = str(root / name)
+    export_safetensors(root / "dense", root / "hf")
+    checkpoints["hf-dense"] = str(root / "hf")
+    per_rank = run_ranks(_worker, 4, args=(checkpoints,), timeout_s=240)
     return per_rank
 
 
@@ -162,10 +167,10 @@ def test_the_ranks_differ_without_the_broadcast():
         _reference("dense")["sampled"]
 
 
-@pytest.mark.parametrize("kind", ["dcp", "hf"])
+@pytest.mark.parametrize("kind", [f"dcp-{n}" for n in LOADED] + ["hf-dense"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_checkpoints_load_only_the_local_pieces(grid, tp, kind):
-    want = _reference("dense")["greedy"]
+    want = _reference(kind.split("-")[1])["greedy"]
     for results in grid:
         got = results[(tp, kind)]
         assert got["greedy"] == want and got["pieces_equal"]

@@ -27,39 +27,24 @@ pair its collectives with the wrong ones of the others. :func:`rank0_tokens` the
 broadcasts rank 0's picks every step (``B`` int64 values: one tiny collective) and every
 rank continues with those.
 
-[Note: loading only the local rows]
-The model is built on the meta device, parallelised (every parameter gets its
-:class:`~shardwise.distributed.placement.Placement` and its local shape), then allocated.
-A DCP checkpoint stores global tensors as chunks with offsets, so a load planner that asks
-for each parameter's local range (``Placement.local_range``) makes every rank read only the
-bytes of its rows (and, for a row-parallel weight, its columns), with no collective.
-Hugging Face safetensors are loaded whole on each rank and then cut
-(:func:`~shardwise.inference.checkpoint.load_model` then ``apply_tp``): the peak memory of a
-rank is then the whole model's.
+Loading: :func:`load_tp_model` builds the model on the meta device, parallelises it and
+reads each rank's pieces only, from DCP or safetensors ([Note: loading only the local rows]
+in local_pieces.py).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from shardwise.checkpoint import atomic
-from shardwise.checkpoint.errors import CheckpointError
-from shardwise.checkpoint.metadata import SafeReader
 from shardwise.distributed.placement import placement_of, set_placement
-from shardwise.inference.checkpoint import (LoadedModel, load_model, read_model_config,
-                                            resolve_checkpoint)
+from shardwise.inference.checkpoint import LoadedModel, read_model_config, resolve_checkpoint
+from shardwise.inference.local_pieces import read_local_pieces
 from shardwise.models import LlamaConfig, build_model
 from shardwise.parallel.tensor import apply_tp, default_plan
 
@@ -120,71 +105,6 @@ def rank0_tokens(group, device: torch.device | str
     return choose
 
 
-class _LocalPiecesPlanner(DefaultLoadPlanner):
-    """Reads, for every target tensor, only the chunk ``chunks[fqn]`` of the saved global
-    tensor ([Note: loading only the local rows]); the target holds exactly that chunk."""
-
-    def __init__(self, chunks: dict[str, ChunkStorageMetadata]) -> None:
-        super().__init__()
-        self.chunks = chunks
-
-    def create_local_plan(self) -> LoadPlan:
-        items = []
-        for fqn in self.state_dict:
-            md = self.metadata.state_dict_metadata[fqn]
-            items += create_read_items_for_chunk_list(fqn, md, [self.chunks[fqn]])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index) -> torch.Tensor:  # noqa: ANN001 - a MetadataIndex
-        # The target is this rank's chunk itself (a plain tensor, which DCP would only
-        # accept at offset 0); the read item's dest_offsets are relative to it.
-        return self.state_dict[index.fqn]
-
-
-def _chunk(tensor: torch.Tensor) -> ChunkStorageMetadata:
-    """This rank's chunk of ``tensor`` in global coordinates (the whole tensor when it has
-    no placement or a replicated one)."""
-    pl = placement_of(tensor)
-    if pl is None:
-        return ChunkStorageMetadata(offsets=torch.Size([0] * tensor.dim()), sizes=tensor.shape)
-    offsets = [0] * len(pl.shape)
-    for dim, start, _ in pl.local_range():
-        offsets[dim] = start
-    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=pl.local_shape())
-
-
-def _read_local_dcp(path: Path, model: nn.Module) -> int | None:
-    """Fill ``model``'s (local) parameters and persistent buffers from checkpoint ``path``;
-    returns its step."""
-    manifest = atomic.read_manifest(path)
-    atomic.verify_metadata_file(path, manifest)
-    reader = SafeReader(path)
-    md = reader.read_metadata()
-    targets: dict[str, torch.Tensor] = {}
-    chunks: dict[str, ChunkStorageMetadata] = {}
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(dict(model.named_buffers(remove_duplicate=False)))
-    persistent = set(model.state_dict())
-    for name, t in tensors.items():
-        if name not in persistent:
-            continue  # RoPE tables: recomputed, never saved
-        key = f"model.{name}"
-        saved = md.state_dict_metadata.get(key)
-        if saved is None:
-            raise CheckpointError(f"checkpoint {path} has no tensor {key}: it is from another "
-                                  f"model", path=path, file=".metadata", tensor=key)
-        whole = placement_of(t).shape if placement_of(t) is not None else t.shape
-        if tuple(saved.size) != tuple(whole):
-            raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(saved.size)}, the "
-                                  f"model's is {tuple(whole)}", path=path, tensor=key)
-        targets[key], chunks[key] = t.data, _chunk(t)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(targets, storage_reader=reader, planner=_LocalPiecesPlanner(chunks),
-                 no_dist=True)
-    return manifest.get("step")
-
-
 def _materialise(model: nn.Module, device: torch.device) -> None:
     """Allocate a meta-device model on ``device``; recompute non-persistent buffers.
     ``to_empty`` makes new Parameter objects (meta tensors cannot take real data in place),
@@ -201,8 +121,8 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
 def load_tp_model(path: str | os.PathLike, tp_mesh, *, device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a trained model parallelised over ``tp_mesh`` for decoding, each rank reading
-    only its pieces of a DCP checkpoint ([Note: loading only the local rows]). Call it on
-    every rank of the mesh; it runs no collective.
+    only its pieces of the checkpoint ([Note: loading only the local rows] in
+    local_pieces.py). Call it on every rank of the mesh; it runs no collective.
 
     Args:
         path: a run directory, checkpoint folder or safetensors (see
@@ -223,17 +143,12 @@ def load_tp_model(path: str | os.PathLike, tp_mesh, *, device: str | torch.devic
     config = read_model_config(p)
     check_tp_degree(config, tp_mesh.size())
     device = torch.device(device)
-    if not (p / atomic.MANIFEST).exists():  # safetensors: whole, then cut by apply_tp
-        loaded = load_model(p, device=device, dtype=torch.float32)
-        parallelize_for_decode(loaded.model, tp_mesh)
-        step, fmt, run_dir = loaded.step, loaded.format, loaded.run_dir
-        model = loaded.model
-    else:
-        model = build_model(config, device="meta")
-        parallelize_for_decode(model, tp_mesh)
-        _materialise(model, device)
-        step, fmt = _read_local_dcp(p, model), "dcp"
-        run_dir = p.parent.parent if p.parent.name == "checkpoints" else None
+    model = build_model(config, device="meta")
+    parallelize_for_decode(model, tp_mesh)
+    _materialise(model, device)
+    step = read_local_pieces(p, model)
+    fmt = "dcp" if (p / atomic.MANIFEST).exists() else "safetensors"
+    run_dir = p.parent.parent if fmt == "dcp" and p.parent.name == "checkpoints" else None
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.to(dtype)
