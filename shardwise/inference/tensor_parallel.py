@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint import atomic
+from shardwise.distributed import comm
 from shardwise.distributed.placement import placement_of, set_placement
 from shardwise.inference.checkpoint import LoadedModel, read_model_config, resolve_checkpoint
 from shardwise.inference.local_pieces import read_local_pieces
@@ -99,7 +100,7 @@ def rank0_tokens(group, device: torch.device | str
 
     def choose(tokens: torch.Tensor) -> torch.Tensor:
         picked = tokens.to(device=device, dtype=torch.int64).contiguous()
-        dist.broadcast(picked, src=src, group=group)
+        comm.broadcast(picked, src, group, label="decode.tokens")
         return picked.to(tokens.device)
 
     return choose
