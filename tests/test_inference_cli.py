@@ -16,6 +16,7 @@ from shardwise.data import build_tokenizer
 from shardwise.inference import Sampling, generate
 from shardwise.inference.checkpoint import load_model, resolve_checkpoint
 from shardwise.inference.session import TextStream
+from shardwise.testing import run_ranks
 from shardwise.testing.trainer import cli_args
 from shardwise.train import launch
 from shardwise.train.cli import main
@@ -160,3 +161,23 @@ def test_streamed_and_low_bit_weights(run, capfd, monkeypatch):
     line = _refused(capfd, monkeypatch, "--checkpoint", str(run), "--prompt", "a",
                     "--stream-weights", "--tp", "2")
     assert "--stream-weights runs on one process" in line
+
+
+def _cli_rank(argv: list[str]) -> tuple[int, str]:
+    """One rank of a torchrun-style job (RANK / WORLD_SIZE set) running the command."""
+    import contextlib
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def test_under_torchrun_every_rank_is_a_tensor_rank_and_rank_0_prints(run):
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "8"]
+    (c0, out0), (c1, out1) = run_ranks(_cli_rank, 2, args=(argv,), timeout_s=120)
+    assert (c0, c1) == (0, 0) and out1 == ""
+    text, rate = out0.rstrip("\n").rsplit("\n", 1)
+    assert text == _want(run, "def ", 8) and RATE.match(rate)
+    (c0, _), (c1, _) = run_ranks(_cli_rank, 2, args=(argv + ["--tp", "3"],), timeout_s=60)
+    assert (c0, c1) == (2, 2)  # refused on every rank before any collective
