@@ -16,7 +16,10 @@ then times ``generate`` (greedy, rank 0's tokens broadcast every step, as ``shar
 generate --tp``) at batch 1 and batch 8 after a 16-token prompt. Reported per
 configuration: the median decode tokens/s over the rounds (all rows' new tokens per second
 of decode) and the range of the rounds, the speed-up of tp 2 and whether both produced the
-same tokens.
+same tokens; and the median time of one all-reduce of a decode step's activation
+``(B, 1, dim)`` between the two ranks, timed alone (a decode step issues ``2 x layers + 2``
+all-reduces: one after each block's ``wo`` and ``w2``, one after the vocab-parallel
+embedding, one all-gather of the logits; plus the broadcast of rank 0's tokens).
 
 Writes ``bench/results/tp_decode.md`` (and ``.json``).
 """
@@ -71,6 +74,14 @@ def _decode(dim: int, layers: int, batches: list[int], new_tokens: int) -> dict:
         g = generate(model, prompts, max_new_tokens=new_tokens, choose=choose)
         out[b] = {"tokens_per_s": g.tokens_per_s, "tokens": g.tokens,
                   "prefill_ms": g.prefill_s * 1e3}
+        if world > 1:  # what one of the decode step's all-reduces costs alone
+            x = torch.zeros(b, 1, dim)
+            times = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                dist.all_reduce(x, group=mesh.get_group())
+                times.append(time.perf_counter() - t0)
+            out[b]["all_reduce_us"] = statistics.median(times) * 1e6
     return out
 
 
@@ -93,7 +104,8 @@ def _cell(rates: list[float]) -> str:
 
 def _table(dims: list[int], batches: list[int], runs: dict) -> list[str]:
     lines = ["| dim | params | batch | tp 1 x 2 threads | tp 2 x 1 thread | tp 2 / tp 1 | "
-             "control: tp 1 x 1 thread | same tokens |", "|---|---|---|---|---|---|---|---|"]
+             "control: tp 1 x 1 thread | tp 2 all-reduce (us) | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for dim in dims:
         for b in batches:
             rates = {c: [r[b]["tokens_per_s"] for r in runs[(*c, dim)]] for c in CONFIGS}
@@ -102,9 +114,10 @@ def _table(dims: list[int], batches: list[int], runs: dict) -> list[str]:
             same = all(a[b]["tokens"] == c[b]["tokens"] for cfg in CONFIGS[1:]
                        for a, c in zip(ref, runs[(*cfg, dim)]))
             params = runs[("params", dim)]
+            ar = [r[b]["all_reduce_us"] for r in runs[(2, 1, dim)]]
             lines.append(f"| {dim} | {params / 1e6:.1f}M | {b} | {_cell(rates[(1, 2)])} | "
                          f"{_cell(rates[(2, 1)])} | {ratio:.2f} | {_cell(rates[(1, 1)])} | "
-                         f"{'yes' if same else 'no'} |")
+                         f"{_cell(ar)} | {'yes' if same else 'no'} |")
     return lines
 
 
