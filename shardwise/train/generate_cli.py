@@ -78,11 +78,24 @@ def _config_toml(run_dir: Path | None):
     return load_config(run_dir / "config.toml")
 
 
-def run_tokenizer(checkpoint: Path, given: str | None) -> Any:
+def _run_dir(asked: Path, checkpoint: Path) -> Path | None:
+    """The run directory: the path asked for when it holds a config.toml (its checkpoints
+    may lie in a ``[checkpoint] dir`` elsewhere), else the one above ``checkpoints/step_N``."""
+    if (asked / "config.toml").exists():
+        return asked
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+
+
+def run_tokenizer(asked: Path, checkpoint: Path, given: str | None) -> Any:
     """The tokenizer of the run ``checkpoint`` belongs to: ``given`` (a saved tokenizer
     JSON), else the run's ``tokenizer.json``, else rebuilt from its config.toml's ``[data]``
     (byte; or bpe trained again on the same corpus, as the trainer did); None when there is
     no run (a bare checkpoint folder or safetensors).
+
+    Args:
+        asked: the ``--checkpoint`` path as given (a run directory, or a checkpoint).
+        checkpoint: the checkpoint it resolved to.
+        given: ``--tokenizer``, or None.
 
     Raises:
         ValueError: an unreadable tokenizer file, or bpe without the ``tokenizers`` package.
@@ -91,7 +104,7 @@ def run_tokenizer(checkpoint: Path, given: str | None) -> Any:
 
     if given is not None:
         return load_tokenizer(given)
-    run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    run = _run_dir(asked, checkpoint)
     if run is not None and (run / "tokenizer.json").exists():
         return load_tokenizer(run / "tokenizer.json")
     cfg = _config_toml(run)
@@ -195,7 +208,7 @@ def request_from_args(args: argparse.Namespace) -> GenerateRequest:
     config = read_model_config(path)
     tp = _degree(args)
     check_tp_degree(config, tp)
-    tokenizer = run_tokenizer(path, args.tokenizer)
+    tokenizer = run_tokenizer(Path(args.checkpoint).expanduser(), path, args.tokenizer)
     rows = _prompts(args, tokenizer, path)
     _check_lengths(rows, args.max_new_tokens, config)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
