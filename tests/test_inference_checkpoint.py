@@ -1,7 +1,7 @@
-"""Loading a trained model for inference (shardwise/inference/checkpoint.py): a run trained
-under ZeRO-3 on 2 ranks and one under tp 2 load into one process and reproduce the trainer's
-own validation loss (computed by the trained ranks at the last step); their safetensors
-export loads to bitwise the same logits; the path errors name the path and what was expected.
+"""Loading a trained model for inference (shardwise/inference/checkpoint.py): runs trained
+on 2 ranks under ZeRO-3, tp 2 and pp 2 load into one process and reproduce the trainer's own
+validation loss (computed by the trained ranks at the last step); the safetensors export
+loads to bitwise the same logits; the path errors name the path and what was expected.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ TINY = {"model.dim": "32", "model.n_layers": "2", "model.n_heads": "4", "model.n
         "data.max_bytes": "200000", "log.progress": "false", "log.plot": "false",
         "train.steps": "2", "train.eval_interval": "0", "checkpoint.keep_last": "0",
         "checkpoint.interval": "2", "optim.warmup_steps": "1"}
-LAYOUTS = {"zero3": {"parallel.stage": "3"}, "tp2": {"parallel.tp": "2"}}
+LAYOUTS = {"zero3": {"parallel.stage": "3"}, "tp2": {"parallel.tp": "2"},
+           "pp2": {"parallel.pp": "2", "parallel.pp_microbatches": "2"}}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def _val_loss(model, cfg, data, ranks: int) -> float:
     return sum(per_rank) / len(per_rank)
 
 
-@pytest.mark.parametrize("name, data_ranks", [("zero3", 2), ("tp2", 1)])
+@pytest.mark.parametrize("name, data_ranks", [("zero3", 2), ("tp2", 1), ("pp2", 1)])
 def test_a_run_loads_to_the_trained_model(runs, name, data_ranks):
     run, cfg, data = runs[name]
     loaded = load_model(run)  # the run directory: its newest checkpoint

@@ -58,15 +58,17 @@ class LoadedModel:
     Attributes:
         model: the module, on its device and dtype, in eval mode, ``requires_grad`` off.
         config: its :class:`~shardwise.models.LlamaConfig` or :class:`~shardwise.models.VLAConfig`.
-        path: the checkpoint folder (``.../step_N``) or safetensors folder / file read.
-        format: ``"dcp"`` (a shardwise checkpoint) or ``"safetensors"``.
+        path: the checkpoint folder (``.../step_N``) or safetensors folder / file read (None
+            for a module wrapped by a caller).
+        format: ``"dcp"`` (a shardwise checkpoint), ``"safetensors"``, or ``"module"`` (a
+            module wrapped by a caller, e.g. :func:`shardwise.inference.act.act`).
         step: the training step it was saved at (None when the files do not say).
         run_dir: the run directory above a checkpoint (holding ``config.toml``), or None.
     """
 
     model: nn.Module
     config: LlamaConfig | VLAConfig
-    path: Path
+    path: Path | None
     format: str
     step: int | None
     run_dir: Path | None
