@@ -79,10 +79,13 @@ class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE.
 
     ``context_parallel`` (set by ``apply_cp``) replaces the one-process attention with the
-    context-parallel one: same inputs, this rank's rows of the same output.
+    context-parallel one: same inputs, this rank's rows of the same output. ``kv_cache`` (set
+    by shardwise.inference while it generates) attends over the cached keys and values of
+    the earlier tokens too ([Note: the cache as an attention hook] in inference/cache.py).
     """
 
     context_parallel = None
+    kv_cache = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -108,7 +111,9 @@ class Attention(nn.Module):
         v = v.view(b, t, -1, self.head_dim)  # (B, T, KV, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, hd)
-        if self.context_parallel is not None:
+        if self.kv_cache is not None:
+            y = self.kv_cache.attend(q, k, v)  # (B, H, T, hd)
+        elif self.context_parallel is not None:
             y = self.context_parallel(q, k, v, documents)  # (B, H, T, hd)
         else:
             n_rep = q.shape[1] // k.shape[1]

@@ -10,7 +10,8 @@ pairs, as the rest of the model; the tables have ``qk_rope_head_dim`` features) 
 concatenated after the non-rotated part; scores are scaled by
 ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``; attention is causal. This is the
 "naive" (training) form of DeepSeek's reference ``model.py``: the inference-time absorption
-of ``wkv_b`` into the query and output, the KV cache and the YaRN context extension
+of ``wkv_b`` into the query and output, a cache of the latent (shardwise.inference caches the
+expanded per-head keys and values) and the YaRN context extension
 (DeepSeek-V3's ``rope_factor = 40`` beyond 4096 tokens, with its ``mscale`` on the softmax
 scale) are not implemented: the registered ``deepseek-v3`` shape has ``max_seq_len = 4096``,
 the pre-training context.
@@ -39,6 +40,8 @@ class LatentAttention(nn.Module):
     Raises:
         ValueError: ``config.attention`` is not "mla".
     """
+
+    kv_cache = None  # set by shardwise.inference while it generates (inference/cache.py)
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -73,6 +76,9 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_nope, apply_rotary(q_pe, cos, sin)], dim=-1)  # (B, T, H, qk)
         k = torch.cat([k_nope, k_pe.expand(b, t, heads, self.rope)], dim=-1)  # (B, T, H, qk)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, .)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           scale=(self.nope + self.rope) ** -0.5)
+        scale = (self.nope + self.rope) ** -0.5
+        if self.kv_cache is not None:  # generating: keys and values of earlier tokens too
+            y = self.kv_cache.attend(q, k, v, scale=scale)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
