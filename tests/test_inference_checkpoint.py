@@ -114,6 +114,11 @@ def test_errors_name_the_path_and_what_was_expected(runs, tmp_path):
     (bare / "config.toml").write_text("[train]\nsteps = 2\n")
     with pytest.raises(ValueError, match=r"no checkpoints under .*checkpoint.interval N"):
         resolve_checkpoint(bare)
+    moved = tmp_path / "moved"  # a run whose checkpoint.dir was elsewhere
+    moved.mkdir()
+    elsewhere = runs["tp2"][0] / "checkpoints"
+    (moved / "config.toml").write_text(f'[checkpoint]\ndir = "{elsewhere}"\n')
+    assert resolve_checkpoint(moved) == elsewhere / "step_00000002"
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("hello")

@@ -90,10 +90,23 @@ def _is_safetensors_dir(path: Path) -> bool:
         (path / INDEX_FILE).exists() or any(path.glob("*.safetensors")))
 
 
+def _checkpoint_dir(run: Path) -> Path | None:
+    """A run's ``[checkpoint] dir`` from its config.toml (where the trainer saved instead of
+    ``<run>/checkpoints``), or None."""
+    from shardwise.compat import tomllib  # tomli on Python 3.10; only runs read it
+
+    try:
+        with open(run / "config.toml", "rb") as f:
+            where = (tomllib.load(f).get("checkpoint") or {}).get("dir")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return Path(where).expanduser() if where else None
+
+
 def _run_root(path: Path) -> Path | None:
     """The folder of step_* checkpoints of a run directory (or ``path`` itself if it is one)."""
-    for root in (path / "checkpoints", path):
-        if root.is_dir() and any(root.glob("step_*")):
+    for root in (_checkpoint_dir(path), path / "checkpoints", path):
+        if root is not None and root.is_dir() and any(root.glob("step_*")):
             return root
     return None
 
@@ -121,8 +134,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The checkpoint ``path`` points to.
 
     Args:
-        path: a run directory (the newest checkpoint under ``<run>/checkpoints`` whose files
-            pass their checksums; damaged newer ones are skipped with a warning), a folder
+        path: a run directory (the newest checkpoint under ``<run>/checkpoints``, or the
+            ``[checkpoint] dir`` its config.toml names, whose files pass their checksums;
+            damaged newer ones are skipped with a warning), a folder
             of ``step_*`` checkpoints, a checkpoint folder, or Hugging Face safetensors (a
             folder with ``config.json`` + ``*.safetensors``, or one ``.safetensors`` file).
 
