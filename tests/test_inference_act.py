@@ -14,6 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("minigrid")
+gym = pytest.importorskip("gymnasium")
 
 from shardwise import checkpoint  # noqa: E402
 from shardwise.data.vla import GreedyActionPolicy, SampleSpec, rollout  # noqa: E402
@@ -63,14 +64,43 @@ class _Recorder:
         return actions
 
 
+class _Uneven(gym.Wrapper):
+    """Ends each episode after a seed-dependent 3..9 steps, so the episodes of a batch end
+    at different steps and slots are refilled mid-batch (a random policy never succeeds and
+    would run every episode to the level's limit of 64)."""
+
+    def reset(self, *, seed=None, options=None):
+        self.left = 3 + (seed or 0) % 7
+        return self.env.reset(seed=seed, options=options)
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.left -= 1
+        return obs, reward, terminated, truncated or self.left == 0, info
+
+
+@pytest.fixture(params=[False, True], ids=["full", "uneven"])
+def uneven(request, monkeypatch):
+    if request.param:
+        import shardwise.data.vla.evaluate as evaluate
+        import shardwise.inference.act as act_module
+
+        make = act_module.make_env
+        for module in (act_module, evaluate):
+            monkeypatch.setattr(module, "make_env", lambda *a, **k: _Uneven(make(*a, **k)))
+    return request.param
+
+
 @pytest.mark.parametrize("batch, frames", [(1, 1), (3, 2)])
-def test_act_takes_the_rollouts_actions(run, batch, frames):
-    report = act(run, episodes=4, batch=batch, frames=frames, seed=1_000_010)
+def test_act_takes_the_rollouts_actions(run, batch, frames, uneven):
+    episodes = 5 if uneven else 4
+    report = act(run, episodes=episodes, batch=batch, frames=frames, seed=1_000_010)
     assert isinstance(report, ActReport) and report.level == LEVEL
     loaded = load_model(run)
     c = loaded.config
     policy = _Recorder(loaded.model, SampleSpec(c.vocab_size, c.num_action_tokens, c.patch_size))
-    seeds = list(range(1_000_010, 1_000_014))
+    seeds = list(range(1_000_010, 1_000_010 + episodes))
+    assert len(set(report.steps)) > 1 if uneven else set(report.steps) == {64}
     want = rollout(policy, LEVEL, seeds, frames=frames, num_envs=batch, spec=policy.greedy.spec)
     assert report.trajectories == policy.episodes
     assert (report.successes, report.steps) == (want.successes, want.steps)
