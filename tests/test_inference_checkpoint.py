@@ -139,6 +139,12 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(runs, tmp_path):
     data_file.write_bytes(data_file.read_bytes()[:-8])  # truncated
     with pytest.warns(UserWarning, match=r"step_00000003 is damaged"):
         assert resolve_checkpoint(copy).name == "step_00000002"
+    (copy / "checkpoints" / "step_00000002" / "__0_0.distcp").write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"every checkpoint under .* is damaged \(2 "
+                                             r"checked; the newest, step_00000003: "):
+            load_model(copy)
     manifest = json.loads((copy / "checkpoints" / "step_00000002" / "manifest.json").read_text())
     manifest["model"]["config"]["wings"] = 2
     (copy / "checkpoints" / "step_00000002" / "manifest.json").write_text(json.dumps(manifest))

@@ -44,7 +44,8 @@ from shardwise.checkpoint.metadata import SafeReader
 from shardwise.checkpoint.state import model_targets
 from shardwise.models import LlamaConfig, VLAConfig, build_model
 
-__all__ = ["LoadedModel", "resolve_checkpoint", "read_model_config", "load_model"]
+__all__ = ["LoadedModel", "resolve_checkpoint", "read_model_config", "config_from_dict",
+           "load_model"]
 
 _EXPECTED = ("expected a run directory (with checkpoints/step_*), a checkpoint folder "
              "(manifest.json and .metadata) or Hugging Face safetensors (a folder with "
@@ -123,10 +124,14 @@ def _newest_of_run(path: Path) -> Path:
     for bad, why in damaged:
         warnings.warn(f"checkpoint {bad} is damaged ({why}); using the one before it",
                       stacklevel=3)
-    if found is None:
-        raise ValueError(f"checkpoint {path}: every checkpoint under {root} is damaged or "
-                         f"incomplete ({len(damaged)} checked; the newest: {damaged[-1:]}); "
+    if found is None and damaged:
+        newest, why = damaged[0]
+        raise ValueError(f"checkpoint {path}: every checkpoint under {root} is damaged "
+                         f"({len(damaged)} checked; the newest, {newest.name}: {why}); "
                          f"expected an intact step_* folder")
+    if found is None:
+        raise ValueError(f"checkpoint {path}: no committed checkpoint under {root} (its "
+                         f"step_* folders have no manifest.json: saves that did not finish)")
     return found
 
 
@@ -136,9 +141,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     Args:
         path: a run directory (the newest checkpoint under ``<run>/checkpoints``, or the
             ``[checkpoint] dir`` its config.toml names, whose files pass their checksums;
-            damaged newer ones are skipped with a warning), a folder
-            of ``step_*`` checkpoints, a checkpoint folder, or Hugging Face safetensors (a
-            folder with ``config.json`` + ``*.safetensors``, or one ``.safetensors`` file).
+            damaged newer ones are skipped with a warning), a folder of ``step_*``
+            checkpoints, a checkpoint folder, or Hugging Face safetensors (a folder with
+            ``config.json`` + ``*.safetensors``, or one ``.safetensors`` file).
 
     Returns:
         The checkpoint folder, safetensors folder or safetensors file.
