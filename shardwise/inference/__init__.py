@@ -1,0 +1,1 @@
+"""Inference: KV cache, prefill / decode, weights streamed from disk (weights/)."""
