@@ -172,6 +172,11 @@ def dcp_source(folder: str | Path) -> Source:
                 pieces.append(Piece(path, start + st_off * item, numel * item,
                                     tuple(index.offset), stored, perm))
             fqn = key[len("model."):]
+            covered = sum(p.nbytes for p in pieces) // tmd.properties.dtype.itemsize
+            if covered != tmd.size.numel():
+                raise ValueError(f"{folder}: the chunks of {key} hold {covered} of its "
+                                 f"{tmd.size.numel()} elements (a checkpoint missing a rank's "
+                                 f"file?)")
             entries[fqn] = TensorEntry(fqn, tuple(tmd.size), tmd.properties.dtype,
                                        tuple(sorted(pieces, key=lambda p: p.dest)))
     finally:

@@ -134,6 +134,7 @@ class WeightStream:
         finally:
             for f in pending:  # no read outlives the load, whatever happened
                 f.exception()
+        self.files.drop_files()
         return time.perf_counter() - t0
 
     def _submit(self, k: int) -> bool:
