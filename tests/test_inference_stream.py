@@ -81,6 +81,20 @@ def test_streamed_logits_are_bitwise_the_resident_models(saved, which, src, pref
     assert stats["misses"] == (0 if prefetch else 2 * model.config.n_layers)
 
 
+@pytest.mark.parametrize("src", ["dcp", "hf"])
+def test_bf16_compute_from_fp32_files_is_the_cast_model(saved, src):
+    model, d = saved["dense"]
+    tokens = _tokens(model.config.vocab_size)
+    want_model = build_model(model.config, seed=0).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        want = want_model(tokens)
+    meta = build_model(model.config, device="meta").eval().to(torch.bfloat16)
+    with stream_weights(meta, d / src) as stream, torch.no_grad():
+        got = meta(tokens)
+        assert stream.stats()["work_buffer_bytes"] < 0.6 * stream.bytes_per_forward()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def _save_sharded(root: str) -> None:
     for which in ("dense", "moe"):
         model = shardwise.shard(build_model(_config(which), seed=0), stage=3,
