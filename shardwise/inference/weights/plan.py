@@ -20,6 +20,7 @@ alignment as for the resident model and the logits stay bitwise equal).
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,8 @@ from torch import nn
 
 from shardwise.inference.weights.layout import Source, TensorEntry
 
-__all__ = ["Slot", "Unit", "plan_units", "check_model", "materialise_resident"]
+__all__ = ["Slot", "Unit", "WorkBuffer", "plan_units", "check_model", "materialise_resident",
+           "view_of"]
 
 _ALIGN_ELEMS = 64  # bytes; divided by the element size below
 
@@ -58,6 +60,27 @@ class Unit:
     def nbytes_read(self) -> int:
         """Bytes one load of the unit reads from disk."""
         return sum(s.entry.nbytes for s in self.slots)
+
+
+def view_of(work: torch.Tensor, s: Slot) -> torch.Tensor:
+    return work[s.offset:s.offset + math.prod(s.shape)].view(s.shape)
+
+
+class WorkBuffer:
+    """One of a stream's ``prefetch + 1`` slots: a flat work buffer the unit's tensors view,
+    a staging buffer, the unit it holds (None: free) and its load in flight."""
+
+    def __init__(self, numel: int, staging: int, dtype: torch.dtype) -> None:
+        self.work = torch.empty(numel, dtype=dtype)
+        # two halves: one is read into while the other is decoded
+        self.staging = torch.empty(2, staging, dtype=torch.uint8) if staging else None
+        self.unit: int | None = None
+        self.future: Future | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the work and staging buffers."""
+        return self.work.nbytes + (self.staging.nbytes if self.staging is not None else 0)
 
 
 def check_model(model: nn.Module) -> None:

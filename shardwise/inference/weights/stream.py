@@ -25,35 +25,21 @@ tensor ops, so disk reads, dequantisation and the forward's kernels overlap.
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardwise.inference.weights.layout import FileSet, decode_piece, read_entry, read_rows
-from shardwise.inference.weights.plan import Slot, Unit, materialise_resident, plan_units
+from shardwise.inference.weights.decode import decode_piece
+from shardwise.inference.weights.layout import FileSet, read_entry, read_rows
+from shardwise.inference.weights.plan import (Unit, WorkBuffer, materialise_resident,
+                                              plan_units, view_of)
 from shardwise.inference.weights.sources import open_source
 
 __all__ = ["WeightStream", "stream_weights"]
-
-
-def _view(work: torch.Tensor, s: Slot) -> torch.Tensor:
-    return work[s.offset:s.offset + math.prod(s.shape)].view(s.shape)
-
-
-class _Buffer:
-    """One slot: a flat work buffer, a staging buffer, the unit it holds, its read."""
-
-    def __init__(self, numel: int, staging: int, dtype: torch.dtype) -> None:
-        self.work = torch.empty(numel, dtype=dtype)
-        # two halves: one is read into while the other is decoded
-        self.staging = torch.empty(2, staging, dtype=torch.uint8) if staging else None
-        self.unit: int | None = None
-        self.future: Future | None = None
 
 
 class WeightStream:
@@ -82,8 +68,8 @@ class WeightStream:
         self._saved = materialise_resident(model, self.source, resident, self._read_resident)
         numel = max(u.numel for u in self.units)
         staging = max(u.staging for u in self.units)
-        self._buffers = [_Buffer(numel, staging, self.dtype) for _ in range(prefetch + 1)]
-        self._where: dict[int, _Buffer] = {}
+        self._buffers = [WorkBuffer(numel, staging, self.dtype) for _ in range(prefetch + 1)]
+        self._where: dict[int, WorkBuffer] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardwise-weights")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="shardwise-weights-read")
         self._counts = {"wait_seconds": 0.0, "read_seconds": 0.0, "units_loaded": 0,
@@ -103,7 +89,7 @@ class WeightStream:
         read_entry(self.files, entry, out, torch.empty(need, dtype=torch.uint8) if need else None)
 
     # ---- the background threads ----------------------------------------------------------
-    def _load(self, unit: Unit, buf: _Buffer) -> float:
+    def _load(self, unit: Unit, buf: WorkBuffer) -> float:
         """Read and decode one unit into ``buf`` (on the decode thread): piece ``i + 1`` is
         read (on the read thread) while piece ``i`` is decoded, into alternating halves of
         the staging buffer, so dequantisation overlaps the disk too."""
@@ -115,7 +101,7 @@ class WeightStream:
             if s.entry.zero:
                 return None
             if s.entry.direct(self.dtype):
-                self.files.pread_into(piece.path, piece.offset, _view(buf.work, s))
+                self.files.pread_into(piece.path, piece.offset, view_of(buf.work, s))
                 return None
             raw = buf.staging[i % 2][:piece.nbytes]
             self.files.pread_into(piece.path, piece.offset, raw)
@@ -126,9 +112,9 @@ class WeightStream:
             for i, (s, piece) in enumerate(steps):
                 raw = pending[i].result()
                 if s.entry.zero:
-                    _view(buf.work, s).zero_()
+                    view_of(buf.work, s).zero_()
                 elif raw is not None:
-                    decode_piece(s.entry, piece, raw, _view(buf.work, s))
+                    decode_piece(s.entry, piece, raw, view_of(buf.work, s))
                 if i + 2 < len(steps):  # its half of the staging buffer is free again
                     pending.append(self._reader.submit(read, i + 2))
         finally:
@@ -176,7 +162,7 @@ class WeightStream:
         self._counts["units_loaded"] += 1
         buf.future = None
         for s in self.units[k].slots:
-            s.module._parameters[s.attr] = nn.Parameter(_view(buf.work, s), requires_grad=False)
+            s.module._parameters[s.attr] = nn.Parameter(view_of(buf.work, s), requires_grad=False)
         self._prefetch_after(k)
 
     def _prefetch_after(self, k: int) -> None:
@@ -226,8 +212,7 @@ class WeightStream:
         """Predicted bytes this stream holds: the ``prefetch + 1`` slots' work and staging
         buffers, the resident tensors and buffers, and the embedding rows of a batch of
         ``num_tokens`` tokens (activations and the KV cache apart)."""
-        slots = sum(b.work.nbytes + (b.staging.nbytes if b.staging is not None else 0)
-                    for b in self._buffers)
+        slots = sum(b.nbytes for b in self._buffers)
         resident = sum(self._tensor(n).nbytes for n in self._saved)
         rows = num_tokens * self._embed.shape[1] * self.dtype.itemsize
         return slots + resident + rows
@@ -248,8 +233,7 @@ class WeightStream:
             ``forwards`` (head calls completed), ``bytes_per_forward`` (predicted),
             ``work_buffer_bytes`` (the slots').
         """
-        slots = sum(b.work.nbytes + (b.staging.nbytes if b.staging is not None else 0)
-                    for b in self._buffers)
+        slots = sum(b.nbytes for b in self._buffers)
         return {"bytes_read": self.files.bytes_read, **self._counts,
                 "bytes_per_forward": self.bytes_per_forward(), "work_buffer_bytes": slots}
 
