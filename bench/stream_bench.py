@@ -10,7 +10,12 @@ consecutive one-token forwards (B=1, T=1: a decode step's weight traffic through
 forward) streamed with ``drop_page_cache=True``, so every forward reads its weights from
 the disk: how weights that do not fit in RAM are emulated on a machine whose page cache
 would hold them. The limit is ``bandwidth / bytes_per_forward`` forwards per second; the
-ratio is the measured rate over it (the issue asks >= 0.70).
+ratio is the measured rate over it (the issue asks >= 0.70). The "resident fp32" column is
+the same forward with every weight in RAM (random weights of the same shapes): the compute
+ceiling. A quantised stream also dequantises into fp32 before that compute, so where the
+ceiling is below the disk limit (a CPU, where a one-token forward is a memory-bound GEMV of
+the fp32 weights) the stream is compute-bound and the ratio measures the CPU, not the read
+path.
 """
 
 from __future__ import annotations
@@ -70,6 +75,18 @@ def _one_round(src: Path, cfg, steps: int, prefetch: int) -> dict[str, float]:
             "work": stats["work_buffer_bytes"]}
 
 
+def _resident_rate(model, steps: int) -> float:
+    """Forwards per second of the same one-token forward with every weight resident in RAM
+    (fp32): the compute ceiling, which bounds a stream whatever the disk does."""
+    tokens = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        model(tokens)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model(tokens)
+    return steps / (time.perf_counter() - t0)
+
+
 def bench_stream(workdir: str | Path = "/tmp/stream_bench", *, dim: int = 1024,
                  n_layers: int = 12, vocab_size: int = 8192, rounds: int = 3, steps: int = 4,
                  prefetch: int = 1, kinds: tuple[str, ...] = ("fp32", "int8", "int4"),
@@ -101,17 +118,21 @@ def bench_stream(workdir: str | Path = "/tmp/stream_bench", *, dim: int = 1024,
         srcs[kind] = workdir / kind
         if kind in kinds and (rebuild or not srcs[kind].exists()):
             quantize_checkpoint(fp32, srcs[kind], kind=kind)
+    resident = build_model(cfg, seed=0).eval()  # the same forward with weights in RAM
     rows = []
     for r in range(rounds):
+        ceiling = _resident_rate(resident, steps)
         for kind in kinds:
-            row = {"round": r, "kind": kind, **_one_round(srcs[kind], cfg, steps, prefetch)}
+            row = {"round": r, "kind": kind, "resident": ceiling,
+                   **_one_round(srcs[kind], cfg, steps, prefetch)}
             rows.append(row)
+    del resident
     print(f"model: dim {dim}, {n_layers} layers, vocab {vocab_size}, "
           f"{fp32.stat().st_size / 1e9:.2f} GB fp32; B=1 T=1 forwards, prefetch {prefetch}, "
           f"drop_page_cache; median of {rounds} rounds x {steps} forwards")
     print("| weights | MB / forward | disk GB/s | limit fwd/s | measured fwd/s | ratio "
-          "| wait ms / fwd | work buffers MB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| resident fp32 fwd/s | wait ms / fwd | work buffers MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kind in kinds:
         mine = [x for x in rows if x["kind"] == kind]
 
@@ -120,7 +141,7 @@ def bench_stream(workdir: str | Path = "/tmp/stream_bench", *, dim: int = 1024,
         print(f"| {kind} | {med('bytes') / 1e6:.1f} | {med('bandwidth') / 1e9:.2f} "
               f"| {med('limit'):.2f} | {1 / med('seconds'):.2f} | {med('ratio'):.2f} "
               f"({min(x['ratio'] for x in mine):.2f}-{max(x['ratio'] for x in mine):.2f}) "
-              f"| {1e3 * med('wait'):.0f} | {med('work') / 1e6:.0f} |")
+              f"| {med('resident'):.2f} | {1e3 * med('wait'):.0f} | {med('work') / 1e6:.0f} |")
     return rows
 
 
