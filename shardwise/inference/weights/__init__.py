@@ -8,9 +8,11 @@ weight-only int8 / int4 store that cuts the bytes read per token.
     with stream_weights(model, "runs/x/int4", prefetch=1) as stream:
         logits = model(tokens)
 
-Modules: layout.py (byte ranges and reads), sources.py / dcp_source.py / store.py (where a
-checkpoint's tensors lie), quantize.py (writing the store), plan.py (units and resident
-tensors), stream.py (the hooks and the read thread), bandwidth.py (the disk's read rate).
+Modules: layout.py (byte ranges and reads), decode.py (stored bytes into the tensor:
+casts, layouts, dequantisation), sources.py / dcp_source.py / store.py (where a
+checkpoint's tensors lie), quantize.py (writing the store), plan.py (units, work buffers,
+resident tensors), stream.py (the hooks and the background threads), bandwidth.py (the
+disk's read rate).
 """
 
 from shardwise.inference.weights.bandwidth import drop_page_cache, measure_read_bandwidth
