@@ -25,6 +25,7 @@ from shardwise.checkpoint.cli import add_parser as add_checkpoint_parser
 from shardwise.checkpoint.cli import run as run_checkpoint
 from shardwise.data.vla.cli import add_parser as add_data_parser
 from shardwise.data.vla.cli import run as run_data
+from shardwise.inference.act_cli import add_act_parser, run_act
 from shardwise.train.generate_cli import add_generate_parser, run_generate
 from shardwise.parallel.pipeline.cli import add_parser as add_schedule_parser
 from shardwise.parallel.pipeline.cli import run as run_schedule
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule_parser(sub)
     add_plan_parser(sub)
     add_data_parser(sub)
+    add_act_parser(sub)
     add_generate_parser(sub)
     return parser
 
@@ -244,6 +246,8 @@ def _run(argv: list[str]) -> int:
             return run_plan(args)
         if args.command == "data":
             return run_data(args)
+        if args.command == "act":
+            return run_act(args)
         if args.command == "generate":
             return run_generate(args)
         _check_aliases(args)
