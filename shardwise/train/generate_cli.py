@@ -242,10 +242,10 @@ def run_generate(args: argparse.Namespace) -> int:
     req = request_from_args(args)
     if args.stream_weights or args.weights:  # checked before any rank starts
         req.model_source = _weights_source(args, req)
-    if in_torchrun():
-        decode_rank(req)
-    elif req.tp == 1:
+    if req.tp == 1:  # also a torchrun job of one rank: no process group needed
         run_single(req)
+    elif in_torchrun():
+        decode_rank(req)
     else:
         launch_local(decode_rank, req.tp, args=(req,))
     return 0
