@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 import torch
+import torch.distributed as dist
 
 from shardwise.inference.generate import Generation, generate
 from shardwise.inference.sampling import Sampling
@@ -182,6 +183,9 @@ def decode_rank(req: GenerateRequest) -> dict[str, Any] | None:
                                dtype=DTYPES[req.dtype])
         choose = rank0_tokens(mesh["tp"].get_group(), env.device)
         gen = _generate_and_print(req, loaded.model, choose, env.is_main)
+        # Rank 0 is the source of the last broadcast and can be done first: without this
+        # barrier it may tear its group down while a peer is still receiving from it.
+        dist.barrier(group=mesh["tp"].get_group())
         return _summary(gen) if env.is_main else None
     finally:
         dist_env.destroy()
