@@ -32,7 +32,7 @@ from shardwise.inference.weights import (drop_page_cache, measure_read_bandwidth
                                          quantize_checkpoint, stream_weights)
 from shardwise.models import build_model, get_model_config
 
-__all__ = ["bench_stream", "write_random_model"]
+__all__ = ["bench_rss", "bench_stream", "write_random_model"]
 
 
 def write_random_model(path: Path, cfg) -> int:
@@ -145,6 +145,79 @@ def bench_stream(workdir: str | Path = "/tmp/stream_bench", *, dim: int = 1024,
     return rows
 
 
+_RSS_CHILD = r"""
+import json, sys, time
+import torch
+from shardwise.inference import generate
+from shardwise.inference.weights import stream_weights
+from shardwise.models import get_model_config, build_model
+
+def status(key):  # bytes; VmHWM is this process's own peak (ru_maxrss keeps the parent's)
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
+
+torch.set_num_threads(int(sys.argv[4]))
+cfg = get_model_config("debug", **json.loads(sys.argv[2]))
+model = build_model(cfg, device="meta").eval()
+base = status("VmRSS")
+with stream_weights(model, sys.argv[1], drop_page_cache=True) as stream:
+    t0 = time.perf_counter()
+    out = generate(model, [list(range(1, 17))], max_new_tokens=int(sys.argv[3]))
+    seconds = time.perf_counter() - t0
+    predicted = stream.resident_bytes(num_tokens=16)
+print(json.dumps({"growth": status("VmHWM") - base, "predicted": predicted,
+                  "tokens_per_s": out.tokens_per_s, "seconds": seconds,
+                  "tokens": out.tokens[0]}))
+"""
+
+
+def bench_rss(workdir: str | Path = "/tmp/stream_bench", *, dim: int = 1024, n_layers: int = 12,
+              vocab_size: int = 8192, new_tokens: int = 8, threads: int = 2,
+              kinds: tuple[str, ...] = ("fp32", "int8", "int4")) -> list[dict]:
+    """The user's path with the memory measured: a fresh process per kind runs
+    ``generate`` (KV cache, 16-token prompt, ``new_tokens`` new) on the meta model streamed
+    from :func:`bench_stream`'s files with ``drop_page_cache=True``, and reports its peak RSS
+    growth (VmHWM minus VmRSS before the stream) against a cap of a quarter of the fp32
+    model's bytes (the issue: a model at least 4x larger than the cap runs under it). The
+    tokens are returned for inspection (int8 / int4 weights may pick other tokens than fp32).
+
+    Returns:
+        One dict per kind (growth, predicted, tokens_per_s, cap, model_bytes, tokens).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    workdir = Path(workdir)
+    fp32 = workdir / "model.safetensors"
+    if not fp32.exists():
+        raise ValueError(f"{fp32} is missing: run bench_stream first (it writes the files)")
+    shape = dict(dim=dim, n_layers=n_layers, n_heads=dim // 64, n_kv_heads=dim // 64,
+                 vocab_size=vocab_size, multiple_of=256, max_seq_len=256)
+    model_bytes = fp32.stat().st_size
+    cap = model_bytes // 4
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    rows = []
+    for kind in kinds:
+        src = fp32 if kind == "fp32" else workdir / kind
+        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(src), json.dumps(shape),
+                              str(new_tokens), str(threads)],
+                             capture_output=True, text=True, env=env, timeout=900, check=True)
+        rows.append({"kind": kind, "cap": cap, "model_bytes": model_bytes,
+                     **json.loads(out.stdout)})
+    print(f"generate on the streamed model: 16-token prompt, {new_tokens} new tokens, "
+          f"{threads} threads, drop_page_cache; cap = fp32 model / 4 = {cap / 2**20:.0f} MiB")
+    print("| weights | model MiB (fp32 file) | peak RSS growth MiB | predicted MiB | under cap "
+          "| decode tokens/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['kind']} | {model_bytes / 2**20:.0f} | {r['growth'] / 2**20:.0f} "
+              f"| {r['predicted'] / 2**20:.0f} | {'yes' if r['growth'] < cap else 'NO'} "
+              f"| {r['tokens_per_s']:.2f} |")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default="/tmp/stream_bench")
@@ -155,9 +228,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--rebuild", action="store_true")
+    p.add_argument("--rss", action="store_true",
+                   help="also run generate in a fresh process per kind and report peak RSS")
     a = p.parse_args()
     bench_stream(a.dir, dim=a.dim, n_layers=a.n_layers, vocab_size=a.vocab_size,
                  rounds=a.rounds, steps=a.steps, prefetch=a.prefetch, rebuild=a.rebuild)
+    if a.rss:
+        bench_rss(a.dir, dim=a.dim, n_layers=a.n_layers, vocab_size=a.vocab_size)
 
 
 if __name__ == "__main__":
