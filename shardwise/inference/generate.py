@@ -99,27 +99,32 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
     logits = dec.prefill(prompts, max_new_tokens - 1, pad_id=pad_id)
     b = logits.shape[0]
     out: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool, device=dec.device)
-    stop_set = torch.tensor(sorted(stops), dtype=torch.int64, device=dec.device)
+    done = [False] * b
     prefill_s = decode_s = 0.0
     for step in range(max_new_tokens):
         tokens = sampler(logits)  # (B,)
         if choose is not None:
             tokens = choose(tokens)
-        previous = torch.tensor([row[-1] if row else pad_id for row in out], device=dec.device)
-        tokens = torch.where(done, previous, tokens)
         picked = tokens.tolist()  # one host read per step: the tokens are printed anyway
-        for row, token, stopped in zip(out, picked, done.tolist()):
-            if not stopped:
-                row.append(token)
+        # The stop bookkeeping stays on the host, in the list just read: no small device ops
+        # per step, and a new tokens tensor only when a stopped row's token must be replaced.
+        held = False
+        for i, row in enumerate(out):
+            if done[i]:  # a row that stopped repeats its stop token
+                held |= picked[i] != row[-1]
+                picked[i] = row[-1]
+            else:
+                row.append(picked[i])
+                done[i] = picked[i] in stops
+        if held:
+            tokens = torch.tensor(picked, dtype=torch.int64, device=dec.device)
         if on_tokens is not None:
             on_tokens(step, picked)
-        done |= torch.isin(tokens, stop_set)
         if step == 0:
             _sync(dec.device)
             prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-        if step == max_new_tokens - 1 or bool(done.all()):
+        if step == max_new_tokens - 1 or all(done):
             break
         logits = dec.step(tokens)
     _sync(dec.device)
