@@ -88,3 +88,28 @@ def test_a_stopped_row_repeats_its_stop_token_to_the_model():
     for i in (0, 2):  # the other rows are not disturbed by the stopped one
         if stop not in free[i]:
             assert out.tokens[i] == free[i]
+
+
+def test_the_compiled_static_step_gives_the_eager_tokens(monkeypatch):
+    """compile=True: fixed-shape steps over every slot ([Note: a static-shape step]), traced
+    once for all the steps and both calls of one shape (backend aot_eager: the traced graph,
+    without inductor's minute of C++ compilation on this CPU)."""
+    from torch._dynamo.utils import counters
+
+    from shardwise.inference import decoder as decoder_mod
+    monkeypatch.setattr(decoder_mod, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    model = _model()
+    prompts = [[1, 5, 9, 33, 2, 7], [4, 5], [60, 61, 3]]
+    want = generate(model, prompts, max_new_tokens=8)
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        got = generate(model, prompts, max_new_tokens=8, compile=True)
+        assert got.tokens == want.tokens
+    assert counters["stats"]["unique_graphs"] - before == 1
+    eager = _steps(model, prompts, 4)
+    dec = Decoder(model, compile=True)
+    static = [dec.prefill(prompts, max_new_tokens=4)]
+    for _ in range(4):
+        static.append(dec.step(static[-1].argmax(-1)))
+    torch.testing.assert_close(torch.stack(static), eager, rtol=1e-5, atol=1e-5)

@@ -23,6 +23,15 @@ all, and a prefill of it attends with ``is_causal`` (SDPA's fused path, no mask 
 Grouped query heads read their key head through SDPA's ``enable_gqa`` rather than
 ``repeat_kv`` copies of the whole cache every step (bitwise the same result on CPU, and 3-6x
 faster at batch 8). Positions are sliced from a ``(B, max_len)`` table built once.
+
+[Note: a static-shape step]
+With ``static=True`` (``Decoder(model, compile=True)``) a decode step has the same shapes at
+every position, so ``torch.compile`` traces it once: the new keys and values go into their
+slot by ``index_copy_`` at a ``(1,)`` slot tensor (not a Python int, which the compiler would
+bake in), and the query attends over all ``max_len`` slots with the mask
+``start[b] <= slot' <= slot``; the empty slots are masked out. This is gpt-fast's decode
+step. The tokens equal the eager path's; logits agree to float rounding (the softmax sums
+over more, masked, terms).
 """
 
 from __future__ import annotations
@@ -88,10 +97,15 @@ class LayerCache:
         """
         if self.k is None:
             self._allocate(k, v)
-        at, t = self.owner.filled, q.shape[2]
-        self.k[:, :, at:at + t] = k
-        self.v[:, :, at:at + t] = v
-        keys, values = self.k[:, :, :at + t], self.v[:, :, :at + t]  # (B, KV, S, d)
+        if self.owner.slot is not None:  # [Note: a static-shape step]
+            self.k.index_copy_(2, self.owner.slot, k)
+            self.v.index_copy_(2, self.owner.slot, v)
+            keys, values = self.k, self.v  # (B, KV, max_len, d): every slot, masked
+        else:
+            at, t = self.owner.filled, q.shape[2]
+            self.k[:, :, at:at + t] = k
+            self.v[:, :, at:at + t] = v
+            keys, values = self.k[:, :, :at + t], self.v[:, :, :at + t]  # (B, KV, S, d)
         mask, causal = self.owner.mask, self.owner.causal
         if q.shape[1] != keys.shape[1] and not _GQA:  # each key head serves H / KV queries
             n_rep = q.shape[1] // keys.shape[1]
@@ -113,12 +127,15 @@ class KVCache:
         batch: rows.
         max_len: the most tokens a row holds (prompt, padding included, plus new tokens).
         start: ``(B,)`` int64, the padding of each row ([Note: left padding]).
+        static: decode steps attend over every slot with fixed shapes ([Note: a static-shape
+            step]), for ``torch.compile``.
 
     Raises:
         ValueError: a bad ``batch`` / ``max_len`` / ``start``.
     """
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int, start: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, batch: int, max_len: int, start: torch.Tensor,
+                 static: bool = False) -> None:
         if batch < 1 or max_len < 1:
             raise ValueError(f"KVCache: batch={batch}, max_len={max_len}, expected both >= 1")
         if tuple(start.shape) != (batch,):
@@ -131,11 +148,14 @@ class KVCache:
         self.mask: torch.Tensor | None = None
         self.causal = False  # attend with is_causal instead of a mask (an unpadded prefill)
         self.positions: torch.Tensor | None = None
+        self.static = static
+        self.slot: torch.Tensor | None = None  # (1,) int64: this step's slot, static steps
         self.padded = bool((start > 0).any())  # one host read per cache, not per step
         slots = torch.arange(max_len, device=start.device)  # (max_len,)
         # [Note: the decode step's mask]: both built once, sliced per forward
         self._visible = (slots >= start.view(-1, 1)).view(batch, 1, 1, max_len)
         self._positions = (slots.view(1, -1) - start.view(-1, 1)).clamp_min(0)  # (B, max_len)
+        self._slots = slots
 
     def begin(self, t: int) -> torch.Tensor:
         """Set the mask of a forward of ``t`` new tokens per row; return their ``(B, t)``
@@ -149,7 +169,12 @@ class KVCache:
                              f"filled and this forward adds {t}")
         at = self.filled
         self.positions = self._positions[:, at:at + t]  # (B, t)
-        if t == 1:  # decode: [Note: the decode step's mask]
+        if t == 1 and self.static and at > 0:  # [Note: a static-shape step]
+            # fresh tensors, not views at a moving offset: the compiled step sees one layout
+            self.positions = self.positions.clone()
+            self.slot = self._slots[at:at + 1].clone()
+            self.mask, self.causal = self._visible & (self._slots <= at), False
+        elif t == 1:  # decode: [Note: the decode step's mask]
             self.mask = self._visible[..., :at + 1] if self.padded else None
             self.causal = False
         elif at == 0 and not self.padded:
@@ -170,7 +195,7 @@ class KVCache:
     def end(self, t: int) -> None:
         """The forward of :meth:`begin` ran: its ``t`` slots are filled."""
         self.filled += t
-        self.mask, self.causal = None, False
+        self.mask, self.causal, self.slot = None, False, None
 
     def nbytes(self) -> int:
         """Bytes the allocated keys and values take."""

@@ -56,7 +56,8 @@ def _sync(device: torch.device) -> None:
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              sampling: Sampling | None = None, stop_tokens: Sequence[int] = (),
              pad_id: int = 0, on_tokens: Callable[[int, list[int]], None] | None = None,
-             choose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Generation:
+             choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             compile: bool = False) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     Args:
@@ -72,6 +73,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
             row (rows that stopped repeat their stop token), for printing as they come.
         choose: turns the ``(B,)`` tokens picked on this process into the ones every
             process uses (tensor-parallel ranks: rank 0's, broadcast); default: as picked.
+        compile: ``torch.compile`` the decode step (:class:`Decoder`'s ``compile``): the
+            same tokens; the first call for a batch / length pays the compile.
 
     Returns:
         A :class:`Generation`.
@@ -80,7 +83,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
         ValueError: bad prompts, ``max_new_tokens``, stop tokens, or a model that is not a
             built-in decoder.
     """
-    dec = Decoder(model)
+    dec = Decoder(model, compile=compile)
     stops = {int(t) for t in stop_tokens}
     bad = [t for t in stops if not 0 <= t < dec.vocab_size]
     if bad:
