@@ -8,8 +8,9 @@ weights 155.58, int4 G=32 196.80; Llama-2-70B over 8 A100s with tensor paralleli
 
 Our row: the same shape (dim 4096, 32 layers, 32 heads, ffn 11008, vocab 32000) with random
 weights (decode speed does not depend on their values), built on meta, allocated in bf16 on
-the device, greedy, batch 1, a 5-token prompt, 200 new tokens, eager. The ratio to gpt-fast
-is information, not a pass mark: another GPU, eager against compiled. On the CPU
+the device, greedy, batch 1, a 5-token prompt, 200 new tokens, eager, then with
+``generate(..., compile=True)`` (the static-shape step through inductor). The ratio to
+gpt-fast is information, not a pass mark: another GPU (and, eager, not compiled). On the CPU
 (``--device cpu``) the same code runs on a tiny shape with 8 new tokens, as a dry run.
 """
 
@@ -41,24 +42,34 @@ def decode_model(device: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.M
     return model.eval()
 
 
-def decode_rows(device: str, new_tokens: int | None = None) -> list[tuple[str, str, str]]:
-    """Eager decode tokens/s at batch 1, bf16, beside gpt-fast's compiled A100 figure.
+def decode_rows(device: str, compile: bool = False, new_tokens: int | None = None,
+                model: torch.nn.Module | None = None) -> list[tuple[str, str, str]]:
+    """Decode tokens/s at batch 1, bf16, beside gpt-fast's compiled A100 figure.
+
+    Args:
+        device: ``"cuda"`` (the 7B shape) or ``"cpu"`` (the dry-run shape).
+        compile: ``generate(..., compile=True)``; the compile happens in the warm-up run,
+            whose seconds the row reports.
+        new_tokens: new tokens of the timed run (default 200 on CUDA, 8 on the CPU).
+        model: reuse this model (default: :func:`decode_model`).
 
     Returns:
         ``[(check, value, verdict)]``: one row, "ok" when it ran and produced every token.
     """
     new = new_tokens or (200 if device == "cuda" else 8)
-    model = decode_model(device)
+    model = model if model is not None else decode_model(device)
     vocab = model.tok_embeddings.num_embeddings
     prompt = [t % vocab for t in PROMPT]
-    generate(model, [prompt], max_new_tokens=8)  # warm-up: kernels, allocator, cuBLAS
     start = time.perf_counter()
-    out = generate(model, [prompt], max_new_tokens=new)
-    wall = time.perf_counter() - start
+    # warm-up (kernels, allocator, cuBLAS; the compile): the timed run's shapes exactly
+    generate(model, [prompt], max_new_tokens=new, compile=compile)
+    warm = time.perf_counter() - start
+    out = generate(model, [prompt], max_new_tokens=new, compile=compile)
     n_params = sum(p.numel() for p in model.parameters())
     name = "7B" if device == "cuda" else f"dry-run {n_params / 1e3:.0f}K"
-    value = (f"{out.tokens_per_s:.1f} tok/s eager ({new} new, prefill {out.prefill_s * 1e3:.0f}"
-             f" ms, {wall:.1f} s); gpt-fast A100 compiled {GPT_FAST_7B_BF16}: "
+    how = "compiled" if compile else "eager"
+    value = (f"{out.tokens_per_s:.1f} tok/s {how} ({new} new, prefill {out.prefill_s * 1e3:.0f}"
+             f" ms, warm-up {warm:.0f} s); gpt-fast A100 compiled {GPT_FAST_7B_BF16}: "
              f"{out.tokens_per_s / GPT_FAST_7B_BF16:.2f}x")
     ok = len(out.tokens[0]) == new and out.tokens_per_s > 0
-    return [(f"decode {name} bf16 batch 1", value, "ok" if ok else "FAIL")]
+    return [(f"decode {name} bf16 batch 1 {how}", value, "ok" if ok else "FAIL")]

@@ -19,6 +19,10 @@ reports it (``Generation.prefill_s`` ends when the first tokens are picked,
 ``put`` of new tokens (also right after the first tokens are picked) and the decode ends
 when ``generate`` returns. Decode tokens/s = ``batch * (new - 1) / decode seconds`` for both.
 Process CPU seconds cover the whole call (prefill included), as ``time.process_time``.
+
+``--compile`` adds a fourth peer, ours with ``generate(..., compile=True)`` (a static-shape
+decode step through inductor; its compile is in the untimed warm-up run), whose ratio is
+against our eager run.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ SIZES = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ("shardwise", "hf_static", "hf_dynamic")
+COMPILED = "shardwise_compiled"  # --compile: generate(..., compile=True), inductor on CPU
 
 
 def hf_config(size: str, max_len: int):
@@ -84,11 +89,12 @@ class _FirstToken:
     def __init__(self) -> None:
         self.puts = 0
         self.at: float | None = None
+        self.cpu_at: float | None = None
 
     def put(self, value: torch.Tensor) -> None:
         self.puts += 1
         if self.puts == 2:  # the first put is the prompt
-            self.at = time.perf_counter()
+            self.at, self.cpu_at = time.perf_counter(), time.process_time()
 
     def end(self) -> None:
         pass
@@ -103,44 +109,59 @@ def run_hf(hf, prompts: torch.Tensor, new: int, static: bool) -> dict:
         out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
                           min_new_tokens=new, do_sample=False, pad_token_id=0,
                           streamer=timer, **extra)
-    end = time.perf_counter()
+    end, cpu1 = time.perf_counter(), time.process_time()
     return {"tokens": out[:, prompts.shape[1]:].tolist(), "decode_s": end - timer.at,
-            "cpu_s": time.process_time() - cpu0}
+            "cpu_s": cpu1 - cpu0, "decode_cpu_s": cpu1 - timer.cpu_at}
 
 
-def run_ours(model, prompts: torch.Tensor, new: int) -> dict:
+def run_ours(model, prompts: torch.Tensor, new: int, compile: bool = False) -> dict:
     """One shardwise ``generate``: its tokens, decode seconds and process CPU seconds."""
-    cpu0 = time.process_time()
-    out = generate(model, prompts.tolist(), max_new_tokens=new)
-    return {"tokens": out.tokens, "decode_s": out.decode_s, "cpu_s": time.process_time() - cpu0}
+    cpu0, first = time.process_time(), []
+    out = generate(model, prompts.tolist(), max_new_tokens=new, compile=compile,
+                   on_tokens=lambda step, _: first.append(time.process_time()) if step == 0
+                   else None)  # CPU clock at the first new tokens, as the streamer's
+    cpu1 = time.process_time()
+    return {"tokens": out.tokens, "decode_s": out.decode_s, "cpu_s": cpu1 - cpu0,
+            "decode_cpu_s": cpu1 - first[0]}
 
 
 def one(peer: str, models, prompts: torch.Tensor, new: int) -> dict:
     hf, ours = models
-    if peer == "shardwise":
-        return run_ours(ours, prompts, new)
+    if peer in ("shardwise", COMPILED):
+        return run_ours(ours, prompts, new, compile=peer == COMPILED)
     return run_hf(hf, prompts, new, static=peer == "hf_static")
 
 
 def bench_case(models, batch: int, prompt_len: int, new: int, rounds: int,
-               vocab: int) -> dict:
+               vocab: int, peers: tuple[str, ...] = PEERS) -> dict:
     """``rounds`` rounds of every peer at one batch size; tokens/s and CPU per round."""
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(1, vocab, (batch, prompt_len), generator=g)
-    first = {p: one(p, models, prompts, new) for p in PEERS}  # warm-up, and the tokens
-    same = {p: first[p]["tokens"] == first["shardwise"]["tokens"] for p in PEERS[1:]}
-    per = {p: {"tok_s": [], "cpu_s": [], "decode_s": []} for p in PEERS}
+    first = {p: one(p, models, prompts, new) for p in peers}  # warm-up (compile), the tokens
+    same = {p: first[p]["tokens"] == first["shardwise"]["tokens"] for p in peers[1:]}
+    per = {p: {"tok_s": [], "cpu_s": [], "decode_s": [], "tok_cpu_s": []} for p in peers}
     for r in range(rounds):
-        order = PEERS[r % 3:] + PEERS[:r % 3]  # who goes first rotates
+        k = r % len(peers)
+        order = peers[k:] + peers[:k]  # who goes first rotates
         for p in order:
             got = one(p, models, prompts, new)
             per[p]["decode_s"].append(got["decode_s"])
             per[p]["tok_s"].append(batch * (new - 1) / got["decode_s"])
             per[p]["cpu_s"].append(got["cpu_s"])
-    ratios = {p: [a / b for a, b in zip(per["shardwise"]["tok_s"], per[p]["tok_s"])]
-              for p in PEERS[1:]}
+            per[p]["tok_cpu_s"].append(batch * (new - 1) / got["decode_cpu_s"])
     return {"batch": batch, "prompt_len": prompt_len, "new": new, "same_tokens": same,
-            "per_round": per, "ratio": ratios}
+            "per_round": per, "ratio": _ratios(per, "tok_s"),
+            "ratio_cpu": _ratios(per, "tok_cpu_s")}
+
+
+def _ratios(per: dict, key: str) -> dict[str, list[float]]:
+    """Ours / each peer per round (the compiled peer: compiled / our eager)."""
+    ours = per["shardwise"][key]
+    ratios = {p: [a / b for a, b in zip(ours, per[p][key])]
+              for p in per if p not in ("shardwise", COMPILED)}
+    if COMPILED in per:
+        ratios[COMPILED] = [a / b for a, b in zip(per[COMPILED][key], ours)]
+    return ratios
 
 
 def verdict(ratios: list[float]) -> str:
@@ -159,26 +180,35 @@ def _fmt(xs: list[float], nd: int = 1) -> str:
     return " ".join(f"{x:.{nd}f}" for x in xs)
 
 
+def _ratio_cell(ratio: list[float] | None) -> str:
+    return f"{_fmt(ratio, 2)} ({min(ratio):.2f}-{max(ratio):.2f})" if ratio else "-"
+
+
 def to_markdown(record: dict) -> str:
-    """The record as the tables of bench/results/inference_bench.md."""
+    """The record as the tables of bench/results/inference_bench.md: decode tokens per
+    wall-clock second, then per process-CPU second (less moved by other processes)."""
     m = record["meta"]
-    lines = [f"### {m['dtype']}, {m['threads']} threads, prompt {m['prompt_len']}, "
-             f"{m['new']} new tokens, {m['rounds']} rounds", "",
-             "| size | params | batch | peer | same tokens | decode tokens/s per round | "
-             "ours / peer per round | CPU s per call (median) | verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for size, case in record["sizes"].items():
-        for row in case["batches"]:
-            per = row["per_round"]
-            for p in PEERS:
-                ratio = row["ratio"].get(p)
-                cpu = sorted(per[p]["cpu_s"])[len(per[p]["cpu_s"]) // 2]
-                lines.append(
-                    f"| {size} | {case['params'] / 1e6:.0f}M | {row['batch']} | {p} | "
-                    f"{row['same_tokens'].get(p, '-')} | {_fmt(per[p]['tok_s'])} | "
-                    f"{_fmt(ratio, 2) + f' ({min(ratio):.2f}-{max(ratio):.2f})' if ratio else '-'}"
-                    f" | {cpu:.2f} | {verdict(ratio) if ratio else '-'} |")
-    return "\n".join(lines) + "\n"
+    head = (f"{m['dtype']}, {m['threads']} thread(s), prompt {m['prompt_len']}, {m['new']} new "
+            f"tokens per row, {m['rounds']} rounds")
+    out = []
+    for key, ratio_key, what in (("tok_s", "ratio", "decode tokens / wall second"),
+                                 ("tok_cpu_s", "ratio_cpu", "decode tokens / CPU second")):
+        out += [f"#### {what}: {head}", "",
+                f"| size | params | batch | peer | same tokens | {what}, per round | "
+                "ours / peer per round (compiled row: compiled / eager) | CPU s per call "
+                "(median) | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+        for size, case in record["sizes"].items():
+            for row in case["batches"]:
+                per = row["per_round"]
+                for p in per:
+                    ratio = row[ratio_key].get(p)
+                    cpu = sorted(per[p]["cpu_s"])[len(per[p]["cpu_s"]) // 2]
+                    out.append(f"| {size} | {case['params'] / 1e6:.0f}M | {row['batch']} | {p} "
+                               f"| {row['same_tokens'].get(p, '-')} | {_fmt(per[p][key])} | "
+                               f"{_ratio_cell(ratio)} | {cpu:.2f} | "
+                               f"{verdict(ratio) if ratio else '-'} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _meta(args) -> dict:
@@ -193,6 +223,7 @@ def _meta(args) -> dict:
             "cores": os.cpu_count(), "machine": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "dtype": args.dtype,
             "prompt_len": args.prompt_len, "new": args.new, "rounds": args.rounds,
+            "compile": args.compile,
             "load_at_start": list(os.getloadavg())}
 
 
@@ -205,6 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--compile", action="store_true",
+                   help=f"add {COMPILED}: generate(..., compile=True)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     bad = [s for s in args.sizes.split(",") if s not in SIZES]
@@ -221,10 +254,11 @@ def run(args: argparse.Namespace) -> dict:
         models = build_pair(size, DTYPES[args.dtype], max_len)
         case = {"params": sum(p.numel() for p in models[1].parameters()), "batches": []}
         for batch in (int(b) for b in args.batches.split(",")):
+            peers = PEERS + ((COMPILED,) if args.compile else ())
             row = bench_case(models, batch, args.prompt_len, args.new, args.rounds,
-                             SIZES[size][5])
+                             SIZES[size][5], peers)
             case["batches"].append(row)
-            for p in PEERS:
+            for p in peers:
                 print(f"{size} b{batch} {p:<10} tok/s {_fmt(row['per_round'][p]['tok_s'])}"
                       f"  same={row['same_tokens'].get(p, '-')}", flush=True)
         record["sizes"][size] = case

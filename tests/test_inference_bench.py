@@ -29,7 +29,7 @@ def test_a_tiny_run_gives_the_same_tokens_and_a_table():
         assert row["same_tokens"] == {"hf_static": True, "hf_dynamic": True}
         assert all(len(row["per_round"][p]["tok_s"]) == 1 for p in row["per_round"])
     md = to_markdown(record)
-    assert md.count("| tiny |") == 6 and "hf_static" in md
+    assert md.count("| tiny |") == 12 and "decode tokens / CPU second" in md
 
 
 def test_an_unknown_size_is_named():
