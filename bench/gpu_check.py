@@ -24,7 +24,10 @@ Checks, in order, each a row of the summary table:
    bf16, forward and backward, with no host synchronisation;
 8. low-bit compute (bench/gpu_lowbit.py): per recipe, the device kernel against the
    emulation, and tokens/s of the ~1B Llama against bf16 matmuls, torchtitan's figures
-   beside them.
+   beside them;
+9. decode (bench/gpu_decode.py): tokens/s of ``shardwise.inference.generate`` on a
+   Llama-2-7B-shaped model, batch 1, bf16, 200 new tokens, eager, gpt-fast's published A100
+   figure (104.9 tokens/s, compiled) in the same row; then compiled (``compile=True``).
 
 What one GPU cannot check is printed at the end: cross-rank overlap of the side streams,
 the NCCL watchdog abort (needs a peer that hangs), hierarchical partitions across nodes.
@@ -435,6 +438,12 @@ def lowbit_rows(device: str, steps: int) -> list[tuple[str, str, str]]:
     return [*kernel_rows(device), *throughput_rows(device, BILLION, steps)]
 
 
+def decode_rows(device: str, compile: bool) -> list[tuple[str, str, str]]:
+    """A decode row (bench/gpu_decode.py), eager or compiled."""
+    from bench.gpu_decode import decode_rows as rows
+    return rows(device, compile=compile)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"),
@@ -458,7 +467,9 @@ def main() -> int:
               ("zero-bubble I + W", lambda: [split_backward(args.device)]),
               ("MoE experts", lambda: [expert_compute(args.device)]),
               ("context-parallel attention", lambda: [context_parallel(args.device)]),
-              ("low-bit", lambda: lowbit_rows(args.device, args.steps))]
+              ("low-bit", lambda: lowbit_rows(args.device, args.steps)),
+              ("decode, eager", lambda: decode_rows(args.device, False)),
+              ("decode, compiled", lambda: decode_rows(args.device, True))]
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (dry run)"
     print(f"shardwise GPU check on {name}, torch {torch.__version__}", flush=True)
     rows = []

@@ -86,3 +86,13 @@ def test_phase_memory_summary_names_the_phases_and_growth_fails():
     assert mem.steady()
     mem.rows += [(8.3, 9.3, 10.3, 10.8, 10.3)]
     assert not mem.steady()
+
+
+def test_decode_row_dry_run():
+    """The decode row's code path (a tiny shape in bf16 on the CPU): every token made, the
+    published gpt-fast figure and the ratio in the row."""
+    from bench.gpu_decode import decode_rows
+    (label, value, verdict), = decode_rows("cpu")
+    assert verdict == "ok", value
+    assert label.startswith("decode dry-run") and label.endswith("eager")
+    assert "gpt-fast A100 compiled 104.9" in value

@@ -12,7 +12,7 @@ head.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -52,12 +52,15 @@ class Decoder:
 
     Args:
         model: the decoder, in eval mode for deterministic results (dropout-free anyway).
+        compile: run each decode step as one ``torch.compile``'d function of fixed shapes
+            ([Note: a static-shape step] in cache.py): the same tokens; the first steps of a
+            new batch / length / model pay the compile. The prefill stays eager.
 
     Raises:
         ValueError: ``model`` lacks the decoder's pieces.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, compile: bool = False) -> None:
         missing = [p for p in _PIECES if not hasattr(model, p)]
         if missing:
             raise ValueError(f"{type(model).__name__} has no {missing}: expected a shardwise "
@@ -67,6 +70,7 @@ class Decoder:
         self.vocab_size = model.tok_embeddings.num_embeddings
         self.cache: KVCache | None = None
         self.lengths: list[int] = []
+        self.compile = bool(compile)
 
     @property
     def device(self) -> torch.device:
@@ -102,7 +106,7 @@ class Decoder:
         start = torch.tensor([longest - len(r) for r in rows], dtype=torch.int64)
         self.lengths = [len(r) for r in rows]
         self.cache = KVCache(self.model, len(rows), longest + max_new_tokens,
-                             start.to(self.device))
+                             start.to(self.device), static=self.compile)
         return self._forward(tokens.to(self.device))
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -125,13 +129,34 @@ class Decoder:
         return self._forward(tokens.view(-1, 1))
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        m, cache, t = self.model, self.cache, tokens.shape[1]
+        cache, t = self.cache, tokens.shape[1]
         positions = cache.begin(t)  # (B, t)
+        run = _compiled_run() if cache.slot is not None else _run
         with torch.inference_mode(), cache.attached():
-            h = m.tok_embeddings(tokens)  # (B, t, C)
-            cos, sin = m.rope(t, positions)  # (B, t, hd/2) each
-            for layer in m.layers:
-                h = layer(h, cos, sin)
-            logits = m.output(m.norm(h[:, -1:]))[:, -1]  # (B, V): only the next token's
+            logits = run(self.model, tokens, positions)
         cache.end(t)
-        return logits.float()
+        return logits
+
+
+def _run(m: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The decoder's forward over ``tokens`` at ``positions``; ``(B, V)`` fp32 logits of the
+    last position only."""
+    t = tokens.shape[1]
+    h = m.tok_embeddings(tokens)  # (B, t, C)
+    cos, sin = m.rope(t, positions)  # (B, t, hd/2) each
+    for layer in m.layers:
+        h = layer(h, cos, sin)
+    return m.output(m.norm(h[:, -1:]))[:, -1].float()  # (B, V): only the next token's
+
+
+_COMPILED: dict[str, Callable] = {}
+COMPILE_BACKEND = "inductor"  # tests of the traced step's tokens use "aot_eager": seconds
+
+
+def _compiled_run() -> Callable:
+    """:func:`_run` compiled for static shapes, once per process and backend (the compiler
+    keeps one graph per model, batch and cache length under its guards)."""
+    if COMPILE_BACKEND not in _COMPILED:
+        _COMPILED[COMPILE_BACKEND] = torch.compile(_run, dynamic=False,
+                                                   backend=COMPILE_BACKEND)
+    return _COMPILED[COMPILE_BACKEND]

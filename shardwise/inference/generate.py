@@ -56,7 +56,8 @@ def _sync(device: torch.device) -> None:
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              sampling: Sampling | None = None, stop_tokens: Sequence[int] = (),
              pad_id: int = 0, on_tokens: Callable[[int, list[int]], None] | None = None,
-             choose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Generation:
+             choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             compile: bool = False) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     Args:
@@ -72,6 +73,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
             row (rows that stopped repeat their stop token), for printing as they come.
         choose: turns the ``(B,)`` tokens picked on this process into the ones every
             process uses (tensor-parallel ranks: rank 0's, broadcast); default: as picked.
+        compile: ``torch.compile`` the decode step (:class:`Decoder`'s ``compile``): the
+            same tokens; the first call for a batch / length pays the compile.
 
     Returns:
         A :class:`Generation`.
@@ -80,7 +83,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
         ValueError: bad prompts, ``max_new_tokens``, stop tokens, or a model that is not a
             built-in decoder.
     """
-    dec = Decoder(model)
+    dec = Decoder(model, compile=compile)
     stops = {int(t) for t in stop_tokens}
     bad = [t for t in stops if not 0 <= t < dec.vocab_size]
     if bad:
@@ -99,27 +102,32 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
     logits = dec.prefill(prompts, max_new_tokens - 1, pad_id=pad_id)
     b = logits.shape[0]
     out: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool, device=dec.device)
-    stop_set = torch.tensor(sorted(stops), dtype=torch.int64, device=dec.device)
+    done = [False] * b
     prefill_s = decode_s = 0.0
     for step in range(max_new_tokens):
         tokens = sampler(logits)  # (B,)
         if choose is not None:
             tokens = choose(tokens)
-        previous = torch.tensor([row[-1] if row else pad_id for row in out], device=dec.device)
-        tokens = torch.where(done, previous, tokens)
         picked = tokens.tolist()  # one host read per step: the tokens are printed anyway
-        for row, token, stopped in zip(out, picked, done.tolist()):
-            if not stopped:
-                row.append(token)
+        # The stop bookkeeping stays on the host, in the list just read: no small device ops
+        # per step, and a new tokens tensor only when a stopped row's token must be replaced.
+        held = False
+        for i, row in enumerate(out):
+            if done[i]:  # a row that stopped repeats its stop token
+                held |= picked[i] != row[-1]
+                picked[i] = row[-1]
+            else:
+                row.append(picked[i])
+                done[i] = picked[i] in stops
+        if held:
+            tokens = torch.tensor(picked, dtype=torch.int64, device=dec.device)
         if on_tokens is not None:
             on_tokens(step, picked)
-        done |= torch.isin(tokens, stop_set)
         if step == 0:
             _sync(dec.device)
             prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-        if step == max_new_tokens - 1 or bool(done.all()):
+        if step == max_new_tokens - 1 or all(done):
             break
         logits = dec.step(tokens)
     _sync(dec.device)
