@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from shardwise.inference import Decoder, KVCache, generate
-from shardwise.inference import cache as cache_mod
 from shardwise.models import build_model, get_model_config
 
 SMALL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 97,
@@ -66,12 +65,19 @@ def test_the_step_mask_is_the_general_mask():
 
 @pytest.mark.parametrize("prompts", [SAME_LENGTH, [[1, 5, 9, 33, 2, 7], [4, 5], [60]]],
                          ids=["unpadded", "padded"])
-def test_enable_gqa_equals_repeated_key_heads(prompts, monkeypatch):
+def test_enable_gqa_equals_the_model_with_its_key_heads_repeated(prompts):
+    """4 query heads over 2 key heads, read by SDPA's enable_gqa from the cache, against an
+    MHA model whose key / value projections repeat each key head for its 2 query heads."""
     model = _model()  # 4 query heads over 2 key heads
-    fast = _steps(model, prompts, 5)
-    monkeypatch.setattr(cache_mod, "_GQA", False)  # the repeat_kv path of older torch
-    slow = _steps(model, prompts, 5)
-    torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
+    mha = _model(n_kv_heads=4)
+    state = model.state_dict()
+    hd = SMALL["dim"] // SMALL["n_heads"]
+    for name, w in list(state.items()):
+        if name.endswith(("attention.wk.weight", "attention.wv.weight")):
+            state[name] = w.view(2, hd, -1).repeat_interleave(2, dim=0).reshape(4 * hd, -1)
+    mha.load_state_dict(state)
+    torch.testing.assert_close(_steps(model, prompts, 5), _steps(mha, prompts, 5),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_a_stopped_row_repeats_its_stop_token_to_the_model():

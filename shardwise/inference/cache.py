@@ -43,10 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.models.layers import repeat_kv
 
-# SDPA reads grouped key heads itself (torch >= 2.5); older versions get repeat_kv copies.
-_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 __all__ = ["KVCache", "LayerCache", "attention_modules"]
 
 
@@ -106,16 +103,11 @@ class LayerCache:
             self.k[:, :, at:at + t] = k
             self.v[:, :, at:at + t] = v
             keys, values = self.k[:, :, :at + t], self.v[:, :, :at + t]  # (B, KV, S, d)
-        mask, causal = self.owner.mask, self.owner.causal
-        if q.shape[1] != keys.shape[1] and not _GQA:  # each key head serves H / KV queries
-            n_rep = q.shape[1] // keys.shape[1]
-            keys, values = repeat_kv(keys, n_rep), repeat_kv(values, n_rep)  # (B, H, S, d)
-        if q.shape[1] == keys.shape[1]:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                  is_causal=causal, scale=scale)
-        # [Note: the decode step's mask]: no repeat_kv copy of the cache
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                              is_causal=causal, scale=scale, enable_gqa=True)
+        # grouped queries read their key head inside SDPA (torch >= 2.5; the package needs
+        # 2.6): no repeat_kv copy of the cache ([Note: the decode step's mask])
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.owner.mask,
+                                              is_causal=self.owner.causal, scale=scale,
+                                              enable_gqa=q.shape[1] != keys.shape[1])
 
 
 class KVCache:
