@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 import torch
-import torch.distributed as dist
 
 from shardwise.inference.generate import Generation, generate
 from shardwise.inference.sampling import Sampling
@@ -168,6 +167,7 @@ def decode_rank(req: GenerateRequest) -> dict[str, Any] | None:
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    from shardwise.distributed.comm import objects as comm_objects
     from shardwise.distributed import env as dist_env
     from shardwise.inference.tensor_parallel import load_tp_model, rank0_tokens
 
@@ -185,7 +185,7 @@ def decode_rank(req: GenerateRequest) -> dict[str, Any] | None:
         gen = _generate_and_print(req, loaded.model, choose, env.is_main)
         # Rank 0 is the source of the last broadcast and can be done first: without this
         # barrier it may tear its group down while a peer is still receiving from it.
-        dist.barrier(group=mesh["tp"].get_group())
+        comm_objects.barrier(mesh["tp"].get_group(), label="decode.done")
         return _summary(gen) if env.is_main else None
     finally:
         dist_env.destroy()
