@@ -181,3 +181,28 @@ def test_under_torchrun_every_rank_is_a_tensor_rank_and_rank_0_prints(run):
     assert text == _want(run, "def ", 8) and RATE.match(rate)
     (c0, _), (c1, _) = run_ranks(_cli_rank, 2, args=(argv + ["--tp", "3"],), timeout_s=60)
     assert (c0, c1) == (2, 2)  # refused on every rank before any collective
+
+
+def test_a_bpe_run_saves_its_tokenizer_and_generate_reads_it(tmp_path, capfd, monkeypatch):
+    """The trainer writes ``tokenizer.json`` beside config.toml; ``generate`` encodes with
+    it (training BPE again is not called) and gets the trained tokenizer's ids."""
+    pytest.importorskip("tokenizers")
+    from shardwise.data import load_corpus, load_tokenizer
+    import shardwise.data as data
+
+    bpe = {**TINY, "data.tokenizer": "bpe", "data.bpe_vocab_size": "300"}
+    assert main(["train", *cli_args(bpe), "--log.dir", str(tmp_path / "run")]) == 0
+    capfd.readouterr()
+    saved = load_tokenizer(tmp_path / "run" / "tokenizer.json")
+    trained = build_tokenizer("bpe", vocab_size=300, text=load_corpus("stdlib",
+                                                                      max_bytes=200000))
+    sample = "def shard(x):\n    return x"
+    assert saved.encode(sample).tolist() == trained.encode(sample).tolist()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("generate trained the tokenizer again")
+
+    monkeypatch.setattr(data, "build_tokenizer", no_training)
+    text, m = _printed(capfd, main(["generate", "--checkpoint", str(tmp_path / "run"),
+                                    "--prompt", "def ", "--max-new-tokens", "4"]))
+    assert text.startswith("def ") and m.groups()[0] == str(len(saved.encode("def ")))

@@ -24,7 +24,7 @@ from shardwise.distributed.comm import objects as comm_objects
 from shardwise.distributed import env as dist_env
 from shardwise.train.config import Config, resolve_world
 from shardwise.train.doctor import check_ranks
-from shardwise.train.preflight import TokenData, announce, preflight
+from shardwise.train.preflight import TokenData, announce, preflight, save_tokenizer
 from shardwise.train.replan import train_planned
 from shardwise.train.trainer import build_env
 
@@ -141,6 +141,7 @@ def _train_here(cfg: Config) -> dict[str, Any] | None:
         cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, dir=log_dir))
         if env.is_main:
             announce(cfg, requested)
+            save_tokenizer(cfg, data)
         return train_planned(cfg, data, env)
     finally:
         dist_env.destroy()
@@ -196,5 +197,6 @@ def run_training(cfg: Config) -> dict[str, Any] | None:
         requested = cfg
         cfg, data = preflight(cfg, cfg.parallel.nproc)
         announce(cfg, requested)
+        save_tokenizer(cfg, data)
         return launch_local(_rank_main, cfg.parallel.nproc, (cfg, data))[0]
     return _train_here(cfg)

@@ -9,9 +9,11 @@ not a traceback from every rank.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +31,7 @@ from shardwise.train.vla import (build_vla_data, check_vla, check_vla_data, is_v
 from shardwise.train.pipeline import bubble_warning, check_pipeline_config, check_pipeline_model
 
 __all__ = ["TokenData", "build_model_config", "build_data", "preflight", "config_lines",
-           "announce"]
+           "announce", "save_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -41,12 +43,16 @@ class TokenData:
         val_ids: 1-D int64 token ids of the held-out validation split.
         vocab_size: number of ids the tokenizer can produce.
         corpus_bytes: UTF-8 size of the corpus text.
+        tokenizer_json: the tokenizer as the text of its ``save`` file (a BPE vocabulary and
+            merges, or the byte tokenizer's marker), written into the run folder as
+            ``tokenizer.json`` so ``shardwise generate`` reads it instead of training it again.
     """
 
     train_ids: torch.Tensor
     val_ids: torch.Tensor
     vocab_size: int
     corpus_bytes: int
+    tokenizer_json: str = ""
 
 
 def build_model_config(cfg: Config, vocab_size: int | None = None):  # -> LlamaConfig
@@ -144,7 +150,28 @@ def build_data(cfg: Config, world_size: int) -> TokenData:
                 f"{d.val_fraction}), fewer than one global batch of {world_size} ranks x "
                 f"{cfg.train.batch_size} sequences x {d.seq_len + 1} tokens = {need:,}; "
                 "expected more text, or a smaller train.batch_size / data.seq_len")
-    return TokenData(train_ids, val_ids, tokenizer.vocab_size, len(text.encode("utf-8")))
+    return TokenData(train_ids, val_ids, tokenizer.vocab_size, len(text.encode("utf-8")),
+                     _saved_text(tokenizer))
+
+
+def _saved_text(tokenizer: Any) -> str:
+    """What ``tokenizer.save`` writes, as text (a string travels to the ranks; the BPE
+    backend object need not)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokenizer.json"
+        tokenizer.save(path)
+        return path.read_text(encoding="utf-8")
+
+
+def save_tokenizer(cfg: Config, data: Any) -> Path | None:
+    """Write the run's tokenizer as ``<log.dir>/tokenizer.json`` (rank 0 or the launcher,
+    after :func:`announce`); None when ``data`` carries none (the VLA's episodes)."""
+    text = getattr(data, "tokenizer_json", "")
+    if not text:
+        return None
+    path = Path(cfg.log.dir) / "tokenizer.json"
+    path.write_text(text, encoding="utf-8")
+    return path
 
 
 def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True

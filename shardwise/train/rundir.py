@@ -25,7 +25,8 @@ __all__ = ["RUN_OUTPUTS", "DEFAULT_LOG_DIR", "run_outputs", "choose_log_dir", "c
            "renamed_note"]
 
 #: What a run leaves in its folder (``checkpoints`` counts when it is not empty).
-RUN_OUTPUTS = ("config.toml", "metrics.jsonl", "loss.png", "summary.json", "tb", "checkpoints")
+RUN_OUTPUTS = ("config.toml", "tokenizer.json", "metrics.jsonl", "loss.png", "summary.json", "tb",
+               "checkpoints")
 DEFAULT_LOG_DIR = LogConfig().dir
 
 
@@ -82,7 +83,7 @@ def renamed_note(requested: Config, cfg: Config) -> str | None:
 def clear_run(cfg: Config) -> list[str]:
     """Remove the earlier run's outputs from ``log.dir`` when ``log.overwrite`` is set.
 
-    Only the files a run writes go: config.toml, metrics.jsonl (and the
+    Only the files a run writes go: config.toml, tokenizer.json, metrics.jsonl (and the
     ``metrics.until-step-*.jsonl`` of older versions), loss.png, summary.json, tb/ and
     checkpoints/; anything else in the folder stays. Call it once per job (rank 0 or the
     launcher), after every rank agreed to start.
