@@ -5,14 +5,15 @@ Face's head order, or dequantised from the codec bytes of the quantised store.""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from shardwise.quant.codecs import dequantize, unpack
 
-if TYPE_CHECKING:  # layout.py imports this module; the types only annotate
-    from shardwise.inference.weights.layout import Piece, TensorEntry
+# layout.py imports this module and defines the pieces and entries it is handed
+# (layout.Piece, layout.TensorEntry); they are typed Any here so the import runs one way.
+Piece = TensorEntry = Any
 
 __all__ = ["decode_piece"]
 
