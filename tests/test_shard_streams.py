@@ -28,14 +28,28 @@ PHASES = ("forward", "loss", "backward", "step")
 def test_release_without_the_side_stream_drops_at_once_and_settle_frees_the_rest():
     with cuda_code_paths():
         streams = CommStreams(torch.device("cpu"))
-        a, b = torch.empty(8), torch.empty(8)
-        streams.release("reduce", a, None, on_side=False)  # never on a side stream
+        streams.release("reduce", torch.empty(8), None, on_side=False)  # never on a side stream
         assert streams.held() == 0
-        streams.release("reduce", a, b)
-        streams.release("gather", b)
+        streams.release("reduce", torch.empty(8), torch.empty(8))
+        streams.release("gather", torch.empty(8))
         assert streams.held() == 2
-        streams.settle()
+        streams.settle()  # waits until they are freed ([Note: CUDA lifetimes on the CPU])
         assert streams.held() == 0
+
+
+def test_a_released_buffer_still_referenced_elsewhere_is_named_as_a_leak(monkeypatch):
+    from shardwise.testing import live_memory
+    monkeypatch.setattr(live_memory, "RELEASE_TIMEOUT_S", 0.05)
+    with cuda_code_paths():
+        streams = CommStreams(torch.device("cpu"))
+        kept = torch.empty(8)
+        streams.release("reduce", kept, torch.empty(8))
+        with pytest.raises(RuntimeError, match=r"1 buffer\(s\) released .*at the end of a pass"):
+            streams.settle()
+        streams.release("gather", kept)
+        with pytest.raises(RuntimeError, match=r"before a gather"):
+            with streams.side("gather"):
+                pass
 
 
 def _steps_worker(steps):

@@ -72,7 +72,9 @@ class CommStreams:
             return
         stream = self._stream(kind)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        for event, _ in self._pending[kind]:
+        # The events only: a loop variable bound to a held group would keep its buffers
+        # alive in this generator's frame for the whole collective.
+        for event in [e for e, _ in self._pending[kind]]:
             stream.wait_event(event)
         self._pending[kind].clear()  # freed now, in the side stream's order
         with torch.cuda.stream(stream):

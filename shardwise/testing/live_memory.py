@@ -6,7 +6,16 @@ instead of swapped, and :class:`~shardwise.shard.streams.CommStreams` keeps rele
 until a side stream waits for the compute stream. :func:`cuda_code_paths` takes those
 branches on the CPU (events and streams become no-ops that keep the same references), so
 the lifetimes of every buffer are the ones a GPU sees, and :class:`LiveStorages` counts the
-bytes still alive after every op, as ``torch.cuda.memory_allocated`` would. The ~1B
+bytes still alive after every op, as ``torch.cuda.memory_allocated`` would.
+
+One lifetime differs on the CPU and is evened out here: Gloo's worker thread wakes the rank
+waiting on a collective and only then drops its own reference to the work, which holds the
+collective's tensors. When the streams let released buffers go (``side``, ``settle``), the
+buffers could outlive that moment by however long the thread waits for a core, so a step's
+peak once counted two reduction buffers more than the step before (seen in CI, 1 run in ~7,
+on 2 busy cores). Inside :func:`cuda_code_paths` the streams wait until what they let go is
+really freed (bounded, :data:`RELEASE_TIMEOUT_S`; past it a buffer is held elsewhere, a leak,
+and that raises). The ~1B
 stage-3 step of bench/gpu_check.py ran out of 80 GB on an H100 through one of those
 branches ([Note: held buffers are bounded] in shard/streams.py); bench/memory_phases.py
 measures the phases of a step with both.
@@ -15,6 +24,7 @@ measures the phases of a step with both.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator
 from unittest import mock
 
@@ -24,6 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["LiveStorages", "cuda_code_paths"]
+
+#: How long a buffer the streams let go may stay referenced by a communication thread.
+RELEASE_TIMEOUT_S = 30.0
 
 
 class LiveStorages(TorchDispatchMode):
@@ -98,6 +111,24 @@ class _Stream:
         pass
 
 
+def _storages(pending: Iterable[tuple]) -> list[StorageWeakRef]:
+    return [StorageWeakRef(t.untyped_storage()) for _, held in pending for t in held
+            if isinstance(t, torch.Tensor)]
+
+
+def _await_freed(refs: list[StorageWeakRef], where: str) -> None:
+    """Wait until every storage in ``refs`` is freed ([Note: CUDA lifetimes on the CPU])."""
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S
+    while any(not r.expired() for r in refs):
+        if time.monotonic() > deadline:
+            alive = [r for r in refs if not r.expired()]
+            raise RuntimeError(
+                f"{len(alive)} buffer(s) released by the engine's streams ({where}) are still "
+                f"referenced {RELEASE_TIMEOUT_S:.0f} s later: something besides the finished "
+                "collective holds them")
+        time.sleep(0.0005)
+
+
 @contextlib.contextmanager
 def cuda_code_paths() -> Iterator[None]:
     """Inside, the engine takes its CUDA branches on the CPU ([Note: CUDA lifetimes on the
@@ -106,16 +137,31 @@ def cuda_code_paths() -> Iterator[None]:
     from shardwise.distributed.pool import POOL
     from shardwise.shard import streams as streams_mod
 
-    real_init = streams_mod.CommStreams.__init__
+    cls = streams_mod.CommStreams
+    real_init, real_side, real_settle = cls.__init__, cls.side, cls.settle
 
     def init(self, device):
         real_init(self, device)
         self.cuda = True
 
+    @contextlib.contextmanager
+    def side(self, kind):
+        refs = _storages(self._pending[kind])
+        with real_side(self, kind):
+            _await_freed(refs, f"before a {kind}")
+            yield
+
+    def settle(self):
+        refs = _storages(p for pending in self._pending.values() for p in pending)
+        real_settle(self)
+        _await_freed(refs, "at the end of a pass")
+
     cuda = streams_mod.torch.cuda
     with contextlib.ExitStack() as stack:
         patch = stack.enter_context
-        patch(mock.patch.object(streams_mod.CommStreams, "__init__", init))
+        patch(mock.patch.object(cls, "__init__", init))
+        patch(mock.patch.object(cls, "side", side))
+        patch(mock.patch.object(cls, "settle", settle))
         patch(mock.patch.object(cuda, "Event", _Event))
         patch(mock.patch.object(cuda, "Stream", lambda device=None: _Stream()))
         patch(mock.patch.object(cuda, "current_stream", lambda device=None: None))
