@@ -116,6 +116,10 @@ def _add_config_options(train: argparse.ArgumentParser) -> None:
                        help="TOML file with [section] tables (e.g. configs/debug.toml)")
     train.add_argument("--nproc", dest="parallel.nproc", metavar="N", default=argparse.SUPPRESS,
                        action=_StoreSpelling, help="alias of --parallel.nproc")
+    train.add_argument("--faults", metavar="SPEC", default=None,
+                       help="inject faults (kill, stop, exit, hang, ...) at chosen steps and "
+                            "phases, e.g. 'kill:group=1:step=40;stop:group=0:step=90:seconds=5' "
+                            "(the SHARDWISE_FAULT grammar: shardwise/train/faults.py)")
     train.add_argument("--checkpoint.async", dest="checkpoint.async_save", metavar="BOOL",
                        nargs="?", const="true", default=argparse.SUPPRESS,
                        action=_StoreSpelling, help="alias of --checkpoint.async_save")
@@ -154,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _attach_values(argv: list[str]) -> list[str]:
     """Write ``--key VALUE`` as ``--key=VALUE`` so values like ``-1e-3`` are not taken for flags."""
     takes_value = {f"--{s}.{k}" for s, k, hint, *_ in config_io.iter_fields(Config())
-                   if hint is not bool} | {"--config", "--nproc"}
+                   if hint is not bool} | {"--config", "--nproc", "--faults"}
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -215,7 +219,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from shardwise.train.launch import run_training
 
     overrides = {k: v for k, v in vars(args).items() if "." in k}
-    run_training(load_config(args.config, overrides))
+    cfg = load_config(args.config, overrides)
+    if getattr(args, "faults", None):
+        from shardwise.train.faults import ENV_VAR, parse_faults
+
+        parse_faults(args.faults)  # a malformed spec exits 2 before any rank starts
+        os.environ[ENV_VAR] = args.faults  # inherited by every rank this process launches
+    run_training(cfg)
     return 0
 
 

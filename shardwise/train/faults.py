@@ -2,6 +2,8 @@
 
     SHARDWISE_FAULT="kill:rank=1:step=7:phase=backward" shardwise train ...
     SHARDWISE_FAULT="raise:rank=0:step=3;hang:rank=1:step=9:attempt=1" torchrun ... train
+    shardwise train --parallel.fault_tolerant true --parallel.dp_replicate 3 --nproc 3 \
+        --faults "kill:group=1:step=40;stop:group=2:step=90:seconds=8"
 
 A spec is one or more faults separated by ``;``. Each is an action followed by ``key=value``
 conditions, all of which must hold for it to fire (once):
@@ -14,15 +16,20 @@ actions
     phase ``grad`` with ``param=FQN``, or one module's input, phase ``input`` with
     ``module=FQN``), ``enospc`` (the disk is full: a checkpoint file write
     fails with ENOSPC after writing part of its data), ``skip`` (do not issue the next
-    collective whose label contains ``label=...``; needs the watchdog).
+    collective whose label contains ``label=...``; needs the watchdog), ``stop`` (SIGSTOP:
+    a frozen process, with ``parallel.fault_tolerant`` its whole replica group; ``seconds=S``
+    continues it after S seconds, default never).
 conditions
     ``rank`` (default 0), ``step`` (an int, or ``random``: drawn from ``seed`` in
     [2, steps - 1]), ``phase``, ``attempt`` (the torchrun restart count it fires in,
     default 0, so a restarted job does not fail again; ``any``), ``param``, ``module``,
-    ``label``.
+    ``label``, ``group`` (with ``parallel.fault_tolerant``: the replica group, in which
+    ``rank`` is the rank inside the group; default any group).
 phases
     ``start`` (default: as the step begins), ``forward`` / ``backward`` (in the middle of the
-    model: at the middle transformer block), ``optimizer`` (just before the optimizer step),
+    model: at the middle transformer block), ``reduction`` (with ``parallel.fault_tolerant``:
+    as the gradients are combined across replica groups), ``optimizer`` (just before the
+    optimizer step),
     ``checkpoint`` (while this rank writes its checkpoint files), ``commit`` (rank 0 inside
     the checkpoint commit, before the rename), ``loss``, ``grad`` and ``input`` (for ``nan``
     / ``inf``; ``input``: the first element of the first tensor argument of the named
@@ -36,6 +43,8 @@ import errno
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,10 +55,13 @@ from torch import nn
 __all__ = ["Fault", "FaultPlan", "InjectedFault", "parse_faults", "ENV_VAR"]
 
 ENV_VAR = "SHARDWISE_FAULT"
-ACTIONS = ("kill", "exit", "raise", "oom", "hang", "nan", "inf", "enospc", "skip")
-PHASES = ("start", "forward", "backward", "optimizer", "checkpoint", "commit", "loss", "grad",
-          "input")
-_CRASHES = ("kill", "exit", "raise", "oom", "hang")
+ACTIONS = ("kill", "exit", "raise", "oom", "hang", "stop", "nan", "inf", "enospc", "skip")
+PHASES = ("start", "forward", "backward", "reduction", "optimizer", "checkpoint", "commit",
+          "loss", "grad", "input")
+_CRASHES = ("kill", "exit", "raise", "oom", "hang", "stop")
+#: Set in every rank of a fault-tolerant replica group (its group id); ``stop`` then freezes
+#: the group's whole process group.
+GROUP_ENV = "SHARDWISE_FT_GROUP"
 _DEFAULT_PHASE = {"nan": "loss", "inf": "loss", "enospc": "checkpoint", "skip": "start"}
 
 
@@ -66,12 +78,15 @@ class Fault:
     step: int | str | None = None
     phase: str = "start"
     attempt: str = "0"
+    group: int | None = None
     options: dict[str, str] = field(default_factory=dict)
     fired: bool = False
 
     def describe(self) -> str:
         opts = "".join(f":{k}={v}" for k, v in self.options.items())
-        return f"{self.action}:rank={self.rank}:step={self.step}:phase={self.phase}{opts}"
+        group = "" if self.group is None else f":group={self.group}"
+        return (f"{self.action}{group}:rank={self.rank}:step={self.step}:phase={self.phase}"
+                f"{opts}")
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -91,7 +106,7 @@ def parse_faults(spec: str) -> list[Fault]:
             key, sep, value = pair.partition("=")
             if not sep:
                 raise ValueError(f"{ENV_VAR}: expected key=value, got {pair!r} in {part!r}")
-            if key == "rank" or (key == "step" and value != "random"):
+            if key in ("rank", "group") or (key == "step" and value != "random"):
                 if not value.isdigit():
                     raise ValueError(f"{ENV_VAR}: {key} must be an int, got {value!r}")
                 setattr(fault, key, int(value))
@@ -104,6 +119,14 @@ def parse_faults(spec: str) -> list[Fault]:
                 fault.phase = value
             elif key == "attempt":
                 fault.attempt = value
+            elif key == "seconds":
+                try:
+                    if float(value) < 0:
+                        raise ValueError
+                except ValueError:
+                    raise ValueError(f"{ENV_VAR}: seconds must be a number >= 0, got {value!r}"
+                                     ) from None
+                fault.options[key] = value
             elif key in ("param", "module", "label", "seed", "code", "native"):
                 fault.options[key] = value
             else:
@@ -117,14 +140,18 @@ class FaultPlan:
 
     Args:
         faults: parsed faults (all ranks' ones; only this rank's fire).
-        rank: this rank.
+        rank: this rank (inside its replica group under ``parallel.fault_tolerant``).
         steps: the run's total steps (to draw ``step=random``).
+        group: this rank's replica group (fault tolerance), else None: faults naming a group
+            fire only in that group.
     """
 
-    def __init__(self, faults: list[Fault], rank: int, steps: int) -> None:
+    def __init__(self, faults: list[Fault], rank: int, steps: int,
+                 group: int | None = None) -> None:
         self.rank, self.step = rank, 0
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.faults = [f for f in faults if f.rank == rank
+                       and (f.group is None or f.group == group)
                        and (f.attempt == "any" or f.attempt == attempt)]
         for f in self.faults:
             if f.step == "random":
@@ -135,9 +162,12 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls, rank: int, steps: int) -> FaultPlan | None:
-        """The plan of ``$SHARDWISE_FAULT`` for this rank, or None when it is unset/empty."""
+        """The plan of ``$SHARDWISE_FAULT`` for this rank (and its replica group, from
+        ``$SHARDWISE_FT_GROUP``), or None when it is unset/empty."""
         spec = os.environ.get(ENV_VAR, "")
-        plan = cls(parse_faults(spec), rank, steps) if spec.strip() else None
+        group = os.environ.get(GROUP_ENV)
+        plan = (cls(parse_faults(spec), rank, steps, None if group is None else int(group))
+                if spec.strip() else None)
         return plan if plan is not None and plan.faults else None
 
     # ------------------------------------------------------------------ firing
@@ -291,8 +321,30 @@ class FaultPlan:
             setattr(owner, name, orig)
 
 
+#: A file each fired crash appends one JSON line to (time, action, step, phase, group, rank,
+#: pid) before it acts: the fault-tolerant launcher times recoveries from it.
+LOG_ENV = "SHARDWISE_FAULT_LOG"
+
+
+def _record(f: Fault, step: int) -> None:
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    import json
+
+    line = json.dumps({"time": time.time(), "action": f.action, "step": step,
+                       "phase": f.phase, "group": os.environ.get(GROUP_ENV), "rank": f.rank,
+                       "pid": os.getpid(), "fault": f.describe()})
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())  # one write: lines from ranks never interleave
+    finally:
+        os.close(fd)
+
+
 def _act(f: Fault, step: int) -> None:
     what = f"{ENV_VAR}={f.describe()} at step {step}"
+    _record(f, step)
     if f.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.action == "exit":
@@ -301,8 +353,23 @@ def _act(f: Fault, step: int) -> None:
         raise InjectedFault(f"injected fault {what}")
     elif f.action == "oom":
         torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator refuses
+    elif f.action == "stop":
+        _stop(float(f.options.get("seconds", "0")))
     elif f.action == "hang":
         if f.options.get("native") == "1":
             time.sleep(10**9)
         while True:
             time.sleep(0.05)
+
+
+def _stop(seconds: float) -> None:
+    """Freeze: SIGSTOP this process, or under fault tolerance its replica group's process
+    group (every rank of the group and its launcher). A detached helper sends SIGCONT after
+    ``seconds`` (0: never; the group stays frozen until something kills it)."""
+    group = os.environ.get(GROUP_ENV) is not None
+    target = -os.getpgrp() if group else os.getpid()
+    if seconds > 0:
+        # Its own session: the SIGSTOP below does not reach it.
+        subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep({seconds});"
+                          f" os.kill({target}, signal.SIGCONT)"], start_new_session=True)
+    os.kill(target, signal.SIGSTOP)

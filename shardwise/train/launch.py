@@ -193,10 +193,15 @@ def run_training(cfg: Config) -> dict[str, Any] | None:
         ValueError: a check on user input failed (before any rank trained).
         RankFailure: a locally launched rank failed, named with its error.
     """
-    if dist_env.detect_launcher() == "single" and cfg.parallel.nproc > 1:
+    if dist_env.detect_launcher() == "single" and (cfg.parallel.nproc > 1
+                                                   or cfg.parallel.fault_tolerant):
         requested = cfg
         cfg, data = preflight(cfg, cfg.parallel.nproc)
         announce(cfg, requested)
         save_tokenizer(cfg, data)
+        if cfg.parallel.fault_tolerant:
+            from shardwise.train.fault_tolerant.launch import run_fault_tolerant
+
+            return run_fault_tolerant(cfg, data)
         return launch_local(_rank_main, cfg.parallel.nproc, (cfg, data))[0]
     return _train_here(cfg)

@@ -100,6 +100,12 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("parallel.replan_threshold", lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
     ("parallel.replan_steps", _positive, "a positive int (steps measured per layout)"),
     ("parallel.plan_hardware", lambda v: v.strip() != "", "a device name (e.g. local, h100)"),
+    ("parallel.ft_min_groups", _positive, "a positive int (replica groups)"),
+    ("parallel.ft_timeout_s", _positive, "a positive number of seconds"),
+    ("parallel.ft_heartbeat_ms", _positive, "a positive int (milliseconds)"),
+    ("parallel.ft_max_restarts", _non_negative, "an int >= 0"),
+    ("parallel.ft_lighthouse", lambda v: v == "" or v.startswith(("http://", "https://")),
+     "'' (start one) or a quorum server address such as http://host:29510"),
     ("parallel.pp", _positive, "a positive int (pipeline ranks)"),
     ("parallel.pp_microbatches", _non_negative, "an int >= 0 (0: the schedule's fewest)"),
     ("parallel.pp_virtual", _non_negative, "an int >= 0 (0: the schedule's own)"),
@@ -170,6 +176,32 @@ def _combinations(config) -> None:
         raise ValueError(f"offload.device={off.device!r} needs parallel.stage 1, 2 or 3 "
                          f"(sharded masters), got 0")
     _check_plan(config)
+    _check_fault_tolerant(config)
+
+
+def _check_fault_tolerant(config) -> None:
+    """``parallel.fault_tolerant``: replica groups of data-parallel ranks only, for now."""
+    par = config.parallel
+    if not par.fault_tolerant:
+        return
+    others = [f"parallel.{k}={getattr(par, k)}" for k in ("tp", "cp", "pp") if getattr(par, k) > 1]
+    if par.plan == "auto":
+        others.append("parallel.plan='auto'")
+    if config.offload.device != "none":
+        others.append(f"offload.device={config.offload.device!r}")
+    if config.precision.param_dtype == "fp16":
+        others.append("precision.param_dtype='fp16' (its loss scale is not healed)")
+    if config.train.compile:
+        others.append("train.compile=true")
+    if others:
+        raise ValueError(f"parallel.fault_tolerant=true trains replica groups of data-parallel "
+                         f"ranks (ZeRO inside each group); it does not combine with "
+                         f"{', '.join(others)} yet; expected tp, cp, pp 1, plan 'off', no "
+                         f"offload, bf16 or fp32 compute, no compile (docs/failures.md)")
+    if par.ft_min_groups > par.dp_replicate:
+        raise ValueError(f"parallel.ft_min_groups={par.ft_min_groups} is more than the "
+                         f"parallel.dp_replicate={par.dp_replicate} replica groups; no step "
+                         f"could commit")
 
 
 def _check_plan(config) -> None:

@@ -105,6 +105,25 @@ class ParallelConfig:
     plan_calibration: str = ""
     """With plan = "auto": calibration file of the "local" device ("": $SHARDWISE_CALIBRATION,
     else ~/.cache/shardwise/calibration.toml)."""
+    fault_tolerant: bool = False
+    """Keep training when replica groups fail (docs/failures.md): each of the dp_replicate
+    groups shards inside itself (dp_shard ranks), a step commits the gradients of the groups
+    alive for all of it, a lost group leaves the others running and heals from a live peer
+    when it comes back (torchft: a quorum per step). tp, cp and pp stay 1."""
+    ft_lighthouse: str = ""
+    """With fault_tolerant: the quorum server's address (http://host:port), started once for
+    the job (`torchft_lighthouse`); "": the launcher starts one on this machine."""
+    ft_min_groups: int = 1
+    """With fault_tolerant: replica groups a step needs to commit (fewer alive: it waits)."""
+    ft_timeout_s: float = 10.0
+    """With fault_tolerant: how long a collective across groups, a quorum or a healing may
+    take before the groups that did not answer are dropped (a frozen group costs this)."""
+    ft_heartbeat_ms: int = 1000
+    """With fault_tolerant and the launcher's quorum server: a group silent this long is out
+    of the next quorum."""
+    ft_max_restarts: int = 100
+    """With fault_tolerant and local ranks: how often the launcher restarts a failed group,
+    which then rejoins and heals."""
 
 
 @dataclass(frozen=True)
