@@ -13,28 +13,59 @@ bitwise (bench/elastic_soak.py checks it). The price is bandwidth: each rank rec
 ``groups - 1`` copies of its gradient shard where a ring would move two; replica groups are
 few (each one is a whole sharded model), and the shard is ``1 / dp_shard`` of the model.
 
-Every contribution starts with a two-element header, ``(group id, taking part)``, so the
-order is by group id, not by the transport's ranks.
+Every contribution starts with a header, ``(group id, taking part, lineage)``, so the order
+is by group id, not by the transport's ranks.
+
+[Note: lineages] Two groups can commit the same step number apart: with two groups alive,
+either is "half of the live groups" to torchft's quorum server, and a group that arrives while
+the other is busy may get a quorum of its own (seen at start-up). Both then hold step ``s``
+with different weights, and torchft heals only a group whose step is behind, so neither
+would heal: the replicas would silently differ. Each group therefore carries a lineage, a
+48-bit hash of its whole history of committed steps and their participants (healed along
+with the state). A combine whose participants hold different lineages keeps the lineage
+held by the most groups (ties: the one of the lowest group id); the others' gradients do not
+count, they do not commit, and they step their count back so the next quorum heals them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["flatten_grads", "combine_contributions", "write_grads", "combine_gradients"]
+__all__ = ["flatten_grads", "combine_contributions", "write_grads", "combine_gradients",
+           "next_lineage", "Combined"]
 
-_HEADER = 2
+_HEADER = 4
+_HALF = 1 << 24  # fp32 holds integers below 2**24 exactly: the lineage travels in two halves
+
+
+def next_lineage(lineage: int, step: int, participants: Iterable[int]) -> int:
+    """The lineage after committing ``step`` with ``participants`` ([Note: lineages])."""
+    import hashlib
+
+    text = f"{lineage}:{step}:{','.join(map(str, sorted(participants)))}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
+
+
+@dataclass
+class Combined:
+    """What a combine decided: the groups whose gradients count (ascending), and whether this
+    rank's group is among those that hold the kept lineage."""
+
+    participants: list[int]
+    kept: bool = True
 
 
 def flatten_grads(params: Sequence[torch.Tensor], group: int, taking_part: bool,
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, lineage: int = 0) -> torch.Tensor:
     """This rank's contribution: the header, then every parameter's gradient in fp32 (zeros
     for a parameter without one, so every group's layout is the same)."""
     sizes = [p.numel() for p in params]
     flat = torch.empty(_HEADER + sum(sizes), dtype=torch.float32, device=device)
-    flat[0], flat[1] = float(group), float(taking_part)
+    flat[:_HEADER] = torch.tensor([float(group), float(taking_part), float(lineage // _HALF),
+                                   float(lineage % _HALF)])
     offset = _HEADER
     for p, n in zip(params, sizes):
         view = flat[offset: offset + n]
@@ -47,17 +78,20 @@ def flatten_grads(params: Sequence[torch.Tensor], group: int, taking_part: bool,
 
 
 def combine_contributions(gathered: Iterable[torch.Tensor],
-                          participants: Iterable[int] | None = None
-                          ) -> tuple[torch.Tensor, list[int]]:
+                          participants: Iterable[int] | None = None, group: int | None = None
+                          ) -> tuple[torch.Tensor | None, Combined]:
     """The mean of the participants' gradients, summed in group order.
 
     Args:
         gathered: every group's contribution (:func:`flatten_grads`), in any order.
         participants: the groups whose gradients count (a replay's script); None: those
-            whose header says they take part.
+            whose header says they take part and that hold the kept lineage ([Note:
+            lineages]).
+        group: this rank's group (to say whether it holds the kept lineage).
 
     Returns:
-        ``(mean gradient without its header, the participating group ids, ascending)``.
+        ``(mean gradient without its header, or None where this group's lineage was not
+        kept; the decision)``.
 
     Raises:
         ValueError: no group takes part, a group appears twice, or a scripted participant
@@ -66,16 +100,22 @@ def combine_contributions(gathered: Iterable[torch.Tensor],
     gathered = list(gathered)
     headers = torch.stack([t[:_HEADER] for t in gathered]).tolist()  # one host read
     by_group: dict[int, torch.Tensor] = {}
-    taking_part = set()
-    for (gid, part), t in zip(headers, gathered):
+    lineage: dict[int, int] = {}
+    for (gid, part, hi, lo), t in zip(headers, gathered):
         gid = int(gid)
         if gid in by_group:
             raise ValueError(f"replica group {gid} contributed twice to one combine")
         by_group[gid] = t
         if part > 0:
-            taking_part.add(gid)
+            lineage[gid] = int(hi) * _HALF + int(lo)
     if participants is None:
-        ids = sorted(taking_part)
+        counts: dict[int, list[int]] = {}
+        for gid in sorted(lineage):
+            counts.setdefault(lineage[gid], []).append(gid)
+        if not counts:
+            raise ValueError("no replica group takes part in this step")
+        # Most groups first, then the lineage of the lowest group id.
+        ids = max(counts.values(), key=lambda gs: (len(gs), -gs[0]))
     else:
         ids = sorted(set(participants))
         missing = [g for g in ids if g not in by_group]
@@ -84,11 +124,14 @@ def combine_contributions(gathered: Iterable[torch.Tensor],
                              f"but only groups {sorted(by_group)} contributed")
     if not ids:
         raise ValueError("no replica group takes part in this step")
+    decision = Combined(ids, kept=group is None or group in ids or participants is not None)
+    if not decision.kept:
+        return None, decision
     total = by_group[ids[0]][_HEADER:].clone()
     for g in ids[1:]:
         total.add_(by_group[g][_HEADER:])
     total.div_(len(ids))
-    return total, ids
+    return total, decision
 
 
 def write_grads(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
@@ -106,7 +149,8 @@ def write_grads(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
 
 def combine_gradients(params: Sequence[torch.Tensor], group: int, taking_part: bool,
                       all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
-                      participants: Iterable[int] | None = None) -> list[int]:
+                      participants: Iterable[int] | None = None, lineage: int = 0
+                      ) -> Combined:
     """Replace every parameter's gradient by the participants' mean ([Note: a deterministic
     combine across groups]).
 
@@ -117,12 +161,15 @@ def combine_gradients(params: Sequence[torch.Tensor], group: int, taking_part: b
         taking_part: whether this group's gradient counts this step.
         all_gather: gathers one tensor from the same rank of every group in the quorum.
         participants: see :func:`combine_contributions`.
+        lineage: this group's lineage ([Note: lineages]).
 
     Returns:
-        The participating group ids, ascending.
+        The decision; where ``kept`` is False the gradients are left alone (this group must
+        not commit).
     """
     device = params[0].device if params else torch.device("cpu")
-    flat = flatten_grads(params, group, taking_part, device)
-    total, ids = combine_contributions(all_gather(flat), participants)
-    write_grads(params, total)
-    return ids
+    flat = flatten_grads(params, group, taking_part, device, lineage)
+    total, decision = combine_contributions(all_gather(flat), participants, group)
+    if total is not None:
+        write_grads(params, total)
+    return decision

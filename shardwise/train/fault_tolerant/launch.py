@@ -42,6 +42,7 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
     """The process that launches (and restarts) one group's ranks, leading their process
     group."""
     os.setpgrp()
+    os.environ.setdefault("RUST_LOG", "error")  # torchft's quorum client narrates each quorum
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from shardwise.train.fault_tolerant.replica import run_replica
@@ -93,6 +94,7 @@ def run_fault_tolerant(cfg: Config, data: Any) -> dict[str, Any]:
     if os.environ.get(ENV_VAR):
         parse_faults(os.environ[ENV_VAR])  # a typo fails here, before any rank starts
     server = None
+    os.environ.setdefault("RUST_LOG", "error")
     lighthouse = par.ft_lighthouse
     if not lighthouse:
         server = _lighthouse(cfg)
@@ -177,29 +179,39 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float) -> dict[str, Any]:
     Recovery of a fault: from the fault to the next step committed by any other group.
     """
     journals = read_journals(ft_dir)
-    membership: dict[int, list[int]] = {}
-    losses: dict[int, float] = {}
-    tokens: dict[int, int] = {}
-    commits: list[tuple[float, int, int]] = []  # (time, group, step)
-    problems = []
-    for g, lines in journals.items():
-        for r in lines:
-            if r.get("event") != "step" or not r["committed"]:
-                continue
-            s, ids = r["step"], r["participants"]
-            commits.append((r["time"], g, s))
-            if s in membership and membership[s] != ids:
-                problems.append(f"step {s} committed by group {g} with groups {ids}, by "
-                                f"another with {membership[s]}")
-            membership.setdefault(s, ids)
-            losses.setdefault(s, r["loss"])
-            tokens.setdefault(s, r["tokens"])
-    missing = [s for s in range(1, steps + 1) if s not in membership]
-    if missing:
-        problems.append(f"steps never committed: {missing[:10]}{' ...' * (len(missing) > 10)}")
     results = {}
     for path in sorted(ft_dir.glob("result*.json")):
         results[int(path.stem.removeprefix("result"))] = json.loads(path.read_text())
+    problems = []
+    by_lineage: dict[int, dict[str, Any]] = {}  # lineage after a commit -> its record
+    commits: list[tuple[float, int, int]] = []  # (time, group, step)
+    for g, lines in journals.items():
+        for r in lines:
+            if r.get("event") == "step" and r["committed"]:
+                commits.append((r["time"], g, r["step"]))
+                by_lineage.setdefault(r["lineage"], r)
+    # The history that survived: from the final lineage back to step 1 ([Note: lineages] in
+    # combine.py); steps committed on a lineage that was healed over are not in it.
+    membership: dict[int, list[int]] = {}
+    losses: dict[int, float] = {}
+    tokens: dict[int, int] = {}
+    finals = {r.get("lineage") for r in results.values()}
+    if len(finals) > 1:
+        problems.append(f"the groups end on {len(finals)} different histories")
+    lineage = next(iter(finals)) if len(finals) == 1 else None
+    visited = set()
+    while lineage is not None and lineage in by_lineage:
+        visited.add(lineage)
+        r = by_lineage[lineage]
+        if r["step"] in membership:
+            problems.append(f"step {r['step']} appears twice in the surviving history")
+            break
+        membership[r["step"]], losses[r["step"]] = r["participants"], r["loss"]
+        tokens[r["step"]] = r["tokens"]
+        lineage = r["lineage_before"] if r["step"] > 1 else None
+    missing = [s for s in range(1, steps + 1) if s not in membership]
+    if missing:
+        problems.append(f"steps never committed: {missing[:10]}{' ...' * (len(missing) > 10)}")
     digests = {g: tuple(r["digests"]) for g, r in results.items()}
     if len(set(digests.values())) > 1:
         problems.append(f"the groups' final states differ: {sorted(digests)} hold "
@@ -219,6 +231,7 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float) -> dict[str, Any]:
     healed = {g: sum(1 for r in lines if r.get("event") == "healed")
               for g, lines in journals.items()}
     committed_tokens = sum(tokens.values())
+    discarded = len(by_lineage) - len(visited)
     return {
         "steps": len(membership), "final_train_loss": losses.get(steps),
         "groups_finished": sorted(results), "digests_equal": len(set(digests.values())) == 1,
@@ -227,6 +240,7 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float) -> dict[str, Any]:
         "recovery_s": {"median": statistics.median(recoveries) if recoveries else None,
                        "max": max(recoveries) if recoveries else None,
                        "all": [round(x, 3) for x in recoveries]},
+        "discarded_steps": discarded,
         "steps_with_fewer_groups": sum(1 for ids in membership.values()
                                        if len(ids) < len(journals)),
         "committed_tokens": committed_tokens, "elapsed_s": round(elapsed_s, 2),
@@ -239,7 +253,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
     rec = summary["recovery_s"]
     rec_text = ("" if rec["median"] is None else
                 f"; recovery median {rec['median']:.2f} s, max {rec['max']:.2f} s")
-    print(f"fault tolerance: {summary['steps']} steps committed, {summary['faults']} faults "
+    dropped = (f" ({summary['discarded_steps']} committed apart and healed over)"
+               if summary["discarded_steps"] else "")
+    print(f"fault tolerance: {summary['steps']} steps committed{dropped}, {summary['faults']} "
+          f"faults "
           f"({', '.join(summary['fault_actions']) or 'none'}), restarts "
           f"{summary['restarts']}, healed {summary['healed']}{rec_text}; final states "
           f"{'equal' if summary['digests_equal'] else 'DIFFER'} in groups "

@@ -42,7 +42,7 @@ from shardwise.distributed.comm import objects as comm_objects
 from shardwise.shard import clip_grads_with_norm_
 from shardwise.train.config import Config
 from shardwise.train.faults import GROUP_ENV, FaultPlan
-from shardwise.train.fault_tolerant.combine import combine_gradients
+from shardwise.train.fault_tolerant.combine import combine_gradients, next_lineage
 
 __all__ = ["REPLAY_ENV", "run_replica", "state_digest", "group_config"]
 
@@ -88,6 +88,7 @@ class _Healable:
     def __init__(self, model, optimizer, schedule, loader) -> None:
         self.model, self.optimizer, self.schedule, self.loader = model, optimizer, schedule, loader
         self.healed = 0
+        self.lineage = 0  # [Note: lineages] in combine.py
 
     def state_dict(self) -> dict[str, Any]:
         return {"params": [p.detach() for p in self.model.parameters()],
@@ -95,7 +96,7 @@ class _Healable:
                 "optimizer": self.optimizer.state_dict(),
                 "schedule": {k: v for k, v in self.schedule.state_dict().items()
                              if k != "lr_lambdas"},
-                "loader": self.loader.state_dict()}
+                "loader": self.loader.state_dict(), "lineage": self.lineage}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         params, buffers = list(self.model.parameters()), list(self.model.buffers())
@@ -111,6 +112,7 @@ class _Healable:
         sched.update(state["schedule"])
         self.schedule.load_state_dict(sched)
         self.loader.load_state_dict(state["loader"])
+        self.lineage = int(state["lineage"])
         self.healed += 1
 
 
@@ -171,6 +173,7 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
     from shardwise.train.trainer import build_env, build_lr_schedule, build_optimizer
 
     os.environ[GROUP_ENV] = str(group)
+    _quiet_torchft()
     env = env if env is not None else build_env(cfg)
     par = cfg.parallel
     groups, size = par.dp_replicate, env.world_size
@@ -213,7 +216,8 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
             digest = state_digest(model, optimizer)
             digests = comm_objects.all_gather_object(digest, label="ft.digest")
             record = {"group": group, "step": manager.current_step(), "digests": digests,
-                      "healed": healable.healed, "pid": os.getpid(), "attempt": attempt}
+                      "healed": healable.healed, "pid": os.getpid(), "attempt": attempt,
+                      "lineage": healable.lineage}
             journal.write(event="finish", time=time.time(), **record)
         finally:
             journal.close()
@@ -225,11 +229,44 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
         dist_env.destroy()
 
 
+def _quiet_torchft() -> None:
+    """torchft narrates every quorum, reconfiguration and checkpoint request; the groups'
+    own lines (and ``<log.dir>/ft``) say what happened, its errors still print."""
+    import http.server
+    import logging
+    import warnings
+
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # The healing transport's HTTP server logs each request to stderr; nothing else in a
+    # rank serves HTTP.
+    http.server.BaseHTTPRequestHandler.log_message = lambda self, *args: None
+    # Received checkpoints are read-only buffers; the state is copied into place at once.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
 def _replay_script() -> dict[int, list[int]] | None:
     path = os.environ.get(REPLAY_ENV)
     if not path:
         return None
     return {int(k): v for k, v in json.loads(Path(path).read_text()).items()}
+
+
+def _membership_change(before: list[int], now: list[int], failed: list[tuple[int, str]],
+                       par: Any) -> dict[str, Any]:
+    """Which groups left and joined since the last committed step, and why they were
+    dropped: the collective they did not answer in, or their silence to the quorum server."""
+    left = sorted(set(before) - set(now))
+    joined = sorted(set(now) - set(before))
+    if failed:
+        step, error = failed[-1]
+        why = (f"they did not answer the combine across groups (all-gather of the gradients) "
+               f"of step {step} within parallel.ft_timeout_s={par.ft_timeout_s:g} s or died "
+               f"during it ({error[:160]})")
+    else:
+        why = (f"no heartbeat to the quorum server for parallel.ft_heartbeat_ms="
+               f"{par.ft_heartbeat_ms} ms before the quorum of this step")
+    return {"left": left, "joined": joined, "why": why if left else ""}
 
 
 class _PeerLost(RuntimeError):
@@ -257,6 +294,8 @@ def _loop(cfg, gcfg, env, group, model, optimizer, schedule, scaler, loader, par
     tokens_per_group = env.world_size * cfg.train.batch_size * cfg.train.grad_accum \
         * cfg.data.seq_len
     last_ids: list[int] | None = None
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    failed: list[tuple[int, str]] = []  # steps that did not commit since the last one that did
     while manager.current_step() < steps:
         start = time.perf_counter()
         healed_before = healable.healed
@@ -274,15 +313,29 @@ def _loop(cfg, gcfg, env, group, model, optimizer, schedule, scaler, loader, par
         error = None
         if faults is not None:
             faults.fire("reduction")
+        lineage = healable.lineage
         if manager.errored() is None:
             try:
                 world = manager.num_participants()
-                ids = combine_gradients(
+                decision = combine_gradients(
                     params, group, True, _all_gather(pg, world),
-                    None if script is None else script.get(step, []))
+                    None if script is None else script.get(step, []), lineage)
+                ids = decision.participants
+                if not decision.kept:  # [Note: lineages]: behind by one, healed next quorum
+                    error = (f"this group's history differs from groups {ids}' (they "
+                             f"committed the same steps apart): it heals from them")
+                    manager.report_error(RuntimeError(error))
+                    manager.load_state_dict({"step": manager.current_step() - 1,
+                                             "batches_committed": manager.batches_committed()})
             except _PeerLost as exc:  # a group lost mid-combine: this step does not commit
                 error = str(exc)
                 manager.report_error(exc)
+        if restarted and ids and len(ids) < min(2, cfg.parallel.dp_replicate) \
+                and manager.errored() is None:
+            # A restarted group joins the run's history; alone (the others not in this
+            # quorum yet, or gone) it would start one of its own.
+            error = f"a restarted group commits only with a live group; quorum had {ids}"
+            manager.report_error(RuntimeError(error))
         norm = grad_norm(model)
         stats = gather_stats([loss_sum, norm], env)
         committed = manager.should_commit()
@@ -292,6 +345,7 @@ def _loop(cfg, gcfg, env, group, model, optimizer, schedule, scaler, loader, par
             clip_grads_with_norm_(model, cfg.optim.grad_clip or math.inf, norm)
             optimizer.step()
             schedule.step()
+            healable.lineage = next_lineage(lineage, step, ids)
         else:
             loader.load_state_dict(position)  # the same step again, in the next quorum
         optimizer.zero_grad(set_to_none=True)
@@ -300,10 +354,18 @@ def _loop(cfg, gcfg, env, group, model, optimizer, schedule, scaler, loader, par
         record = {"event": "step", "step": step, "committed": committed, "participants": ids,
                   "loss": loss, "lr": lr, "grad_norm": float(stats[0, 1]),
                   "tokens": tokens_per_group * len(ids) if committed else 0,
-                  "step_time_s": elapsed, "time": time.time()}
+                  "step_time_s": elapsed, "time": time.time(), "lineage_before": lineage,
+                  "lineage": healable.lineage}
         if error is not None:
             record["error"] = error[:300]
+        if not committed:
+            failed.append((step, error or "the step did not commit in every group"))
+        elif last_ids is not None and ids != last_ids:
+            record.update(_membership_change(last_ids, ids, failed, cfg.parallel))
         journal.write(**record)
+        if env.is_main and "left" in record and record["left"]:
+            print(f"group {group}: groups {record['left']} dropped at step {step}: "
+                  f"{record['why']}", flush=True)
         if env.is_main and committed and (ids != last_ids or step % cfg.train.log_interval == 0
                                           or step == steps):
             change = "" if ids == last_ids or last_ids is None else \
@@ -311,4 +373,4 @@ def _loop(cfg, gcfg, env, group, model, optimizer, schedule, scaler, loader, par
             print(f"group {group} step {step}/{steps} loss {loss:.4f} groups {ids}"
                   f"{change} {elapsed * 1e3:.0f} ms", flush=True)
         if committed:
-            last_ids = ids
+            last_ids, failed, restarted = ids, [], False
