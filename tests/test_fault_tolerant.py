@@ -126,6 +126,8 @@ def _step(step, ids, before, after, t):
 
 
 def test_the_summary_follows_the_history_that_survived(tmp_path):
+    tmp_path = tmp_path / "ft"  # <log.dir>/ft: metrics.jsonl goes to <log.dir>
+    tmp_path.mkdir()
     # Group 1 committed step 1 alone, group 0 too; they met at step 2, group 0's history
     # was kept (lowest id) and group 1 healed from it.
     a1, b1 = next_lineage(0, 1, [0]), next_lineage(0, 1, [1])
@@ -144,9 +146,13 @@ def test_the_summary_follows_the_history_that_survived(tmp_path):
     assert json.loads((tmp_path / "membership.json").read_text()) == {"1": [0], "2": [0, 1]}
     assert s["committed_tokens"] == 30 and s["recovery_s"]["all"] == [0.5]
     assert s["healed"] == {0: 0, 1: 1} and s["restarts"] == {0: 0, 1: 0}
+    metrics = [json.loads(x) for x in (tmp_path.parent / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["participants"]) for m in metrics] == [(1, [0]), (2, [0, 1])]
 
 
 def test_the_summary_names_divergence_and_missing_steps(tmp_path):
+    tmp_path = tmp_path / "ft"
+    tmp_path.mkdir()
     a1, b1 = next_lineage(0, 1, [0]), next_lineage(0, 1, [1])
     _journal(tmp_path / "group0.jsonl", [_step(1, [0], 0, a1, 1.0),
                                          {"event": "finish", "digests": ["x"], "lineage": a1}])

@@ -1,12 +1,17 @@
 """Fault tolerance across replica groups (``parallel.fault_tolerant``, docs/failures.md).
 
-* :mod:`shardwise.train.fault_tolerant.launch`: the one command: quorum server, one elastic agent per group, the summary.
-* :mod:`shardwise.train.fault_tolerant.replica`: one rank's setup: the group's model and data, torchft's manager, resume.
-* :mod:`shardwise.train.fault_tolerant.loop`: one rank's steps: quorum, combine, commit ([Note: what a step is under
-  fault tolerance]).
-* :mod:`shardwise.train.fault_tolerant.combine`: the gradient across groups, the same bits for the same participants.
-* :mod:`shardwise.train.fault_tolerant.state`: what a rejoining group heals, the group's journal, checkpoint saves.
-* :mod:`shardwise.train.fault_tolerant.summary`: what a run committed, read back from the journals.
+* :mod:`shardwise.train.fault_tolerant.launch`: the one command: the quorum server, one
+  elastic agent per group, the summary.
+* :mod:`shardwise.train.fault_tolerant.replica`: one rank's setup: the group's model and
+  data, torchft's manager, resume.
+* :mod:`shardwise.train.fault_tolerant.loop`: one rank's steps: quorum, combine, commit
+  ([Note: what a step is under fault tolerance]).
+* :mod:`shardwise.train.fault_tolerant.combine`: the gradient across groups, the same bits
+  for the same participants.
+* :mod:`shardwise.train.fault_tolerant.state`: what a rejoining group heals, the group's
+  journal, checkpoint saves.
+* :mod:`shardwise.train.fault_tolerant.summary`: what a run committed, read back from the
+  journals (``python -m shardwise.train.fault_tolerant RUN_DIR``).
 """
 
 from shardwise.train.fault_tolerant.combine import combine_gradients, next_lineage

@@ -1,11 +1,12 @@
 """What a fault-tolerant run committed, read back from its groups' journals.
 
-    python -m shardwise.train.fault_tolerant.summary runs/ft        # a run folder
+    python -m shardwise.train.fault_tolerant runs/ft        # a run folder
 
 The launcher prints this at the end of a local run; on a cluster (one launch per group) run
-it on the shared run folder. It writes ``<log.dir>/ft/summary.json`` and
+it on the shared run folder. It writes ``<log.dir>/ft/summary.json``,
 ``<log.dir>/ft/membership.json`` (``{step: [group ids]}`` of the history that survived,
-what ``SHARDWISE_FT_REPLAY`` replays).
+what ``SHARDWISE_FT_REPLAY`` replays) and ``<log.dir>/metrics.jsonl`` (that history's steps
+and the evaluations, as any run writes them).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float | None = None) -> dict[
         problems.append(f"the groups end on {len(finals)} different histories")
     lineage = next(iter(finals)) if len(finals) == 1 else None
     visited = set()
+    history: dict[int, dict[str, Any]] = {}
     while lineage is not None and lineage in by_lineage:
         visited.add(lineage)
         r = by_lineage[lineage]
@@ -74,6 +76,7 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float | None = None) -> dict[
             problems.append(f"step {r['step']} appears twice in the surviving history")
             break
         membership[r["step"]], losses[r["step"]] = r["participants"], r["loss"]
+        history[r["step"]] = r
         tokens[r["step"]] = r["tokens"]
         lineage = r["lineage_before"] if r["step"] > 1 else None
     missing = [s for s in range(1, steps + 1) if s not in membership]
@@ -120,6 +123,13 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float | None = None) -> dict[
     (ft_dir / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
     (ft_dir / "membership.json").write_text(
         json.dumps({str(s): membership[s] for s in sorted(membership)}) + "\n")
+    # The run's metrics, as a run without fault tolerance writes them: one line per step of
+    # the history that survived (loss of the group that wrote it down), then the evaluations.
+    keep = ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "participants")
+    lines = [{k: history[s][k] for k in keep if k in history[s]} for s in sorted(history)]
+    lines += [{k: r[k] for k in ("step", "val_loss", "val_tokens") if k in r}
+              for r in sorted({r["step"]: r for r in evals}.values(), key=lambda r: r["step"])]
+    (ft_dir.parent / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return out
 
 
@@ -138,11 +148,11 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shardwise.train.fault_tolerant.summary RUN_DIR [STEPS]``: print the
+    """``python -m shardwise.train.fault_tolerant RUN_DIR [STEPS]``: print the
     summary of a run folder (STEPS: the run's train.steps, default from its journals)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        print("usage: python -m shardwise.train.fault_tolerant.summary RUN_DIR [STEPS]",
+        print("usage: python -m shardwise.train.fault_tolerant RUN_DIR [STEPS]",
               file=sys.stderr)
         return 2
     ft_dir = Path(args[0]) / "ft"
@@ -156,7 +166,3 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(ft_dir, steps)
     print_summary(summary)
     return 1 if summary["problems"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
