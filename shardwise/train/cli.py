@@ -242,6 +242,7 @@ def _run(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from shardwise.distributed.watchdog import CollectiveError
+    from shardwise.train.fault_tolerant.launch import FaultToleranceError
     from shardwise.train.launch import RankFailure
 
     try:
@@ -271,6 +272,9 @@ def _run(argv: list[str]) -> int:
     except RankFailure as exc:
         if "BrokenPipeError" in str(exc):  # rank 0 printed into a closed stdout
             return _closed_stdout()
+        print(f"shardwise: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except FaultToleranceError as exc:  # the groups' outcome, already summarised above
         print(f"shardwise: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except CollectiveError as exc:  # this process is one rank of a torchrun / SLURM job

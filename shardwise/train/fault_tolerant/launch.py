@@ -34,7 +34,12 @@ from shardwise.train.config import Config
 from shardwise.train.faults import ENV_VAR, LOG_ENV, parse_faults
 from shardwise.train.fault_tolerant.summary import print_summary, summarize
 
-__all__ = ["run_fault_tolerant"]
+__all__ = ["run_fault_tolerant", "FaultToleranceError"]
+
+
+class FaultToleranceError(RuntimeError):
+    """The run ended without what it promises: no group finished, steps missing, or the
+    groups' final states differ (each named)."""
 
 
 def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
@@ -87,7 +92,8 @@ def run_fault_tolerant(cfg: Config, data: Any) -> dict[str, Any]:
         The summary (also ``<log.dir>/ft/summary.json``).
 
     Raises:
-        RuntimeError: every group failed, or the groups disagree at the end (named).
+        FaultToleranceError: every group failed, or the groups disagree at the end (named).
+        ValueError: torchft missing, or ranks that do not split into equal groups.
     """
     try:
         import torchft  # noqa: F401
@@ -136,7 +142,7 @@ def run_fault_tolerant(cfg: Config, data: Any) -> dict[str, Any]:
     summary = summarize(ft_dir, cfg.train.steps, time.time() - start)
     print_summary(summary)
     if summary["problems"]:
-        raise RuntimeError("fault tolerance: " + "; ".join(summary["problems"]))
+        raise FaultToleranceError("fault tolerance: " + "; ".join(summary["problems"]))
     return summary
 
 
