@@ -36,7 +36,7 @@ from shardwise.train.stepguard import StepGuard
 from shardwise.train.vla import vla_loss
 from shardwise.train.vla_pipeline import vla_microbatches
 
-__all__ = ["train_step", "evaluate", "gather_stats", "sync_debug"]
+__all__ = ["train_step", "forward_backward", "evaluate", "gather_stats", "sync_debug"]
 
 
 def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _sync_debug(cfg: Config, env: dist_env.DistEnv):
     return sync_debug(cfg.train.sync_debug, env.device)
 
 
-def _forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.DistEnv,
+def forward_backward(model: nn.Module, loader: Any, cfg: Config, env: dist_env.DistEnv,
                       scaler: LossScaler, guard: StepGuard | None
                       ) -> tuple[torch.Tensor, int | None]:
     """The step's ``grad_accum`` micro-batches: the summed loss as a device tensor (read on
@@ -131,7 +131,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, 
     accum = cfg.train.grad_accum
     lr = optimizer.param_groups[0]["lr"]
     with _sync_debug(cfg, env):
-        loss_sum, positions = _forward_backward(model, loader, cfg, env, scaler, guard)
+        loss_sum, positions = forward_backward(model, loader, cfg, env, scaler, guard)
     scaler.unscale_(model)  # fp16: reads the agreed overflow flag (one host read)
     if guard is not None:
         guard.after_backward(model)

@@ -41,7 +41,7 @@ from shardwise.train.fault_tolerant.state import CheckpointSaver, HealableState,
 from shardwise.train.faults import FaultPlan
 from shardwise.train.pipeline import grad_norm
 from shardwise.train.stats import gather_stats
-from shardwise.train.step import _forward_backward, evaluate
+from shardwise.train.step import forward_backward, evaluate
 
 __all__ = ["ReplicaSteps"]
 
@@ -146,7 +146,7 @@ class ReplicaSteps:
         if self.faults is not None:
             self.faults.at_step(step)
         lr = self.optimizer.param_groups[0]["lr"]
-        loss_sum, _ = _forward_backward(self.model, self.loader, self.gcfg, env, self.scaler,
+        loss_sum, _ = forward_backward(self.model, self.loader, self.gcfg, env, self.scaler,
                                         None)
         self._fire("reduction")
         lineage = self.healable.lineage
