@@ -90,6 +90,7 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
     from shardwise.train.preflight import build_model_config
     from shardwise.train.trainer import build_env, build_lr_schedule, build_optimizer
 
+    launched = time.time()  # the process is up; "start" below is when it can train
     os.environ[GROUP_ENV] = str(group)
     _quiet_torchft()
     env = env if env is not None else build_env(cfg)
@@ -131,7 +132,7 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
                            if env.is_main else None)
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         journal.write(event="start", group=group, pid=os.getpid(), attempt=attempt,
-                      time=time.time())
+                      time=time.time(), launched=launched)
         try:
             ReplicaSteps(cfg, gcfg, env, group, model, optimizer, schedule, scaler, loader,
                          data.val_ids, manager, pg, healable, faults, journal,
