@@ -213,3 +213,34 @@ def test_a_killed_rank_takes_its_group_out_it_heals_and_a_replay_ends_on_the_sam
             "digests"][0] for g in (0, 1)}
 
     assert digests("run") == digests("replay") and len(digests("run")) == 1
+
+
+@pytest.mark.parametrize("group, lighthouse, match", [
+    (None, "http://h:29510", r"set SHARDWISE_FT_GROUP to this replica group's id in 0..1"),
+    ("2", "http://h:29510", r"in 0..1 .*got '2'"),
+    ("1", "", r"set parallel.ft_lighthouse to the address of the job's quorum server"),
+])
+def test_a_group_launched_by_torchrun_needs_its_id_and_the_quorum_server(monkeypatch, group,
+                                                                          lighthouse, match):
+    from shardwise.train.launch import _replica_here
+
+    monkeypatch.delenv("SHARDWISE_FT_GROUP", raising=False)
+    if group is not None:
+        monkeypatch.setenv("SHARDWISE_FT_GROUP", group)
+    cfg = load_config(None, {"parallel.fault_tolerant": "true", "parallel.dp_replicate": "2",
+                             "parallel.ft_lighthouse": lighthouse})
+    with pytest.raises(ValueError, match=match):
+        _replica_here(cfg)  # refused before joining any process group
+
+
+def test_the_launcher_names_a_missing_torchft_and_groups_that_do_not_split(monkeypatch):
+    from shardwise.train.fault_tolerant.launch import run_fault_tolerant
+
+    cfg = load_config(None, {"parallel.fault_tolerant": "true", "parallel.dp_replicate": "2",
+                             "parallel.nproc": "3"})
+    with pytest.raises(ValueError, match=r"nproc=3 local ranks do not split into "
+                                         r"parallel.dp_replicate=2 equal groups"):
+        run_fault_tolerant(cfg, data=None)
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    with pytest.raises(ValueError, match=r"needs torchft .*pip install 'shardwise\[ft\]'"):
+        run_fault_tolerant(cfg, data=None)
