@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from shardwise.train.config import load_config
-from shardwise.train.fault_tolerant.combine import (combine_contributions, flatten_grads,
-                                                    next_lineage)
+from shardwise.train.fault_tolerant.combine import (combine_contributions, combine_gradients,
+                                                    flatten_grads, next_lineage)
 from shardwise.train.fault_tolerant.summary import summarize
 from shardwise.train.faults import FaultPlan, parse_faults
 
@@ -29,6 +29,25 @@ def _contribution(group: int, values, taking_part=True, lineage=0) -> torch.Tens
     p = torch.nn.Parameter(torch.zeros(len(values)))
     p.grad = torch.tensor(values, dtype=torch.float32)
     return flatten_grads([p], group, taking_part, torch.device("cpu"), lineage)
+
+
+def test_a_parameter_no_participant_has_a_gradient_for_keeps_none():
+    """A module every group's batch skipped: no gradient, so no weight decay and no moment
+    update, as without fault tolerance; skipped by one group only: it counts zeros."""
+    def params(with_grads):
+        ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+        for p, g in zip(ps, with_grads):
+            p.grad = None if g is None else torch.tensor(g)
+        return ps
+
+    mine = params([[1.0, 1.0], None, None])
+    other = params([[3.0, 3.0], [4.0, 8.0], None])
+    gathered = [flatten_grads(mine, 0, True, torch.device("cpu")),
+                flatten_grads(other, 1, True, torch.device("cpu"))]
+    combine_gradients(mine, 0, True, lambda flat: gathered)
+    assert mine[0].grad.tolist() == [2.0, 2.0]
+    assert mine[1].grad.tolist() == [2.0, 4.0]  # group 0 skipped it: zeros there
+    assert mine[2].grad is None
 
 
 # ----------------------------------------------------------------------------- the combine

@@ -13,8 +13,11 @@ bitwise (bench/elastic_soak.py checks it). The price is bandwidth: each rank rec
 ``groups - 1`` copies of its gradient shard where a ring would move two; replica groups are
 few (each one is a whole sharded model), and the shard is ``1 / dp_shard`` of the model.
 
-Every contribution starts with a header, ``(group id, taking part, lineage)``, so the order
-is by group id, not by the transport's ranks.
+Every contribution starts with a header, ``(group id, taking part, lineage, parameters)``,
+so the order is by group id, not by the transport's ranks, then one flag per parameter: whether
+it has a gradient. A parameter no participant computed a gradient for (a module every group's
+batch skipped) keeps ``grad = None``, as without fault tolerance (no weight decay, no moment
+update); one that some participants skipped counts zeros for them.
 
 [Note: lineages] Two groups can commit the same step number apart: with two groups alive,
 either is "half of the live groups" to torchft's quorum server, and a group that arrives while
@@ -37,7 +40,7 @@ import torch
 __all__ = ["flatten_grads", "combine_contributions", "write_grads", "combine_gradients",
            "next_lineage", "Combined"]
 
-_HEADER = 4
+_HEADER = 5
 _HALF = 1 << 24  # fp32 holds integers below 2**24 exactly: the lineage travels in two halves
 
 
@@ -56,6 +59,7 @@ class Combined:
 
     participants: list[int]
     kept: bool = True
+    has_grad: list[bool] | None = None
 
 
 def flatten_grads(params: Sequence[torch.Tensor], group: int, taking_part: bool,
@@ -63,10 +67,12 @@ def flatten_grads(params: Sequence[torch.Tensor], group: int, taking_part: bool,
     """This rank's contribution: the header, then every parameter's gradient in fp32 (zeros
     for a parameter without one, so every group's layout is the same)."""
     sizes = [p.numel() for p in params]
-    flat = torch.empty(_HEADER + sum(sizes), dtype=torch.float32, device=device)
+    flat = torch.empty(_HEADER + len(params) + sum(sizes), dtype=torch.float32, device=device)
     flat[:_HEADER] = torch.tensor([float(group), float(taking_part), float(lineage // _HALF),
-                                   float(lineage % _HALF)])
-    offset = _HEADER
+                                   float(lineage % _HALF), float(len(params))])
+    flat[_HEADER:_HEADER + len(params)] = torch.tensor(
+        [float(p.grad is not None) for p in params])
+    offset = _HEADER + len(params)
     for p, n in zip(params, sizes):
         view = flat[offset: offset + n]
         if p.grad is None:
@@ -90,8 +96,8 @@ def combine_contributions(gathered: Iterable[torch.Tensor],
         group: this rank's group (to say whether it holds the kept lineage).
 
     Returns:
-        ``(mean gradient without its header, or None where this group's lineage was not
-        kept; the decision)``.
+        ``(mean gradient without its header and flags, or None where this group's lineage
+        was not kept; the decision, with which parameters have a gradient)``.
 
     Raises:
         ValueError: no group takes part, a group appears twice, or a scripted participant
@@ -101,7 +107,7 @@ def combine_contributions(gathered: Iterable[torch.Tensor],
     headers = torch.stack([t[:_HEADER] for t in gathered]).tolist()  # one host read
     by_group: dict[int, torch.Tensor] = {}
     lineage: dict[int, int] = {}
-    for (gid, part, hi, lo), t in zip(headers, gathered):
+    for (gid, part, hi, lo, _), t in zip(headers, gathered):
         gid = int(gid)
         if gid in by_group:
             raise ValueError(f"replica group {gid} contributed twice to one combine")
@@ -130,17 +136,24 @@ def combine_contributions(gathered: Iterable[torch.Tensor],
     total = by_group[ids[0]][_HEADER:].clone()
     for g in ids[1:]:
         total.add_(by_group[g][_HEADER:])
-    total.div_(len(ids))
-    return total, decision
+    n_params = int(headers[0][4])
+    decision.has_grad = [f > 0 for f in total[:n_params].tolist()]  # one host read
+    grads = total[n_params:]
+    grads.div_(len(ids))
+    return grads, decision
 
 
-def write_grads(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-    """Make ``flat`` (no header) every parameter's gradient, in its own dtype."""
+def write_grads(params: Sequence[torch.Tensor], flat: torch.Tensor,
+                has_grad: Sequence[bool] | None = None) -> None:
+    """Make ``flat`` (no header) every parameter's gradient, in its own dtype; a parameter
+    ``has_grad`` says no participant had a gradient for is left (or set) to None."""
     offset = 0
-    for p in params:
+    for i, p in enumerate(params):
         n = p.numel()
         view = flat[offset: offset + n].view(p.shape)
-        if p.grad is None:
+        if has_grad is not None and not has_grad[i]:
+            p.grad = None
+        elif p.grad is None:
             p.grad = view.to(p.dtype, copy=True)
         else:
             p.grad.copy_(view)
@@ -171,5 +184,5 @@ def combine_gradients(params: Sequence[torch.Tensor], group: int, taking_part: b
     flat = flatten_grads(params, group, taking_part, device, lineage)
     total, decision = combine_contributions(all_gather(flat), participants, group)
     if total is not None:
-        write_grads(params, total)
+        write_grads(params, total, decision.has_grad)
     return decision
