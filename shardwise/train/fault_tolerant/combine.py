@@ -14,10 +14,11 @@ bitwise (bench/elastic_soak.py checks it). The price is bandwidth: each rank rec
 few (each one is a whole sharded model), and the shard is ``1 / dp_shard`` of the model.
 
 Every contribution starts with a header, ``(group id, taking part, lineage, parameters)``,
-so the order is by group id, not by the transport's ranks, then one flag per parameter: whether
-it has a gradient. A parameter no participant computed a gradient for (a module every group's
-batch skipped) keeps ``grad = None``, as without fault tolerance (no weight decay, no moment
-update); one that some participants skipped counts zeros for them.
+so the order is by group id, not by the transport's ranks, then this rank's loss (the step's
+loss is the participants' mean, as a run without fault tolerance logs it), then one flag per
+parameter: whether it has a gradient. A parameter no participant computed a gradient for (a
+module every group's batch skipped) keeps ``grad = None``, as without fault tolerance (no
+weight decay, no moment update); one that some participants skipped counts zeros for them.
 
 [Note: lineages] Two groups can commit the same step number apart: with two groups alive,
 either is "half of the live groups" to torchft's quorum server, and a group that arrives while
@@ -60,19 +61,26 @@ class Combined:
     participants: list[int]
     kept: bool = True
     has_grad: list[bool] | None = None
+    loss: torch.Tensor | None = None  # the participants' mean of this rank's loss
 
 
 def flatten_grads(params: Sequence[torch.Tensor], group: int, taking_part: bool,
-                  device: torch.device, lineage: int = 0) -> torch.Tensor:
+                  device: torch.device, lineage: int = 0,
+                  loss: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's contribution: the header, then every parameter's gradient in fp32 (zeros
     for a parameter without one, so every group's layout is the same)."""
     sizes = [p.numel() for p in params]
-    flat = torch.empty(_HEADER + len(params) + sum(sizes), dtype=torch.float32, device=device)
+    flat = torch.empty(_HEADER + 1 + len(params) + sum(sizes), dtype=torch.float32,
+                       device=device)
     flat[:_HEADER] = torch.tensor([float(group), float(taking_part), float(lineage // _HALF),
                                    float(lineage % _HALF), float(len(params))])
-    flat[_HEADER:_HEADER + len(params)] = torch.tensor(
+    if loss is None:
+        flat[_HEADER] = 0.0
+    else:
+        flat[_HEADER] = loss.detach().float()  # a device copy: no host read
+    flat[_HEADER + 1:_HEADER + 1 + len(params)] = torch.tensor(
         [float(p.grad is not None) for p in params])
-    offset = _HEADER + len(params)
+    offset = _HEADER + 1 + len(params)
     for p, n in zip(params, sizes):
         view = flat[offset: offset + n]
         if p.grad is None:
@@ -137,10 +145,10 @@ def combine_contributions(gathered: Iterable[torch.Tensor],
     for g in ids[1:]:
         total.add_(by_group[g][_HEADER:])
     n_params = int(headers[0][4])
-    decision.has_grad = [f > 0 for f in total[:n_params].tolist()]  # one host read
-    grads = total[n_params:]
-    grads.div_(len(ids))
-    return grads, decision
+    total.div_(len(ids))
+    decision.loss = total[0]
+    decision.has_grad = [f > 0 for f in total[1:1 + n_params].tolist()]  # one host read
+    return total[1 + n_params:], decision
 
 
 def write_grads(params: Sequence[torch.Tensor], flat: torch.Tensor,
@@ -162,8 +170,8 @@ def write_grads(params: Sequence[torch.Tensor], flat: torch.Tensor,
 
 def combine_gradients(params: Sequence[torch.Tensor], group: int, taking_part: bool,
                       all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
-                      participants: Iterable[int] | None = None, lineage: int = 0
-                      ) -> Combined:
+                      participants: Iterable[int] | None = None, lineage: int = 0,
+                      loss: torch.Tensor | None = None) -> Combined:
     """Replace every parameter's gradient by the participants' mean ([Note: a deterministic
     combine across groups]).
 
@@ -175,13 +183,14 @@ def combine_gradients(params: Sequence[torch.Tensor], group: int, taking_part: b
         all_gather: gathers one tensor from the same rank of every group in the quorum.
         participants: see :func:`combine_contributions`.
         lineage: this group's lineage ([Note: lineages]).
+        loss: this rank's loss of the step (its mean over participants comes back).
 
     Returns:
         The decision; where ``kept`` is False the gradients are left alone (this group must
         not commit).
     """
     device = params[0].device if params else torch.device("cpu")
-    flat = flatten_grads(params, group, taking_part, device, lineage)
+    flat = flatten_grads(params, group, taking_part, device, lineage, loss)
     total, decision = combine_contributions(all_gather(flat), participants, group)
     if total is not None:
         write_grads(params, total, decision.has_grad)

@@ -41,7 +41,8 @@ from shardwise.train.fault_tolerant.state import CheckpointSaver, HealableState,
 from shardwise.train.faults import FaultPlan
 from shardwise.train.pipeline import grad_norm
 from shardwise.train.stats import gather_stats
-from shardwise.train.step import forward_backward, evaluate
+from shardwise.train.parallelize import cross_entropy
+from shardwise.train.step import forward_backward
 
 __all__ = ["ReplicaSteps"]
 
@@ -150,9 +151,9 @@ class ReplicaSteps:
                                         None)
         self._fire("reduction")
         lineage = self.healable.lineage
-        ids, error = self._combine(step, lineage)
+        ids, error, loss = self._combine(step, lineage, loss_sum)
         norm = grad_norm(self.model)
-        stats = gather_stats([loss_sum, norm], env)
+        stats = gather_stats([loss, norm], env)  # the participants' mean loss, all ranks
         committed = self.manager.should_commit()
         if committed:
             self._update(step, ids, lineage, norm)
@@ -162,20 +163,21 @@ class ReplicaSteps:
         self._record(step, committed, ids, error, lineage, lr, stats,
                      time.perf_counter() - start)
 
-    def _combine(self, step: int, lineage: int) -> tuple[list[int], str | None]:
+    def _combine(self, step: int, lineage: int, loss: torch.Tensor
+                 ) -> tuple[list[int], str | None, torch.Tensor]:
         """The gradients across groups; an error (reported to the manager, so the step does
         not commit) when a group was lost, this group's history lost, or a restarted group
-        would commit alone."""
+        would commit alone. The loss comes back as the participants' mean where it could."""
         manager = self.manager
         if manager.errored() is not None:
-            return [], str(manager.errored())
+            return [], str(manager.errored()), loss
         try:
             decision = combine_gradients(
                 self.params, self.group, True, _all_gather(self.pg, manager.num_participants()),
-                None if self.script is None else self.script.get(step, []), lineage)
+                None if self.script is None else self.script.get(step, []), lineage, loss)
         except PeerLost as exc:
             manager.report_error(exc)
-            return [], str(exc)
+            return [], str(exc), loss
         ids, error = decision.participants, None
         if not decision.kept:  # [Note: lineages]: one step behind, healed next quorum
             error = (f"this group's history differs from groups {ids}' (they committed the "
@@ -188,7 +190,7 @@ class ReplicaSteps:
             # quorum yet, or gone) it would start one of its own.
             error = f"a restarted group commits only with a live group; quorum had {ids}"
             manager.report_error(RuntimeError(error))
-        return ids, error
+        return ids, error, loss if decision.loss is None else decision.loss
 
     def _update(self, step: int, ids: list[int], lineage: int, norm: torch.Tensor) -> None:
         self._fire("optimizer")
@@ -197,12 +199,38 @@ class ReplicaSteps:
         self.schedule.step()
         self.healable.lineage = next_lineage(lineage, step, ids)
         self.saver.after_commit(step, ids)
-        if self._eval_due(step):  # every group, in step: the same weights and batches
-            result = evaluate(self.model, self.val_ids, self.gcfg, self.env, step)
+        if self._eval_due(step):
+            result = self._evaluate(step)
             self.journal.write(event="eval", **result, time=time.time())
             if self.env.is_main and self.group == ids[0]:
                 print(f"group {self.group} step {step}/{self.cfg.train.steps} val loss "
-                      f"{result['val_loss']:.4f}", flush=True)
+                      f"{result['val_loss']:.4f} (this group's share of the batches)",
+                      flush=True)
+
+    @torch.no_grad()
+    def _evaluate(self, step: int) -> dict[str, Any]:
+        """This group's share of the validation batches: each of its ranks takes those of its
+        data rank in the whole job, as without fault tolerance, so the groups' means averaged
+        (the summary's ``metrics.jsonl``) are the same validation loss a run without fault
+        tolerance logs (with every group there)."""
+        from shardwise.data import iter_eval_batches
+
+        cfg, env = self.cfg, self.env
+        batches = iter_eval_batches(
+            self.val_ids, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
+            rank=self.group * env.world_size + env.rank,
+            world_size=cfg.parallel.dp_replicate * env.world_size,
+            max_batches=cfg.train.eval_batches)
+        self.model.eval()
+        total, count = 0.0, 0
+        for inputs, targets in batches:
+            logits = self.model(inputs.to(env.device))
+            total += cross_entropy(self.model, logits, targets.to(env.device)).item()
+            count += 1
+        self.model.train()
+        mean = gather_stats([total / count], env)[:, 0].mean().item()
+        return {"step": step, "val_loss": mean,
+                "val_tokens": env.world_size * count * cfg.train.batch_size * cfg.data.seq_len}
 
     def _eval_due(self, step: int) -> bool:
         interval = self.cfg.train.eval_interval

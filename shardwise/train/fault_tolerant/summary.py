@@ -102,11 +102,8 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float | None = None) -> dict[
               for g, lines in journals.items()}
     committed_tokens = sum(tokens.values())
     discarded = len(by_lineage) - len(visited)
-    evals = [r for g in sorted(journals) for r in journals[g] if r.get("event") == "eval"]
-    last_eval = max(evals, key=lambda r: r["step"]) if evals else None
     out = {
         "steps": len(membership), "final_train_loss": losses.get(steps),
-        "final_val_loss": None if last_eval is None else last_eval["val_loss"],
         "groups_finished": sorted(results), "digests_equal": len(set(digests.values())) == 1,
         "faults": len(faults), "fault_actions": sorted({f["action"] for f in faults}),
         "restarts": restarts, "healed": healed,
@@ -120,17 +117,35 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float | None = None) -> dict[
         "elapsed_s": None if elapsed_s is None else round(elapsed_s, 2),
         "problems": problems,
     }
+    metrics = _metrics(history, journals)
+    evals = [m for m in metrics if "val_loss" in m]
+    out["final_val_loss"] = evals[-1]["val_loss"] if evals else None
     (ft_dir / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
     (ft_dir / "membership.json").write_text(
         json.dumps({str(s): membership[s] for s in sorted(membership)}) + "\n")
-    # The run's metrics, as a run without fault tolerance writes them: one line per step of
-    # the history that survived (loss of the group that wrote it down), then the evaluations.
+    (ft_dir.parent / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return out
+
+
+def _metrics(history: dict[int, dict[str, Any]],
+             journals: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The run's metrics, as a run without fault tolerance writes them: one line per step of
+    the history that survived (the participants' mean loss), then each evaluation: the mean
+    of the groups' shares of the validation batches (equal shares), with the groups that
+    evaluated."""
     keep = ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "participants")
     lines = [{k: history[s][k] for k in keep if k in history[s]} for s in sorted(history)]
-    lines += [{k: r[k] for k in ("step", "val_loss", "val_tokens") if k in r}
-              for r in sorted({r["step"]: r for r in evals}.values(), key=lambda r: r["step"])]
-    (ft_dir.parent / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return out
+    shares: dict[int, dict[int, dict[str, Any]]] = {}  # step -> group -> its share
+    for g in sorted(journals):
+        for r in journals[g]:
+            if r.get("event") == "eval":
+                shares.setdefault(r["step"], {})[g] = r
+    for step, by_group in sorted(shares.items()):
+        vals = list(by_group.values())
+        lines.append({"step": step, "val_loss": sum(r["val_loss"] for r in vals) / len(vals),
+                      "val_tokens": sum(r["val_tokens"] for r in vals),
+                      "val_groups": sorted(by_group)})
+    return lines
 
 
 def print_summary(summary: dict[str, Any]) -> None:
