@@ -263,3 +263,25 @@ def test_the_launcher_names_a_missing_torchft_and_groups_that_do_not_split(monke
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
     with pytest.raises(ValueError, match=r"needs torchft .*pip install 'shardwise\[ft\]'"):
         run_fault_tolerant(cfg, data=None)
+
+
+def test_with_every_group_in_every_step_the_numbers_are_those_of_a_run_without_it(tmp_path):
+    """2 groups of 1 rank, both in every step (ft_min_groups 2), against plain data
+    parallelism over the same 2 ranks: the same batches, the same mean gradient, the same
+    logged losses (up to the order of fp32 sums in the gradient norm)."""
+    args = ["--nproc", "2", "--train.steps", "8", "--log.progress", "false"]
+    ft = _shardwise([*args, "--log.dir", "ft", "--parallel.fault_tolerant", "true",
+                     "--parallel.dp_replicate", "2", "--parallel.ft_min_groups", "2"], tmp_path)
+    assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
+    plain = _shardwise([*args, "--log.dir", "plain"], tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+
+    def metrics(run):
+        lines = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().split("\n")
+                 if x]
+        return ([m["loss"] for m in lines if "loss" in m],
+                [m["val_loss"] for m in lines if "val_loss" in m])
+
+    (ft_loss, ft_val), (loss, val) = metrics("ft"), metrics("plain")
+    assert len(ft_loss) == len(loss) == 8 and len(ft_val) == len(val) == 1
+    assert ft_loss == pytest.approx(loss, rel=1e-4) and ft_val == pytest.approx(val, rel=1e-4)
