@@ -82,8 +82,6 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
     Returns:
         On the group's rank 0: ``{"group", "step", "digests", "healed", "pid"}``; else None.
     """
-    from torchft import Manager
-
     from shardwise.data import TokenLoader
     from shardwise.train.fault_tolerant.loop import ReplicaSteps
     from shardwise.train.parallelize import build_loss_scaler, build_parallel_model
@@ -109,17 +107,8 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
         healable = HealableState(model, optimizer, schedule, loader)
         stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
         ckpt, done = _resume(gcfg, model, optimizer, stateful, env)
-        timeout = timedelta(seconds=par.ft_timeout_s)
         pg = _build_pg(env, par.ft_timeout_s)
-        store, store_addr, store_port = _attempt_store(env, timeout)  # noqa: F841 - kept alive
-        manager = Manager(
-            pg=pg, load_state_dict=None, state_dict=None,
-            min_replica_size=par.ft_min_groups, use_async_quorum=False, timeout=timeout,
-            quorum_timeout=timedelta(seconds=max(60.0, 6 * par.ft_timeout_s)),
-            connect_timeout=timeout, rank=env.rank, world_size=size,
-            store_addr=store_addr, store_port=store_port,
-            lighthouse_addr=lighthouse, replica_id=f"shardwise_group{group}",
-            heartbeat_interval=timedelta(milliseconds=100), max_retries=_MAX_FAILED_STEPS)
+        manager, store = _build_manager(par, env, group, lighthouse, pg)  # noqa: F841 - alive
         manager.register_state_dict_fn("train", healable.load_state_dict, healable.state_dict)
         if done:  # every group that resumes from the same checkpoint holds the same history
             manager.load_state_dict({"step": done, "batches_committed": 0})
@@ -153,6 +142,29 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
         return record if env.is_main else None
     finally:
         dist_env.destroy()
+
+
+def _build_manager(par: Any, env: dist_env.DistEnv, group: int, lighthouse: str,
+                   pg: Any) -> tuple[Any, Any]:
+    """torchft's manager of this rank: the quorum of every step (synchronous, so a group
+    that heals does so before its forward), on a store of this attempt.
+
+    Returns:
+        ``(the manager, the store rank 0 serves: keep it alive)``.
+    """
+    from torchft import Manager
+
+    timeout = timedelta(seconds=par.ft_timeout_s)
+    store, store_addr, store_port = _attempt_store(env, timeout)
+    manager = Manager(
+        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=par.ft_min_groups,
+        use_async_quorum=False, timeout=timeout,
+        quorum_timeout=timedelta(seconds=max(60.0, 6 * par.ft_timeout_s)),
+        connect_timeout=timeout, rank=env.rank, world_size=env.world_size,
+        store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
+        replica_id=f"shardwise_group{group}", heartbeat_interval=timedelta(milliseconds=100),
+        max_retries=_MAX_FAILED_STEPS)
+    return manager, store
 
 
 def _attempt_store(env, timeout: timedelta) -> tuple[Any, str, int]:
