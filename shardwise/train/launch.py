@@ -127,8 +127,47 @@ def _agree_on_preflight(error: str | None, env: dist_env.DistEnv,
     return outcomes[0][1]
 
 
+def _replica_here(cfg: Config) -> dict[str, Any] | None:
+    """This process is one rank of one fault-tolerant replica group that torchrun (or SLURM)
+    started: the group id comes from ``$SHARDWISE_FT_GROUP``, the quorum server from
+    ``parallel.ft_lighthouse`` (docs/failures.md, "On a cluster")."""
+    import os
+
+    from shardwise.train.faults import GROUP_ENV
+    from shardwise.train.fault_tolerant.replica import run_replica
+
+    par = cfg.parallel
+    group = os.environ.get(GROUP_ENV, "")
+    if not group.isdigit() or int(group) >= par.dp_replicate:
+        raise ValueError(f"parallel.fault_tolerant under a launcher: set {GROUP_ENV} to this "
+                         f"replica group's id in 0..{par.dp_replicate - 1} (one launch per "
+                         f"group), got {group!r}")
+    if not par.ft_lighthouse:
+        raise ValueError("parallel.fault_tolerant under a launcher: set parallel.ft_lighthouse "
+                         "to the address of the job's quorum server (start one with "
+                         "`torchft_lighthouse --min_replicas 1`), got ''")
+    import tempfile
+    from pathlib import Path
+
+    env = build_env(cfg)
+    world = par.dp_replicate * env.world_size
+    # Every group, and every restart of one, runs the checks; the run folder they share
+    # already holds this run once the first group started, which is not an earlier run.
+    run_dir = cfg.log.dir
+    with tempfile.TemporaryDirectory() as scratch:
+        probe = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, dir=scratch))
+        cfg, data = preflight(probe, world, verify_checkpoint=False)
+    cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, dir=run_dir))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    if env.is_main and group == "0":
+        save_tokenizer(cfg, data)
+    return run_replica(cfg, data, int(group), par.ft_lighthouse, env)
+
+
 def _train_here(cfg: Config) -> dict[str, Any] | None:
     """This process is one rank (torchrun, SLURM, or a world of one)."""
+    if cfg.parallel.fault_tolerant:
+        return _replica_here(cfg)
     env = build_env(cfg)
     try:
         check_ranks(cfg, env)  # another version or config on some rank: named, before all else

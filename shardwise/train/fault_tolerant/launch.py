@@ -25,7 +25,6 @@ import json
 import multiprocessing
 import os
 import signal
-import statistics
 import time
 import uuid
 from pathlib import Path
@@ -33,8 +32,9 @@ from typing import Any
 
 from shardwise.train.config import Config
 from shardwise.train.faults import ENV_VAR, LOG_ENV, parse_faults
+from shardwise.train.fault_tolerant.summary import print_summary, summarize
 
-__all__ = ["run_fault_tolerant", "read_journals", "summarize"]
+__all__ = ["run_fault_tolerant"]
 
 
 def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
@@ -42,6 +42,7 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
     """The process that launches (and restarts) one group's ranks, leading their process
     group."""
     os.setpgrp()
+    _die_with(os.getppid())
     os.environ.setdefault("RUST_LOG", "error")  # torchft's quorum client narrates each quorum
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -54,6 +55,20 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
                           start_method="spawn")
     out = elastic_launch(config, run_replica)(cfg, data, group, lighthouse)
     Path(result_path).write_text(json.dumps(out[0]))
+
+
+def _die_with(parent: int) -> None:
+    """Take this group down (the agent and every rank it leads) when the launcher is gone:
+    the group leads its own process group, so a launcher killed or interrupted would
+    otherwise leave it training, and restarting, alone."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="shardwise-ft-parent", daemon=True).start()
 
 
 def _lighthouse(cfg: Config):
@@ -119,9 +134,7 @@ def run_fault_tolerant(cfg: Config, data: Any) -> dict[str, Any]:
         if server is not None:
             server.shutdown()
     summary = summarize(ft_dir, cfg.train.steps, time.time() - start)
-    (ft_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (ft_dir / "membership.json").write_text(json.dumps(summary.pop("membership")) + "\n")
-    _print_summary(summary)
+    print_summary(summary)
     if summary["problems"]:
         raise RuntimeError("fault tolerance: " + "; ".join(summary["problems"]))
     return summary
@@ -150,114 +163,3 @@ def _supervise(agents: dict[int, Any], grace_s: float) -> None:
                     print(f"fault tolerance: group {g} did not finish within {grace_s:.0f} s "
                           f"of the others: stopped", flush=True)
                     _kill_group(p)
-
-
-def read_journals(ft_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    """Every group's journal lines (a line cut short by a kill is dropped)."""
-    out = {}
-    for path in sorted(ft_dir.glob("group*.jsonl")):
-        lines = []
-        for text in path.read_text().splitlines():
-            try:
-                lines.append(json.loads(text))
-            except json.JSONDecodeError:
-                pass
-        out[int(path.stem.removeprefix("group"))] = lines
-    return out
-
-
-def _faults(ft_dir: Path) -> list[dict[str, Any]]:
-    path = ft_dir / "faults.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(t) for t in path.read_text().splitlines() if t.strip()]
-
-
-def summarize(ft_dir: Path, steps: int, elapsed_s: float) -> dict[str, Any]:
-    """What the run committed, its membership, faults and recoveries, and what disagrees.
-
-    Recovery of a fault: from the fault to the next step committed by any other group.
-    """
-    journals = read_journals(ft_dir)
-    results = {}
-    for path in sorted(ft_dir.glob("result*.json")):
-        results[int(path.stem.removeprefix("result"))] = json.loads(path.read_text())
-    problems = []
-    by_lineage: dict[int, dict[str, Any]] = {}  # lineage after a commit -> its record
-    commits: list[tuple[float, int, int]] = []  # (time, group, step)
-    for g, lines in journals.items():
-        for r in lines:
-            if r.get("event") == "step" and r["committed"]:
-                commits.append((r["time"], g, r["step"]))
-                by_lineage.setdefault(r["lineage"], r)
-    # The history that survived: from the final lineage back to step 1 ([Note: lineages] in
-    # combine.py); steps committed on a lineage that was healed over are not in it.
-    membership: dict[int, list[int]] = {}
-    losses: dict[int, float] = {}
-    tokens: dict[int, int] = {}
-    finals = {r.get("lineage") for r in results.values()}
-    if len(finals) > 1:
-        problems.append(f"the groups end on {len(finals)} different histories")
-    lineage = next(iter(finals)) if len(finals) == 1 else None
-    visited = set()
-    while lineage is not None and lineage in by_lineage:
-        visited.add(lineage)
-        r = by_lineage[lineage]
-        if r["step"] in membership:
-            problems.append(f"step {r['step']} appears twice in the surviving history")
-            break
-        membership[r["step"]], losses[r["step"]] = r["participants"], r["loss"]
-        tokens[r["step"]] = r["tokens"]
-        lineage = r["lineage_before"] if r["step"] > 1 else None
-    missing = [s for s in range(1, steps + 1) if s not in membership]
-    if missing:
-        problems.append(f"steps never committed: {missing[:10]}{' ...' * (len(missing) > 10)}")
-    digests = {g: tuple(r["digests"]) for g, r in results.items()}
-    if len(set(digests.values())) > 1:
-        problems.append(f"the groups' final states differ: {sorted(digests)} hold "
-                        f"{len(set(digests.values()))} different states")
-    if not results:
-        problems.append("no group finished")
-    faults = _faults(ft_dir)
-    commits.sort()
-    recoveries = []
-    for f in faults:
-        group = None if f["group"] is None else int(f["group"])
-        after = [t for t, g, _ in commits if t > f["time"] and g != group]
-        if after:
-            recoveries.append(after[0] - f["time"])
-    restarts = {g: sum(1 for r in lines if r.get("event") == "start") - 1
-                for g, lines in journals.items()}
-    healed = {g: sum(1 for r in lines if r.get("event") == "healed")
-              for g, lines in journals.items()}
-    committed_tokens = sum(tokens.values())
-    discarded = len(by_lineage) - len(visited)
-    return {
-        "steps": len(membership), "final_train_loss": losses.get(steps),
-        "groups_finished": sorted(results), "digests_equal": len(set(digests.values())) == 1,
-        "faults": len(faults), "fault_actions": sorted({f["action"] for f in faults}),
-        "restarts": restarts, "healed": healed,
-        "recovery_s": {"median": statistics.median(recoveries) if recoveries else None,
-                       "max": max(recoveries) if recoveries else None,
-                       "all": [round(x, 3) for x in recoveries]},
-        "discarded_steps": discarded,
-        "steps_with_fewer_groups": sum(1 for ids in membership.values()
-                                       if len(ids) < len(journals)),
-        "committed_tokens": committed_tokens, "elapsed_s": round(elapsed_s, 2),
-        "problems": problems,
-        "membership": {str(s): membership[s] for s in sorted(membership)},
-    }
-
-
-def _print_summary(summary: dict[str, Any]) -> None:
-    rec = summary["recovery_s"]
-    rec_text = ("" if rec["median"] is None else
-                f"; recovery median {rec['median']:.2f} s, max {rec['max']:.2f} s")
-    dropped = (f" ({summary['discarded_steps']} committed apart and healed over)"
-               if summary["discarded_steps"] else "")
-    print(f"fault tolerance: {summary['steps']} steps committed{dropped}, {summary['faults']} "
-          f"faults "
-          f"({', '.join(summary['fault_actions']) or 'none'}), restarts "
-          f"{summary['restarts']}, healed {summary['healed']}{rec_text}; final states "
-          f"{'equal' if summary['digests_equal'] else 'DIFFER'} in groups "
-          f"{summary['groups_finished']}; loss {summary['final_train_loss']}", flush=True)

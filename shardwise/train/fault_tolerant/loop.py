@@ -1,0 +1,239 @@
+"""The steps of one replica group's rank: a quorum, the group's forward and backward, the
+combine across groups, and a commit that every group that finished the step agrees on.
+
+    start_quorum()  -> the groups alive now; a group behind them heals first
+    forward/backward over this group's slice of the step's batch (ZeRO inside the group)
+    combine         -> the mean of the participants' gradients ([Note: a deterministic
+                       combine across groups] in combine.py); a group lost here fails the
+                       step everywhere
+    should_commit() -> the update runs only then
+
+[Note: what a step is under fault tolerance] Step ``s`` is the ``s``-th committed update.
+Its batch is the slices of the global batch of the data stream's position after ``s - 1``
+steps that belong to the groups in its quorum (a group's slice: its data ranks'
+sequences); a lost group's slice of that step is not trained on, and the step's gradient is
+the mean over the groups that took part (equal tokens each). A step that does not commit
+(a group was lost during it) changes nothing: the data position is rewound and the same
+step is computed again by the groups in the next quorum. So no committed step is lost or
+counted twice, and the learning-rate schedule, the data position and the random seed of a
+step depend on ``s`` only.
+
+The state a rejoining group heals from a peer (the same rank of a live group: the layout
+inside every group is the same) is everything that step ``s`` depends on: the parameter
+shards and buffers, the optimizer state, the schedule's position, the data position, and
+the step itself (the random state is seeded from the step, so it follows).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardwise.shard import clip_grads_with_norm_
+from shardwise.train.config import Config
+from shardwise.train.fault_tolerant.combine import combine_gradients, next_lineage
+from shardwise.train.fault_tolerant.state import CheckpointSaver, HealableState, Journal
+from shardwise.train.faults import FaultPlan
+from shardwise.train.pipeline import grad_norm
+from shardwise.train.stats import gather_stats
+from shardwise.train.step import _forward_backward, evaluate
+
+__all__ = ["ReplicaSteps"]
+
+
+class PeerLost(RuntimeError):
+    """The combine across groups failed: a group died or froze during it."""
+
+
+def _step_seed(seed: int, step: int, data_rank: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + data_rank) % (2**63 - 1)
+
+
+def _all_gather(pg: Any, world: int):
+    """``flat`` from the same rank of every group in the quorum, through torchft's group."""
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    def gather(flat: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(flat) for _ in range(world)]
+        try:
+            pg.allgather([out], [flat], AllgatherOptions()).wait()
+        except Exception as exc:  # a peer lost or frozen mid-combine: named, not a crash
+            raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
+        return out
+
+    return gather
+
+
+def membership_change(before: list[int], now: list[int], failed: list[tuple[int, str]],
+                      par: Any) -> dict[str, Any]:
+    """Which groups left and joined since the last committed step, and why they were
+    dropped: the collective they did not answer in, or their silence to the quorum server."""
+    left = sorted(set(before) - set(now))
+    joined = sorted(set(now) - set(before))
+    if failed:
+        step, error = failed[-1]
+        why = (f"they did not answer the combine across groups (all-gather of the gradients) "
+               f"of step {step} within parallel.ft_timeout_s={par.ft_timeout_s:g} s or died "
+               f"during it ({error[:160]})")
+    else:
+        why = (f"no heartbeat to the quorum server for parallel.ft_heartbeat_ms="
+               f"{par.ft_heartbeat_ms} ms before the quorum of this step")
+    return {"left": left, "joined": joined, "why": why if left else ""}
+
+
+@dataclass
+class ReplicaSteps:
+    """Everything one rank's steps use; :meth:`run` trains until ``train.steps`` commit.
+
+    Attributes:
+        cfg: the job's config; ``gcfg``: the group's own (one replica over its ranks).
+        script: a replay's ``{step: [group ids]}`` (``SHARDWISE_FT_REPLAY``), else None.
+    """
+
+    cfg: Config
+    gcfg: Config
+    env: Any
+    group: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: Any
+    scaler: Any
+    loader: Any
+    val_ids: torch.Tensor
+    manager: Any
+    pg: Any
+    healable: HealableState
+    faults: FaultPlan | None
+    journal: Journal
+    saver: CheckpointSaver
+    script: dict[int, list[int]] | None = None
+    params: list[torch.Tensor] = field(default_factory=list)
+    last_ids: list[int] | None = None
+    failed: list[tuple[int, str]] = field(default_factory=list)
+    restarted: bool = field(
+        default_factory=lambda: int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def run(self) -> None:
+        """Attempt steps until ``train.steps`` have committed."""
+        while self.manager.current_step() < self.cfg.train.steps:
+            self.attempt()
+
+    def _fire(self, phase: str) -> None:
+        if self.faults is not None:
+            self.faults.fire(phase)
+
+    def attempt(self) -> None:
+        """One attempt at the next step: committed by every group that finishes it, or by
+        none ([Note: what a step is under fault tolerance])."""
+        start = time.perf_counter()
+        healed = self.healable.healed
+        self.manager.start_quorum()  # heals this group first when it is behind
+        step = self.manager.current_step() + 1
+        if self.healable.healed != healed:
+            self.journal.write(event="healed", step=step, time=time.time())
+        env = self.env
+        torch.manual_seed(_step_seed(self.cfg.data.seed, step,
+                                     self.group * env.world_size + env.rank))
+        position = self.loader.state_dict()
+        if self.faults is not None:
+            self.faults.at_step(step)
+        lr = self.optimizer.param_groups[0]["lr"]
+        loss_sum, _ = _forward_backward(self.model, self.loader, self.gcfg, env, self.scaler,
+                                        None)
+        self._fire("reduction")
+        lineage = self.healable.lineage
+        ids, error = self._combine(step, lineage)
+        norm = grad_norm(self.model)
+        stats = gather_stats([loss_sum, norm], env)
+        committed = self.manager.should_commit()
+        if committed:
+            self._update(step, ids, lineage, norm)
+        else:
+            self.loader.load_state_dict(position)  # the same step again, next quorum
+        self.optimizer.zero_grad(set_to_none=True)
+        self._record(step, committed, ids, error, lineage, lr, stats,
+                     time.perf_counter() - start)
+
+    def _combine(self, step: int, lineage: int) -> tuple[list[int], str | None]:
+        """The gradients across groups; an error (reported to the manager, so the step does
+        not commit) when a group was lost, this group's history lost, or a restarted group
+        would commit alone."""
+        manager = self.manager
+        if manager.errored() is not None:
+            return [], str(manager.errored())
+        try:
+            decision = combine_gradients(
+                self.params, self.group, True, _all_gather(self.pg, manager.num_participants()),
+                None if self.script is None else self.script.get(step, []), lineage)
+        except PeerLost as exc:
+            manager.report_error(exc)
+            return [], str(exc)
+        ids, error = decision.participants, None
+        if not decision.kept:  # [Note: lineages]: one step behind, healed next quorum
+            error = (f"this group's history differs from groups {ids}' (they committed the "
+                     f"same steps apart): it heals from them")
+            manager.report_error(RuntimeError(error))
+            manager.load_state_dict({"step": manager.current_step() - 1,
+                                     "batches_committed": manager.batches_committed()})
+        elif self.restarted and len(ids) < min(2, self.cfg.parallel.dp_replicate):
+            # A restarted group joins the run's history; alone (the others not in this
+            # quorum yet, or gone) it would start one of its own.
+            error = f"a restarted group commits only with a live group; quorum had {ids}"
+            manager.report_error(RuntimeError(error))
+        return ids, error
+
+    def _update(self, step: int, ids: list[int], lineage: int, norm: torch.Tensor) -> None:
+        self._fire("optimizer")
+        clip_grads_with_norm_(self.model, self.cfg.optim.grad_clip or math.inf, norm)
+        self.optimizer.step()
+        self.schedule.step()
+        self.healable.lineage = next_lineage(lineage, step, ids)
+        self.saver.after_commit(step, ids)
+        if self._eval_due(step):  # every group, in step: the same weights and batches
+            result = evaluate(self.model, self.val_ids, self.gcfg, self.env, step)
+            self.journal.write(event="eval", **result, time=time.time())
+            if self.env.is_main and self.group == ids[0]:
+                print(f"group {self.group} step {step}/{self.cfg.train.steps} val loss "
+                      f"{result['val_loss']:.4f}", flush=True)
+
+    def _eval_due(self, step: int) -> bool:
+        interval = self.cfg.train.eval_interval
+        return step == self.cfg.train.steps or (interval > 0 and step % interval == 0)
+
+    def _record(self, step: int, committed: bool, ids: list[int], error: str | None,
+                lineage: int, lr: float, stats: torch.Tensor, elapsed: float) -> None:
+        """The journal line of this attempt, and the group's console lines."""
+        cfg, env = self.cfg, self.env
+        tokens = env.world_size * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
+        loss = float(stats[:, 0].mean())
+        record = {"event": "step", "step": step, "committed": committed, "participants": ids,
+                  "loss": loss, "lr": lr, "grad_norm": float(stats[0, 1]),
+                  "tokens": tokens * len(ids) if committed else 0, "step_time_s": elapsed,
+                  "time": time.time(), "lineage_before": lineage,
+                  "lineage": self.healable.lineage}
+        if error is not None:
+            record["error"] = error[:300]
+        last = self.last_ids
+        if not committed:
+            self.failed.append((step, error or "the step did not commit in every group"))
+        elif last is not None and ids != last:
+            record.update(membership_change(last, ids, self.failed, cfg.parallel))
+        self.journal.write(**record)
+        if env.is_main and record.get("left"):
+            print(f"group {self.group}: groups {record['left']} dropped at step {step}: "
+                  f"{record['why']}", flush=True)
+        if env.is_main and committed and (ids != last or step % cfg.train.log_interval == 0
+                                          or step == cfg.train.steps):
+            change = "" if ids == last or last is None else f" (groups {last} -> {ids})"
+            print(f"group {self.group} step {step}/{cfg.train.steps} loss {loss:.4f} groups "
+                  f"{ids}{change} {elapsed * 1e3:.0f} ms", flush=True)
+        if committed:
+            self.last_ids, self.failed, self.restarted = ids, [], False

@@ -1,0 +1,97 @@
+"""What a replica group keeps and records beyond the model: the state a rejoining group
+copies from a peer, the group's journal, and who saves a checkpoint
+([Note: what a step is under fault tolerance] in loop.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.train.config import Config
+
+__all__ = ["HealableState", "Journal", "CheckpointSaver"]
+
+
+class HealableState:
+    """What a rejoining group copies from a peer ([Note: what a step is under fault
+    tolerance] in loop.py): registered with torchft's manager, sent and loaded whole.
+
+    Attributes:
+        healed: how often this process healed.
+        lineage: the group's history ([Note: lineages] in combine.py), healed with the rest.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 schedule: Any, loader: Any) -> None:
+        self.model, self.optimizer, self.schedule, self.loader = model, optimizer, schedule, loader
+        self.healed = 0
+        self.lineage = 0  # [Note: lineages] in combine.py
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": [p.detach() for p in self.model.parameters()],
+                "buffers": [b.detach() for b in self.model.buffers()],
+                "optimizer": self.optimizer.state_dict(),
+                "schedule": {k: v for k, v in self.schedule.state_dict().items()
+                             if k != "lr_lambdas"},
+                "loader": self.loader.state_dict(), "lineage": self.lineage}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params, buffers = list(self.model.parameters()), list(self.model.buffers())
+        if len(state["params"]) != len(params) or len(state["buffers"]) != len(buffers):
+            raise ValueError(f"healing: the peer sent {len(state['params'])} parameters and "
+                             f"{len(state['buffers'])} buffers, this group has {len(params)} "
+                             f"and {len(buffers)}: the groups' layouts differ")
+        with torch.no_grad():
+            for mine, theirs in zip(params + buffers, state["params"] + state["buffers"]):
+                mine.copy_(theirs)
+        self.optimizer.load_state_dict(state["optimizer"])
+        sched = self.schedule.state_dict()
+        sched.update(state["schedule"])
+        self.schedule.load_state_dict(sched)
+        self.loader.load_state_dict(state["loader"])
+        self.lineage = int(state["lineage"])
+        self.healed += 1
+
+
+class Journal:
+    """The group's record (rank 0 writes it): one JSON line per attempted step, flushed, so
+    the launcher can tell what committed even when this process is killed next."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, **record: Any) -> None:
+        """Append one record (rank 0 of the group; a no-op elsewhere)."""
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class CheckpointSaver:
+    """``checkpoint.interval``: the committed step is saved by one group, the lowest id among
+    its participants (they all hold the same state), collectively inside that group."""
+
+    def __init__(self, ckpt: Any, cfg: Config, group: int, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, stateful: dict[str, Any]) -> None:
+        from shardwise.train.resume_checks import RUN_KEY, run_record
+
+        self.ckpt, self.cfg, self.group = ckpt, cfg, group
+        self.model, self.optimizer = model, optimizer
+        self.extra = {**stateful, RUN_KEY: run_record(cfg)}  # the whole job's batch
+
+    def after_commit(self, step: int, ids: list[int]) -> None:
+        """Save ``step`` if it is due and this group speaks for its participants."""
+        interval = self.cfg.checkpoint.interval
+        due = interval > 0 and (step % interval == 0 or step == self.cfg.train.steps)
+        if due and ids and self.group == ids[0]:
+            self.ckpt.save(step, self.model, self.optimizer, extra=self.extra)

@@ -1,0 +1,209 @@
+"""Fault tolerance across replica groups (``parallel.fault_tolerant``, docs/failures.md).
+
+The combine, lineages and the summary are tested on built inputs; one run on the path a user
+runs (``shardwise train`` with ``--faults``) kills a rank of a 2-rank group, and a replay of
+its membership must end on the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.train.config import load_config
+from shardwise.train.fault_tolerant.combine import (combine_contributions, flatten_grads,
+                                                    next_lineage)
+from shardwise.train.fault_tolerant.summary import summarize
+from shardwise.train.faults import FaultPlan, parse_faults
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _contribution(group: int, values, taking_part=True, lineage=0) -> torch.Tensor:
+    p = torch.nn.Parameter(torch.zeros(len(values)))
+    p.grad = torch.tensor(values, dtype=torch.float32)
+    return flatten_grads([p], group, taking_part, torch.device("cpu"), lineage)
+
+
+# ----------------------------------------------------------------------------- the combine
+
+
+def test_the_combine_is_the_same_bits_in_any_order_and_sums_in_group_order():
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(1000, generator=g) * 10 ** (i - 2) for i in range(4)]
+    gathered = [_contribution(i, r.tolist()) for i, r in enumerate(rows)]
+    first, decision = combine_contributions(gathered)
+    assert decision.participants == [0, 1, 2, 3] and decision.kept
+    for order in ([3, 1, 0, 2], [2, 3, 1, 0]):
+        again, _ = combine_contributions([gathered[i] for i in order])
+        assert torch.equal(first, again)
+    expected = ((rows[0] + rows[1]) + rows[2]) + rows[3]
+    assert torch.equal(first, expected / 4)
+    # A different summation order gives different bits for these magnitudes: the order is
+    # what the test pins, not a tolerance.
+    assert not torch.equal(first, (((rows[3] + rows[2]) + rows[1]) + rows[0]) / 4)
+
+
+def test_groups_not_taking_part_or_outside_the_script_do_not_count():
+    gathered = [_contribution(0, [1.0, 2.0]), _contribution(1, [3.0, 4.0], taking_part=False),
+                _contribution(2, [5.0, 6.0])]
+    mean, decision = combine_contributions(gathered)
+    assert decision.participants == [0, 2] and mean.tolist() == [3.0, 4.0]
+    mean, decision = combine_contributions(gathered, participants=[1, 2])
+    assert decision.participants == [1, 2] and mean.tolist() == [4.0, 5.0]
+
+
+@pytest.mark.parametrize("gathered, script, match", [
+    ([(0, [1.0]), (0, [2.0])], None, "group 0 contributed twice"),
+    ([(0, [1.0])], [0, 3], r"replica groups \[3\] take part .* only groups \[0\]"),
+    ([(0, [1.0])], [], "no replica group takes part"),
+])
+def test_a_combine_that_cannot_be_made_is_named(gathered, script, match):
+    with pytest.raises(ValueError, match=match):
+        combine_contributions([_contribution(g, v) for g, v in gathered], script)
+
+
+def test_lineages_keep_the_majority_history_and_the_rest_must_heal():
+    a, b = next_lineage(0, 1, [0, 1]), next_lineage(0, 1, [2])
+    assert a != b and a == next_lineage(0, 1, [1, 0]) and a < 2**48
+    gathered = [_contribution(0, [1.0], lineage=a), _contribution(1, [3.0], lineage=a),
+                _contribution(2, [100.0], lineage=b)]
+    mean, decision = combine_contributions(gathered, group=0)
+    assert decision.participants == [0, 1] and mean.tolist() == [2.0]
+    mean, decision = combine_contributions(gathered, group=2)
+    assert mean is None and not decision.kept  # it does not commit, and heals next quorum
+    # A tie keeps the history of the lowest group id.
+    _, decision = combine_contributions(gathered[1:], group=2)
+    assert decision.participants == [1] and not decision.kept
+
+
+# ----------------------------------------------------------------------------- config, faults
+
+
+@pytest.mark.parametrize("values, match", [
+    ({"parallel.tp": "2"}, r"does not combine with parallel.tp=2"),
+    ({"parallel.plan": "auto"}, r"parallel.plan='auto'"),
+    ({"parallel.ft_min_groups": "3"}, r"ft_min_groups=3 is more than the "
+                                      r"parallel.dp_replicate=2"),
+    ({"parallel.ft_lighthouse": "localhost:29510"}, r"ft_lighthouse must be .*http"),
+    ({"parallel.ft_timeout_s": "0"}, r"ft_timeout_s must be a positive number"),
+])
+def test_fault_tolerant_configs_that_cannot_run_are_refused(values, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, {"parallel.fault_tolerant": "true", "parallel.dp_replicate": "2",
+                           **values})
+
+
+def test_the_fault_grammar_names_groups_stops_and_the_reduction_phase():
+    f, g = parse_faults("stop:group=2:step=9:seconds=1.5:phase=reduction;kill:group=0:rank=1")
+    assert (f.action, f.group, f.step, f.phase, f.options) == (
+        "stop", 2, 9, "reduction", {"seconds": "1.5"})
+    assert (g.group, g.rank) == (0, 1)
+    plan = FaultPlan([f, g], rank=0, steps=10, group=2)
+    assert plan.faults == [f]  # rank 0 of group 2: not group 0's rank 1
+    assert FaultPlan([f, g], rank=1, steps=10, group=0).faults == [g]
+    with pytest.raises(ValueError, match="seconds must be a number >= 0, got 'soon'"):
+        parse_faults("stop:seconds=soon")
+
+
+# ----------------------------------------------------------------------------- the summary
+
+
+def _journal(path: Path, lines: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"event": "st')  # cut
+
+
+def _step(step, ids, before, after, t):
+    return {"event": "step", "step": step, "committed": True, "participants": ids,
+            "loss": 1.0 / step, "tokens": 10 * len(ids), "time": t, "lineage_before": before,
+            "lineage": after}
+
+
+def test_the_summary_follows_the_history_that_survived(tmp_path):
+    # Group 1 committed step 1 alone, group 0 too; they met at step 2, group 0's history
+    # was kept (lowest id) and group 1 healed from it.
+    a1, b1 = next_lineage(0, 1, [0]), next_lineage(0, 1, [1])
+    a2 = next_lineage(a1, 2, [0, 1])
+    _journal(tmp_path / "group0.jsonl", [
+        {"event": "start", "pid": 10}, _step(1, [0], 0, a1, 1.0), _step(2, [0, 1], a1, a2, 2.0),
+        {"event": "finish", "digests": ["x"], "lineage": a2, "step": 2}])
+    _journal(tmp_path / "group1.jsonl", [
+        {"event": "start", "pid": 11}, _step(1, [1], 0, b1, 1.1), {"event": "healed", "step": 2},
+        _step(2, [0, 1], a1, a2, 2.1),
+        {"event": "finish", "digests": ["x"], "lineage": a2, "step": 2}])
+    (tmp_path / "faults.jsonl").write_text(json.dumps({"time": 1.5, "action": "kill",
+                                                       "group": "1"}) + "\n")
+    s = summarize(tmp_path, steps=2)
+    assert s["problems"] == [] and s["steps"] == 2 and s["discarded_steps"] == 1
+    assert json.loads((tmp_path / "membership.json").read_text()) == {"1": [0], "2": [0, 1]}
+    assert s["committed_tokens"] == 30 and s["recovery_s"]["all"] == [0.5]
+    assert s["healed"] == {0: 0, 1: 1} and s["restarts"] == {0: 0, 1: 0}
+
+
+def test_the_summary_names_divergence_and_missing_steps(tmp_path):
+    a1, b1 = next_lineage(0, 1, [0]), next_lineage(0, 1, [1])
+    _journal(tmp_path / "group0.jsonl", [_step(1, [0], 0, a1, 1.0),
+                                         {"event": "finish", "digests": ["x"], "lineage": a1}])
+    _journal(tmp_path / "group1.jsonl", [_step(1, [1], 0, b1, 1.0),
+                                         {"event": "finish", "digests": ["y"], "lineage": b1}])
+    problems = summarize(tmp_path, steps=3)["problems"]
+    assert any("2 different histories" in p for p in problems)
+    assert any("steps never committed: [1, 2, 3]" in p for p in problems)
+    assert any("final states differ" in p for p in problems)
+
+
+# ----------------------------------------------------------------------------- the user's path
+
+
+def _shardwise(args: list[str], cwd: Path, env_extra: dict | None = None, timeout=240):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    env.pop("SHARDWISE_FAULT", None)
+    return subprocess.run([sys.executable, "-m", "shardwise.train.cli", "train", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_faults_and_layouts_exit_2_before_any_rank_starts(tmp_path):
+    out = _shardwise(["--faults", "kill:group=x"], tmp_path, timeout=60)
+    assert out.returncode == 2 and "group must be an int, got 'x'" in out.stderr
+    out = _shardwise(["--parallel.fault_tolerant", "true", "--parallel.dp_replicate", "2",
+                      "--parallel.tp", "2", "--nproc", "4"], tmp_path, timeout=60)
+    assert out.returncode == 2 and "does not combine with parallel.tp=2" in out.stderr
+
+
+def test_a_killed_rank_takes_its_group_out_it_heals_and_a_replay_ends_on_the_same_bits(tmp_path):
+    """2 groups of 2 ranks (ZeRO-3 inside each); rank 1 of group 1 is killed in backward at
+    step 4: group 0 goes on alone without restarting, group 1 restarts as a whole and heals
+    from group 0; then the membership is replayed without faults."""
+    common = ["--parallel.fault_tolerant", "true", "--parallel.dp_replicate", "2",
+              "--nproc", "4", "--train.steps", "24", "--log.progress", "false",
+              "--parallel.ft_timeout_s", "5"]
+    run = _shardwise([*common, "--log.dir", "run", "--faults",
+                      "kill:group=1:rank=1:step=4:phase=backward"], tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "groups [1] dropped at step 4" in run.stdout
+    summary = json.loads((tmp_path / "run" / "ft" / "summary.json").read_text())
+    assert summary["problems"] == [] and summary["steps"] == 24, summary
+    assert summary["faults"] == 1 and summary["restarts"] == {"0": 0, "1": 1}
+    assert summary["healed"]["1"] >= 1 and summary["steps_with_fewer_groups"] >= 1
+    assert summary["recovery_s"]["max"] < 60
+    journal0 = [json.loads(x) for x in (tmp_path / "run/ft/group0.jsonl").read_text().split("\n")
+                if x]
+    assert len({r["pid"] for r in journal0 if r.get("event") == "start"}) == 1  # kept its PID
+    membership = tmp_path / "run" / "ft" / "membership.json"
+    assert any(ids == [0] for ids in json.loads(membership.read_text()).values())
+
+    replay = _shardwise([*common, "--log.dir", "replay", "--parallel.ft_min_groups", "2"],
+                        tmp_path, {"SHARDWISE_FT_REPLAY": str(membership)})
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+
+    def digests(run_dir):
+        return {json.loads((tmp_path / run_dir / "ft" / f"result{g}.json").read_text())[
+            "digests"][0] for g in (0, 1)}
+
+    assert digests("run") == digests("replay") and len(digests("run")) == 1
