@@ -82,6 +82,7 @@ def soak(name: str, opts: argparse.Namespace, work: Path) -> dict[str, Any]:
            "restarts": s.get("restarts"), "healed": s.get("healed"),
            "recovery_s": s.get("recovery_s"), "rejoin_s": er.rejoin_s(run),
            "steps_with_fewer_groups": s.get("steps_with_fewer_groups"),
+           "discarded_steps": s.get("discarded_steps"),
            "committed_tokens": s.get("committed_tokens"), "fault_run": fault,
            "replay_run": replay, "replay_steps": ref["summary"].get("steps"),
            "passed": all(checked["checks"].values())}
@@ -188,7 +189,8 @@ def markdown(res: dict[str, Any]) -> str:
     if res["soak"]:
         lines += ["## Soak", "", "| config | steps | kills fired | stops fired | restarts | "
                   "recovery median / max (s) | kill -> rejoin median (s) | steps with fewer "
-                  "groups | checks | wall (s) | CPU / other CPU (s) |", "|---" * 11 + "|"]
+                  "groups | steps committed apart, healed over | checks | wall (s) | "
+                  "CPU / other CPU (s) |", "|---" * 12 + "|"]
         for s in res["soak"]:
             rec, rj = s["recovery_s"] or {}, s["rejoin_s"]
             med = f"{rec['median']:.2f} / {rec['max']:.2f}" if rec.get("median") else "-"
@@ -198,7 +200,7 @@ def markdown(res: dict[str, Any]) -> str:
                 f"| {s['groups']} groups x {s['ranks_per_group']} | {s['steps']} | "
                 f"{s['fired']['kill']} | {s['fired']['stop']} | {s['restarts']} | {med} | "
                 f"{statistics.median(rj) if rj else '-'} | {s['steps_with_fewer_groups']} | "
-                f"{verdict} | "
+                f"{s.get('discarded_steps')} | {verdict} | "
                 f"{s['fault_run']['wall_s']} | {s['fault_run']['cpu_s']} / "
                 f"{s['fault_run']['other_cpu_s']} |")
         lines += ["", "Checks per config: " + "; ".join(
@@ -240,7 +242,8 @@ def markdown(res: dict[str, Any]) -> str:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--configs", default="4x1,2x2", help="comma list of " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default="4x1,2x2",
+                   help="comma list of " + ", ".join(CONFIGS) + " ('': no soak)")
     p.add_argument("--kills", type=int, default=12)
     p.add_argument("--stops", type=int, default=12)
     p.add_argument("--min-fired", type=int, default=10)
@@ -254,12 +257,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="goodput also with ft_heartbeat_ms 500, ft_timeout_s 2")
     p.add_argument("--quick", action="store_true",
                    help="3 groups x 1 rank, 30 steps, 1 kill + 1 stop, no goodput")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the soaks and rounds already in --out's json, add these")
     p.add_argument("--work", type=Path, default=Path("/tmp/elastic_soak"))
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "elastic_soak")
     opts = p.parse_args(argv)
     if opts.quick:
         opts.steps, opts.configs, opts.min_fired, opts.rounds = 30, "3x1", 1, 0
-    for c in opts.configs.split(","):
+        opts.keep = False
+    opts.configs = [c for c in opts.configs.split(",") if c]
+    for c in opts.configs:
         if c not in CONFIGS:
             raise ValueError(f"--configs: unknown configuration {c!r}; expected one of "
                              f"{', '.join(CONFIGS)}")
@@ -277,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "cpus": os.cpu_count(), "timeout_s": opts.timeout_s,
                            "goodput_steps": opts.goodput_steps, "soak": [], "goodput": []}
-    for name in opts.configs.split(","):
+    if opts.keep and Path(f"{opts.out}.json").exists():  # add to an earlier invocation's
+        old = json.loads(Path(f"{opts.out}.json").read_text())
+        res["soak"], res["goodput"] = old["soak"], old["goodput"]
+        res["argv"] = f"{old['argv']}` then `{res['argv']}"
+    for name in opts.configs:
         res["soak"].append(soak(name, opts, opts.work))
         _write(res, opts.out)
     for r in range(opts.rounds):
