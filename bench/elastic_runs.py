@@ -84,7 +84,10 @@ def soak_schedule(groups: int, size: int, steps: int, kills: int, stops: int,
     hit group 1 too: a stop of group 0 while group 1 restarts leaves no group with the run's
     state alive, and the restarted group would train alone from step 1 (a second history that
     the checks report). Phases cycle through start/forward/backward/reduction/optimizer.
-    ``attempt=any``: a restarted group counts its restarts up.
+    A kill names the attempt it fires in (the group's restart count: its k-th kill fires in
+    attempt k), so a group restarted into the same step is not killed again (with
+    ``attempt=any`` it was, when it rejoined before the others had committed that step);
+    stops fire in any attempt.
 
     Returns:
         One fault spec per fault (join with ``;``).
@@ -95,6 +98,7 @@ def soak_schedule(groups: int, size: int, steps: int, kills: int, stops: int,
     span = steps - 18
     spacing = span / n
     out, k_i, s_i = [], 0, 0
+    kills_of = [0] * groups
     for i in range(n):
         step = 8 + int(i * spacing)
         kill = (i % 2 == 0 and k_i < kills) or s_i >= stops
@@ -102,7 +106,8 @@ def soak_schedule(groups: int, size: int, steps: int, kills: int, stops: int,
         if kill:
             g = 1 + k_i % (groups - 1)
             out.append(f"kill:group={g}:rank={(k_i // (groups - 1)) % size}:step={step}"
-                       f":phase={phase}:attempt=any")
+                       f":phase={phase}:attempt={kills_of[g]}")
+            kills_of[g] += 1
             k_i += 1
         else:
             g = 1 if groups == 2 else (s_i + 3) % groups

@@ -52,7 +52,7 @@ def soak(name: str, opts: argparse.Namespace, work: Path) -> dict[str, Any]:
     groups, nproc = CONFIGS[name]
     size = nproc // groups
     if opts.quick:
-        spec = ["kill:group=1:step=5:phase=backward:attempt=any",
+        spec = ["kill:group=1:step=5:phase=backward:attempt=0",
                 f"stop:group=2:step=15:seconds={opts.stop_s:g}:phase=reduction:attempt=any"]
     else:
         spec = er.soak_schedule(groups, size, opts.steps, opts.kills, opts.stops, opts.stop_s)
