@@ -130,7 +130,7 @@ def goodput_round(opts: argparse.Namespace, work: Path, r: int) -> dict[str, Any
     plan = er.kill_schedule(groups, n, opts.kill_every, opts.kill_every - 20)
     spec = ";".join(f"kill:group={g}:step={s}:phase={er.PHASES[i % 5]}:attempt=any"
                     for i, (s, g) in enumerate(plan))
-    rows: dict[str, Any] = {"kill_steps": [s for s, _ in plan]}
+    rows: dict[str, Any] = {"kill_steps": [s for s, _ in plan], "tag": opts.tag}
     variants = [("ft", opts.timeout_s, None)]
     if opts.fast_detect:
         variants.append(("ft_fast", 2.0, 500))
@@ -152,6 +152,8 @@ def goodput_round(opts: argparse.Namespace, work: Path, r: int) -> dict[str, Any
                      "recovery_s": fs["summary"].get("recovery_s"),
                      "goodput": round(fs["summary"].get("committed_tokens", 0)
                                       / (rate * fr["wall_s"]), 3)}
+    if opts.no_ckpt:
+        return rows
     print(f"[goodput {r}] checkpoint-restart: fault-free, then kills", flush=True)
     ff_dir = work / f"g{r}_ckpt_ff"
     ff = er.run_train(["--nproc", "4", "--parallel.dp_replicate", "4", "--train.steps", str(n),
@@ -214,8 +216,9 @@ def markdown(res: dict[str, Any]) -> str:
                 f"{s['config']}: {(s['recovery_s'] or {}).get('all')}" for s in res["soak"]),
             ""]
     for i, g in enumerate(res["goodput"]):
-        lines += [f"## Goodput, round {i + 1} (4 groups x 1 rank, {res['goodput_steps']} "
-                  f"steps, kills at steps {g['kill_steps']})", "",
+        lines += [f"## Goodput, round {i + 1}{' ' + g['tag'] if g.get('tag') else ''} (4 "
+                  f"groups x 1 rank, {res['goodput_steps']} steps, kills at steps "
+                  f"{g['kill_steps']})", "",
                   "| path | fault-free tokens/s | fault run wall (s) | useful tokens | "
                   "goodput | recovery median / max (s) | CPU / other CPU (s) |",
                   "|---" * 7 + "|"]
@@ -229,8 +232,8 @@ def markdown(res: dict[str, Any]) -> str:
                              f"{v['fault_free_tokens_per_s']} | {v['fault_run']['wall_s']} | "
                              f"{v['committed_tokens']} | **{v['goodput']}** | {med} | "
                              f"{v['fault_run']['cpu_s']} / {v['fault_run']['other_cpu_s']} |")
-        c = g["ckpt"]
-        lines.append(f"| checkpoint-restart (interval {c['interval']}, "
+        c = g.get("ckpt")
+        lines.append("" if c is None else f"| checkpoint-restart (interval {c['interval']}, "
                      f"{len(c['launches'])} launches) | {c['fault_free_tokens_per_s']} | "
                      f"{c['wall_s']} | {c['useful_tokens']:.0f} | **{c['goodput']}** | - | "
                      f"{c['cpu_s']} / {c['other_cpu_s']} |")
@@ -255,6 +258,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ckpt-interval", type=int, default=20)
     p.add_argument("--fast-detect", action="store_true",
                    help="goodput also with ft_heartbeat_ms 500, ft_timeout_s 2")
+    p.add_argument("--no-ckpt", action="store_true",
+                   help="goodput rounds without the checkpoint-restart path")
+    p.add_argument("--tag", default="", help="a label for this invocation's goodput rounds")
     p.add_argument("--quick", action="store_true",
                    help="3 groups x 1 rank, 30 steps, 1 kill + 1 stop, no goodput")
     p.add_argument("--keep", action="store_true",
@@ -306,7 +312,8 @@ def _write(res: dict[str, Any], out: Path) -> None:
         for tag in ("ft", "ft_fast"):
             if tag in g:
                 runs += [g[tag]["fault_free"], g[tag]["fault_run"]]
-        runs += [g["ckpt"]["fault_free"], *g["ckpt"]["launches"]]
+        if "ckpt" in g:
+            runs += [g["ckpt"]["fault_free"], *g["ckpt"]["launches"]]
     res["all_runs"] = runs
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(res, indent=1) + "\n")
