@@ -128,7 +128,8 @@ def goodput_round(opts: argparse.Namespace, work: Path, r: int) -> dict[str, Any
     """One goodput round (config 4x1): fault-tolerant beside checkpoint-restart."""
     groups, nproc, n = 4, 4, opts.goodput_steps
     plan = er.kill_schedule(groups, n, opts.kill_every, opts.kill_every - 20)
-    spec = ";".join(f"kill:group={g}:step={s}:phase={er.PHASES[i % 5]}:attempt=any"
+    spec = ";".join(f"kill:group={g}:step={s}:phase={er.PHASES[i % 5]}"
+                    f":attempt={sum(1 for _, h in plan[:i] if h == g)}"  # see soak_schedule
                     for i, (s, g) in enumerate(plan))
     rows: dict[str, Any] = {"kill_steps": [s for s, _ in plan], "tag": opts.tag}
     variants = [("ft", opts.timeout_s, None)]
