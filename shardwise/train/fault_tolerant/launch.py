@@ -79,9 +79,15 @@ def _die_with(parent: int) -> None:
 def _lighthouse(cfg: Config):
     from torchft._torchft import LighthouseServer
 
+    # A group still heartbeating gets ft_timeout_s to join a quorum: with the heartbeat's 1 s,
+    # a live group slowed down (a loaded machine, or serving a peer's healing) missed the
+    # quorum, healed at the next one, which slowed its source in turn: under load the groups
+    # took turns sitting out (a third of the steps lacked a group). A dead or frozen group
+    # stops heartbeating, so it is not waited for past the heartbeat timeout either way.
     hb = cfg.parallel.ft_heartbeat_ms
+    join_ms = max(hb, int(cfg.parallel.ft_timeout_s * 1000))
     return LighthouseServer(bind="[::]:0", min_replicas=cfg.parallel.ft_min_groups,
-                            join_timeout_ms=hb, quorum_tick_ms=20, heartbeat_timeout_ms=hb)
+                            join_timeout_ms=join_ms, quorum_tick_ms=20, heartbeat_timeout_ms=hb)
 
 
 def run_fault_tolerant(cfg: Config, data: Any) -> dict[str, Any]:
