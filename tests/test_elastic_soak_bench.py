@@ -26,6 +26,10 @@ def test_soak_schedules_spare_group_0_and_spread_faults(groups, size):
     for kind in (kills, stops):
         assert {f.split(":phase=")[1].split(":")[0] for f in kind} == set(er.PHASES)
     assert len({f.split(":group=")[1].split(":")[0] for f in kills}) == groups - 1
+    for g in range(1, groups):  # the k-th kill of a group fires in its attempt k, once
+        attempts = [f.split(":attempt=")[1] for f in kills if f":group={g}:" in f]
+        assert attempts == [str(k) for k in range(len(attempts))]
+    assert all(f.endswith(":attempt=any") for f in stops)
     if groups == 2:  # a stop of group 0 while group 1 restarts would leave no state alive
         assert all(":group=1:" in f for f in stops)
     if size > 1:
