@@ -45,4 +45,5 @@ def test_quick_soak_passes_every_check(tmp_path):
     assert soak["fired"] == {"kill": 1, "stop": 1}
     assert soak["restarts"] == {"0": 0, "1": 1, "2": 0}
     assert soak["replay_steps"] == 30
-    assert "| 3 groups x 1 | 30 | 1 | 1 |" in out.with_suffix(".md").read_text()
+    row = "| 3 groups x 1, kills attempt-pinned | 30 | 1 | 1 |"
+    assert row in out.with_suffix(".md").read_text()
