@@ -183,8 +183,9 @@ def _cpu_note(runs: list[dict[str, Any]]) -> str:
             f"average{'; runs were under outside load' if other / max(wall, 1e-9) > 0.1 else ''})")
 
 
-def markdown(res: dict[str, Any]) -> str:
-    """The results as a markdown report."""
+def markdown(res: dict[str, Any], notes: Path | None = None) -> str:
+    """The results as a markdown report (``notes``: a markdown file appended, if it
+    exists)."""
     lines = ["# Elastic soak: fault tolerance across replica groups", "",
              f"`python bench/elastic_soak.py {res['argv']}` ({res['date']}, debug model, CPU, "
              f"Gloo, {res['cpus']} cores; ft_timeout_s {res['timeout_s']}, heartbeat 1000 ms "
@@ -199,8 +200,10 @@ def markdown(res: dict[str, Any]) -> str:
             med = f"{rec['median']:.2f} / {rec['max']:.2f}" if rec.get("median") else "-"
             verdict = "all pass" if s["passed"] else "FAIL: " + ", ".join(
                 k for k, v in s["checks"].items() if not v)
+            pinned = "" if any(f.startswith("kill") and f.endswith("attempt=any")
+                               for f in s["schedule"]) else ", kills attempt-pinned"
             lines.append(
-                f"| {s['groups']} groups x {s['ranks_per_group']} | {s['steps']} | "
+                f"| {s['groups']} groups x {s['ranks_per_group']}{pinned} | {s['steps']} | "
                 f"{s['fired']['kill']} | {s['fired']['stop']} | {s['restarts']} | {med} | "
                 f"{statistics.median(rj) if rj else '-'} | {s['steps_with_fewer_groups']} | "
                 f"{s.get('discarded_steps')} | {verdict} | "
@@ -240,6 +243,8 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{c['cpu_s']} / {c['other_cpu_s']} |")
         lines.append("")
     lines += ["## Machine load", "", _cpu_note(res["all_runs"]), ""]
+    if notes is not None and notes.exists():  # findings, written after reading the numbers
+        lines += [notes.read_text()]
     return "\n".join(lines) + "\n"
 
 
@@ -318,7 +323,7 @@ def _write(res: dict[str, Any], out: Path) -> None:
     res["all_runs"] = runs
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(res, indent=1) + "\n")
-    Path(f"{out}.md").write_text(markdown(res))
+    Path(f"{out}.md").write_text(markdown(res, Path(f"{out}_notes.md")))
 
 
 if __name__ == "__main__":

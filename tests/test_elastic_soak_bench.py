@@ -26,6 +26,10 @@ def test_soak_schedules_spare_group_0_and_spread_faults(groups, size):
     for kind in (kills, stops):
         assert {f.split(":phase=")[1].split(":")[0] for f in kind} == set(er.PHASES)
     assert len({f.split(":group=")[1].split(":")[0] for f in kills}) == groups - 1
+    for g in range(1, groups):  # the k-th kill of a group fires in its attempt k, once
+        attempts = [f.split(":attempt=")[1] for f in kills if f":group={g}:" in f]
+        assert attempts == [str(k) for k in range(len(attempts))]
+    assert all(f.endswith(":attempt=any") for f in stops)
     if groups == 2:  # a stop of group 0 while group 1 restarts would leave no state alive
         assert all(":group=1:" in f for f in stops)
     if size > 1:
@@ -41,4 +45,5 @@ def test_quick_soak_passes_every_check(tmp_path):
     assert soak["fired"] == {"kill": 1, "stop": 1}
     assert soak["restarts"] == {"0": 0, "1": 1, "2": 0}
     assert soak["replay_steps"] == 30
-    assert "| 3 groups x 1 | 30 | 1 | 1 |" in out.with_suffix(".md").read_text()
+    row = "| 3 groups x 1, kills attempt-pinned | 30 | 1 | 1 |"
+    assert row in out.with_suffix(".md").read_text()
