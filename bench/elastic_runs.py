@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardwise.train.fault_tolerant.summary import read_faults, read_journals
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("start", "forward", "backward", "reduction", "optimizer")
 _CLI = "import sys; from shardwise.train.cli import main; sys.exit(main())"
@@ -127,17 +129,7 @@ def read_ft(log_dir: Path) -> dict[str, Any]:
     ft = log_dir / "ft"
     summary = json.loads((ft / "summary.json").read_text()) if (ft / "summary.json").exists() \
         else {}
-    faults = [json.loads(t) for t in (ft / "faults.jsonl").read_text().splitlines()
-              if t.strip()] if (ft / "faults.jsonl").exists() else []
-    journals: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted(ft.glob("group*.jsonl")):
-        lines = []
-        for text in path.read_text().splitlines():
-            try:
-                lines.append(json.loads(text))
-            except json.JSONDecodeError:
-                pass  # a line cut short by a kill
-        journals[int(path.stem.removeprefix("group"))] = lines
+    faults, journals = read_faults(ft), read_journals(ft)
     results = {int(p.stem.removeprefix("result")): json.loads(p.read_text())
                for p in sorted(ft.glob("result*.json"))}
     return {"summary": summary, "faults": faults, "journals": journals, "results": results}

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_journals", "summarize", "print_summary", "main"]
+__all__ = ["read_journals", "read_faults", "summarize", "print_summary", "main"]
 
 
 def read_journals(ft_dir: Path) -> dict[int, list[dict[str, Any]]]:
@@ -34,7 +34,8 @@ def read_journals(ft_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-def _faults(ft_dir: Path) -> list[dict[str, Any]]:
+def read_faults(ft_dir: Path) -> list[dict[str, Any]]:
+    """Every fault fired (``faults.jsonl``), in order; none when the file is absent."""
     path = ft_dir / "faults.jsonl"
     if not path.exists():
         return []
@@ -88,7 +89,7 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float | None = None) -> dict[
                         f"{len(set(digests.values()))} different states")
     if not results:
         problems.append("no group finished")
-    faults = _faults(ft_dir)
+    faults = read_faults(ft_dir)
     commits.sort()
     recoveries = []
     for f in faults:
