@@ -92,7 +92,8 @@ def flatten_grads(params: Sequence[torch.Tensor], group: int, taking_part: bool,
 
 
 def combine_contributions(gathered: Iterable[torch.Tensor],
-                          participants: Iterable[int] | None = None, group: int | None = None
+                          participants: Iterable[int] | None = None, group: int | None = None,
+                          n_params: int | None = None
                           ) -> tuple[torch.Tensor | None, Combined]:
     """The mean of the participants' gradients, summed in group order.
 
@@ -102,6 +103,7 @@ def combine_contributions(gathered: Iterable[torch.Tensor],
             whose header says they take part and that hold the kept lineage ([Note:
             lineages]).
         group: this rank's group (to say whether it holds the kept lineage).
+        n_params: the parameters each contribution holds (default: read from a header).
 
     Returns:
         ``(mean gradient without its header and flags, or None where this group's lineage
@@ -112,14 +114,18 @@ def combine_contributions(gathered: Iterable[torch.Tensor],
             sent nothing.
     """
     gathered = list(gathered)
-    headers = torch.stack([t[:_HEADER] for t in gathered]).tolist()  # one host read
+    if n_params is None:  # a caller without the parameters: read the count first
+        n_params = int(gathered[0][4].item())
+    # Headers and gradient flags of every contribution in one host read, before any sum.
+    prefix = torch.stack([t[:_HEADER + 1 + n_params] for t in gathered]).tolist()
     by_group: dict[int, torch.Tensor] = {}
+    flags: dict[int, list[float]] = {}
     lineage: dict[int, int] = {}
-    for (gid, part, hi, lo, _), t in zip(headers, gathered):
-        gid = int(gid)
+    for row, t in zip(prefix, gathered):
+        gid, part, hi, lo = int(row[0]), row[1], row[2], row[3]
         if gid in by_group:
             raise ValueError(f"replica group {gid} contributed twice to one combine")
-        by_group[gid] = t
+        by_group[gid], flags[gid] = t, row[_HEADER + 1:]
         if part > 0:
             lineage[gid] = int(hi) * _HALF + int(lo)
     if participants is None:
@@ -144,10 +150,9 @@ def combine_contributions(gathered: Iterable[torch.Tensor],
     total = by_group[ids[0]][_HEADER:].clone()
     for g in ids[1:]:
         total.add_(by_group[g][_HEADER:])
-    n_params = int(headers[0][4])
     total.div_(len(ids))
     decision.loss = total[0]
-    decision.has_grad = [f > 0 for f in total[1:1 + n_params].tolist()]  # one host read
+    decision.has_grad = [any(flags[g][i] > 0 for g in ids) for i in range(n_params)]
     return total[1 + n_params:], decision
 
 
@@ -191,7 +196,8 @@ def combine_gradients(params: Sequence[torch.Tensor], group: int, taking_part: b
     """
     device = params[0].device if params else torch.device("cpu")
     flat = flatten_grads(params, group, taking_part, device, lineage, loss)
-    total, decision = combine_contributions(all_gather(flat), participants, group)
+    total, decision = combine_contributions(all_gather(flat), participants, group,
+                                            len(params))
     if total is not None:
         write_grads(params, total, decision.has_grad)
     return decision
