@@ -131,6 +131,35 @@ def test_the_fault_grammar_names_groups_stops_and_the_reduction_phase():
         parse_faults("stop:seconds=soon")
 
 
+@pytest.mark.parametrize("spec, match", [
+    ("stop:group=1:step=4:rejoin=9", r"rejoin= applies to kill and exit .*not 'stop'"),
+    ("kill:group=1:step=4:rejoin=soon", r"rejoin must be a step \(an int\) or 'never', "
+                                        r"got 'soon'"),
+    ("kill:group=1:step=9:rejoin=9", r"rejoin=9 must come after the fault's step 9"),
+])
+def test_rejoin_is_a_later_step_or_never_on_a_fault_that_restarts_a_group(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_faults(spec)
+    kill, gone = parse_faults("kill:group=1:step=4:rejoin=9;exit:group=2:rejoin=never")
+    assert kill.options == {"rejoin": "9"} and gone.options == {"rejoin": "never"}
+    with pytest.raises(ValueError, match="rejoin= needs parallel.fault_tolerant"):
+        FaultPlan([kill], rank=0, steps=10, group=None)
+
+
+def test_a_restart_rejoins_at_once_unless_the_fault_of_its_previous_attempt_said_when(tmp_path):
+    from shardwise.train.fault_tolerant.rejoin import rejoin_target
+
+    lines = [{"group": "1", "attempt": 0, "rejoin": "12"},
+             {"group": "2", "attempt": 0, "rejoin": "never"},
+             {"group": "1", "attempt": 1, "rejoin": None}]
+    (tmp_path / "faults.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert rejoin_target(tmp_path, group=1, attempt=0) is None  # the first start
+    assert rejoin_target(tmp_path, group=1, attempt=1) == 12
+    assert rejoin_target(tmp_path, group=1, attempt=2) is None  # killed again, no rejoin=
+    assert rejoin_target(tmp_path, group=1, attempt=3) is None  # a real failure: no fault
+    assert rejoin_target(tmp_path, group=2, attempt=1) == "never"
+
+
 # ----------------------------------------------------------------------------- the summary
 
 
@@ -285,3 +314,33 @@ def test_with_every_group_in_every_step_the_numbers_are_those_of_a_run_without_i
     (ft_loss, ft_val), (loss, val) = metrics("ft"), metrics("plain")
     assert len(ft_loss) == len(loss) == 8 and len(ft_val) == len(val) == 1
     assert ft_loss == pytest.approx(loss, rel=1e-4) and ft_val == pytest.approx(val, rel=1e-4)
+
+
+def test_a_group_rejoins_at_its_chosen_step_and_one_whose_capacity_is_gone_never_does(tmp_path):
+    """3 groups of 1 rank: group 1 is killed at step 4 and comes back only once step 12 is
+    committed; group 2 is killed at step 6 and never comes back. The others never restart;
+    the run finishes with groups 0 and 1 holding the same bits."""
+    run = _shardwise(["--parallel.fault_tolerant", "true", "--parallel.dp_replicate", "3",
+                      "--nproc", "3", "--train.steps", "22", "--log.progress", "false",
+                      "--parallel.ft_timeout_s", "5", "--log.dir", "run", "--faults",
+                      "kill:group=1:step=4:rejoin=12;kill:group=2:step=6:phase=backward:"
+                      "rejoin=never"], tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "group 2 left the run for good" in run.stdout
+    ft = tmp_path / "run" / "ft"
+    summary = json.loads((ft / "summary.json").read_text())
+    assert summary["problems"] == [] and summary["steps"] == 22, summary
+    assert summary["groups_finished"] == [0, 1] and summary["groups_left"] == [2]
+    assert summary["restarts"] == {"0": 0, "1": 1, "2": 1} and summary["digests_equal"]
+    membership = {int(k): v for k, v in json.loads((ft / "membership.json").read_text()).items()}
+    assert all(2 not in ids for step, ids in membership.items() if step > 6)
+    assert all(1 not in ids for step, ids in membership.items() if 4 <= step <= 12)
+    assert 1 in membership[22]
+    journal0 = [json.loads(x) for x in (ft / "group0.jsonl").read_text().splitlines() if x]
+    step12 = next(r["time"] for r in journal0 if r.get("event") == "step"
+                  and r["step"] == 12 and r["committed"])
+    journal1 = [json.loads(x) for x in (ft / "group1.jsonl").read_text().splitlines() if x]
+    restarted = [r for r in journal1 if r.get("event") == "start"][1]
+    assert restarted["time"] > step12  # it started at once, then held until step 12
+    assert restarted["launched"] < step12
+    assert len({r["pid"] for r in journal0 if r.get("event") == "start"}) == 1

@@ -223,7 +223,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "faults", None):
         from shardwise.train.faults import ENV_VAR, parse_faults
 
-        parse_faults(args.faults)  # a malformed spec exits 2 before any rank starts
+        faults = parse_faults(args.faults)  # a malformed spec exits 2 before any rank starts
+        if not cfg.parallel.fault_tolerant and any("rejoin" in f.options for f in faults):
+            raise ValueError("--faults: rejoin= needs --parallel.fault_tolerant true (a "
+                             "replica group that restarts while the others train)")
         os.environ[ENV_VAR] = args.faults  # inherited by every rank this process launches
     run_training(cfg)
     return 0

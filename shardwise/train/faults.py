@@ -18,7 +18,10 @@ actions
     fails with ENOSPC after writing part of its data), ``skip`` (do not issue the next
     collective whose label contains ``label=...``; needs the watchdog), ``stop`` (SIGSTOP:
     a frozen process, with ``parallel.fault_tolerant`` its whole replica group; ``seconds=S``
-    continues it after S seconds, default never).
+    continues it after S seconds, default never). With ``parallel.fault_tolerant``,
+    ``kill`` and ``exit`` take ``rejoin=N`` (the group's restart waits until another group
+    has committed step N, as a node replaced later would) or ``rejoin=never`` (the group's
+    capacity is gone for good: it leaves the run and the others finish without it).
 conditions
     ``rank`` (default 0), ``step`` (an int, or ``random``: drawn from ``seed`` in
     [2, steps - 1]), ``phase``, ``attempt`` (the torchrun restart count it fires in,
@@ -127,10 +130,22 @@ def parse_faults(spec: str) -> list[Fault]:
                     raise ValueError(f"{ENV_VAR}: seconds must be a number >= 0, got {value!r}"
                                      ) from None
                 fault.options[key] = value
+            elif key == "rejoin":
+                if action not in ("kill", "exit"):
+                    raise ValueError(f"{ENV_VAR}: rejoin= applies to kill and exit (a group "
+                                     f"that restarts), not {action!r} in {part!r}")
+                if value != "never" and not value.isdigit():
+                    raise ValueError(f"{ENV_VAR}: rejoin must be a step (an int) or 'never', "
+                                     f"got {value!r}")
+                fault.options[key] = value
             elif key in ("param", "module", "label", "seed", "code", "native"):
                 fault.options[key] = value
             else:
                 raise ValueError(f"{ENV_VAR}: unknown key {key!r} in {part!r}")
+        rejoin = fault.options.get("rejoin", "never")
+        if rejoin != "never" and isinstance(fault.step, int) and int(rejoin) <= fault.step:
+            raise ValueError(f"{ENV_VAR}: rejoin={rejoin} must come after the fault's step "
+                             f"{fault.step} in {part!r}")
         faults.append(fault)
     return faults
 
@@ -148,6 +163,9 @@ class FaultPlan:
 
     def __init__(self, faults: list[Fault], rank: int, steps: int,
                  group: int | None = None) -> None:
+        if group is None and any("rejoin" in f.options for f in faults):
+            raise ValueError(f"{ENV_VAR}: rejoin= needs parallel.fault_tolerant (a replica "
+                             f"group that restarts while the others train)")
         self.rank, self.step = rank, 0
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.faults = [f for f in faults if f.rank == rank
@@ -334,7 +352,9 @@ def _record(f: Fault, step: int) -> None:
 
     line = json.dumps({"time": time.time(), "action": f.action, "step": step,
                        "phase": f.phase, "group": os.environ.get(GROUP_ENV), "rank": f.rank,
-                       "pid": os.getpid(), "fault": f.describe()})
+                       "pid": os.getpid(), "fault": f.describe(),
+                       "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                       "rejoin": f.options.get("rejoin")})
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (line + "\n").encode())  # one write: lines from ranks never interleave

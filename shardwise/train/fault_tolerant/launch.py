@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import Any
 
 from shardwise.train.config import Config
 from shardwise.train.faults import ENV_VAR, LOG_ENV, parse_faults
+from shardwise.train.fault_tolerant.rejoin import LEFT_EXIT
 from shardwise.train.fault_tolerant.summary import print_summary, summarize
 
 __all__ = ["run_fault_tolerant", "FaultToleranceError"]
@@ -60,6 +62,8 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
                           start_method="spawn")
     out = elastic_launch(config, run_replica)(cfg, data, group, lighthouse)
     Path(result_path).write_text(json.dumps(out[0]))
+    if out[0].get("left"):  # gone for good (rejoin=never): neither failed nor finished
+        sys.exit(LEFT_EXIT)
 
 
 def _die_with(parent: int) -> None:

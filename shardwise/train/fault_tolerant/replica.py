@@ -91,6 +91,10 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
     launched = time.time()  # the process is up; "start" below is when it can train
     os.environ[GROUP_ENV] = str(group)
     _quiet_torchft()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not _may_rejoin(cfg, group, attempt):
+        return ({"group": group, "left": True, "attempt": attempt, "pid": os.getpid()}
+                if int(os.environ.get("RANK", "0")) == 0 else None)
     env = env if env is not None else build_env(cfg)
     par = cfg.parallel
     groups, size = par.dp_replicate, env.world_size
@@ -119,7 +123,6 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
             faults.arm(model)
         journal = Journal(Path(cfg.log.dir) / "ft" / f"group{group}.jsonl"
                            if env.is_main else None)
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         journal.write(event="start", group=group, pid=os.getpid(), attempt=attempt,
                       time=time.time(), launched=launched)
         try:
@@ -142,6 +145,24 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
         return record if env.is_main else None
     finally:
         dist_env.destroy()
+
+
+def _may_rejoin(cfg: Config, group: int, attempt: int) -> bool:
+    """Hold a restarted group until its fault's ``rejoin`` step, before it builds anything or
+    joins a process group (shardwise/train/fault_tolerant/rejoin.py). False: it leaves the run
+    for good (its rank 0 journals when)."""
+    from shardwise.train.fault_tolerant.rejoin import hold_until_rejoin
+
+    if hold_until_rejoin(group, attempt):
+        return True
+    if int(os.environ.get("RANK", "0")) == 0:
+        journal = Journal(Path(cfg.log.dir) / "ft" / f"group{group}.jsonl")
+        journal.write(event="left", group=group, attempt=attempt, pid=os.getpid(),
+                      time=time.time())
+        journal.close()
+        print(f"group {group} left the run for good (its fault said rejoin=never, or the run "
+              f"ended first); the others finish without it", flush=True)
+    return False
 
 
 def _build_manager(par: Any, env: dist_env.DistEnv, group: int, lighthouse: str,

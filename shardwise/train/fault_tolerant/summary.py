@@ -97,15 +97,18 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float | None = None) -> dict[
         after = [t for t, g, _ in commits if t > f["time"] and g != group]
         if after:
             recoveries.append(after[0] - f["time"])
-    restarts = {g: sum(1 for r in lines if r.get("event") == "start") - 1
+    restarts = {g: sum(1 for r in lines if r.get("event") in ("start", "left")) - 1
                 for g, lines in journals.items()}
+    left = sorted(g for g, lines in journals.items()
+                  if lines and lines[-1].get("event") == "left")
     healed = {g: sum(1 for r in lines if r.get("event") == "healed")
               for g, lines in journals.items()}
     committed_tokens = sum(tokens.values())
     discarded = len(by_lineage) - len(visited)
     out = {
         "steps": len(membership), "final_train_loss": losses.get(steps),
-        "groups_finished": sorted(results), "digests_equal": len(set(digests.values())) == 1,
+        "groups_finished": sorted(results), "groups_left": left,
+        "digests_equal": len(set(digests.values())) == 1,
         "faults": len(faults), "fault_actions": sorted({f["action"] for f in faults}),
         "restarts": restarts, "healed": healed,
         "recovery_s": {"median": statistics.median(recoveries) if recoveries else None,
@@ -153,6 +156,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     rec = summary["recovery_s"]
     rec_text = ("" if rec["median"] is None else
                 f"; recovery median {rec['median']:.2f} s, max {rec['max']:.2f} s")
+    left = (f" (groups {summary['groups_left']} left for good)"
+            if summary.get("groups_left") else "")
     dropped = (f" ({summary['discarded_steps']} committed apart and healed over)"
                if summary["discarded_steps"] else "")
     print(f"fault tolerance: {summary['steps']} steps committed{dropped}, {summary['faults']} "
@@ -160,7 +165,7 @@ def print_summary(summary: dict[str, Any]) -> None:
           f"({', '.join(summary['fault_actions']) or 'none'}), restarts "
           f"{summary['restarts']}, healed {summary['healed']}{rec_text}; final states "
           f"{'equal' if summary['digests_equal'] else 'DIFFER'} in groups "
-          f"{summary['groups_finished']}; loss {summary['final_train_loss']}", flush=True)
+          f"{summary['groups_finished']}{left}; loss {summary['final_train_loss']}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
