@@ -344,3 +344,52 @@ def test_a_group_rejoins_at_its_chosen_step_and_one_whose_capacity_is_gone_never
     assert restarted["time"] > step12  # it started at once, then held until step 12
     assert restarted["launched"] < step12
     assert len({r["pid"] for r in journal0 if r.get("event") == "start"}) == 1
+
+
+_GATHER_TIMEOUT_S = 180  # far beyond the test's wait: a survivor that waits it out fails
+
+
+def _gather_after_a_peer_dies(rank: int, world: int, port: int, out_dir: str) -> None:
+    import datetime
+
+    from torchft import ProcessGroupGloo
+
+    from shardwise.train.fault_tolerant.loop import PeerLost, _all_gather
+
+    pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=_GATHER_TIMEOUT_S))
+    pg.configure(f"localhost:{port}/gather", f"g{rank}", rank, world)
+    gather = _all_gather(pg, world)
+    gather(torch.full((64,), float(rank)))  # everyone connected
+    if rank == 1:
+        os._exit(0)  # a group dies between two combines
+    try:
+        gather(torch.full((64,), float(rank)))
+        text = "completed"
+    except PeerLost as exc:
+        text = str(exc)
+    Path(out_dir, f"rank{rank}.txt").write_text(text)
+
+
+def test_every_survivor_of_a_combine_hears_of_a_lost_group_at_once_not_at_its_timeout(tmp_path):
+    """In Gloo's ring only the dead rank's neighbours see its connection close; a survivor
+    that closes its own connections on the error passes it on, so the rank two places away
+    fails at once too ("connection closed" or "read error"), instead of waiting out its
+    timeout."""
+    import time
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    ctx = torch.multiprocessing.spawn(_gather_after_a_peer_dies,
+                                      args=(4, store.port, str(tmp_path)), nprocs=4,
+                                      join=False)
+    deadline = time.monotonic() + _GATHER_TIMEOUT_S / 2  # start-up under load included
+    for p in ctx.processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    if any(p.exitcode is None for p in ctx.processes):
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("a survivor of the lost group is still waiting for its timeout")
+    texts = {r: (tmp_path / f"rank{r}.txt").read_text() for r in (0, 2, 3)}
+    assert all(t.startswith("RuntimeError") and "Timed out" not in t
+               for t in texts.values()), texts

@@ -64,6 +64,11 @@ def _all_gather(pg: Any, world: int):
         try:
             pg.allgather([out], [flat], AllgatherOptions()).wait()
         except Exception as exc:  # a peer lost or frozen mid-combine: named, not a crash
+            # Only the dead group's neighbours in Gloo's ring see its connection close; the
+            # others wait for data that will never come until ft_timeout_s (seen: 3 s of a
+            # 5.7 s recovery). Closing this rank's connections now passes the failure on
+            # around the ring at once; the next quorum configures a new group anyway.
+            pg.abort()
             raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
         return out
 
