@@ -100,7 +100,7 @@ def _ckpt_restart(opts: argparse.Namespace, work: Path, kills: list[int],
     fault_log.unlink(missing_ok=True)
     base = ["--nproc", "4", "--parallel.dp_replicate", "4", "--train.steps",
             str(opts.goodput_steps), "--log.dir", str(log_dir), "--log.progress", "false",
-            "--checkpoint.interval", str(opts.ckpt_interval)]
+            "--checkpoint.interval", str(opts.ckpt_interval), *opts.goodput_args.split()]
     launches: list[dict[str, Any]] = []
     for attempt in range(len(kills) + 3):
         fired = {json.loads(t)["step"] for t in fault_log.read_text().splitlines()} \
@@ -131,18 +131,21 @@ def goodput_round(opts: argparse.Namespace, work: Path, r: int) -> dict[str, Any
     spec = ";".join(f"kill:group={g}:step={s}:phase={er.PHASES[i % 5]}"
                     f":attempt={sum(1 for _, h in plan[:i] if h == g)}"  # see soak_schedule
                     for i, (s, g) in enumerate(plan))
-    rows: dict[str, Any] = {"kill_steps": [s for s, _ in plan], "tag": opts.tag}
+    rows: dict[str, Any] = {"kill_steps": [s for s, _ in plan], "tag": opts.tag,
+                            "train_args": opts.goodput_args}
     variants = [("ft", opts.timeout_s, None)]
     if opts.fast_detect:
         variants.append(("ft_fast", 2.0, 500))
     for tag, timeout, hb in variants:
         print(f"[goodput {r}] {tag}: fault-free, then {len(plan)} kills", flush=True)
         ff_dir, f_dir = work / f"g{r}_{tag}_ff", work / f"g{r}_{tag}_faults"
-        ff = er.run_train(er.ft_args(groups, nproc, n, ff_dir, timeout, hb),
+        extra = opts.goodput_args.split()
+        ff = er.run_train(er.ft_args(groups, nproc, n, ff_dir, timeout, hb, extra),
                           work / f"g{r}_{tag}_ff.log")
         ff_tokens = er.read_ft(ff_dir)["summary"].get("committed_tokens", 0)
         fr = er.run_train(er.ft_args(groups, nproc, n, f_dir, timeout, hb,
-                                     ["--faults", spec]), work / f"g{r}_{tag}_faults.log")
+                                     [*extra, "--faults", spec]),
+                          work / f"g{r}_{tag}_faults.log")
         fs = er.read_ft(f_dir)
         rate = ff_tokens / ff["wall_s"]
         rows[tag] = {"timeout_s": timeout, "heartbeat_ms": hb or 1000, "fault_free": ff,
@@ -159,7 +162,8 @@ def goodput_round(opts: argparse.Namespace, work: Path, r: int) -> dict[str, Any
     ff_dir = work / f"g{r}_ckpt_ff"
     ff = er.run_train(["--nproc", "4", "--parallel.dp_replicate", "4", "--train.steps", str(n),
                        "--log.dir", str(ff_dir), "--log.overwrite", "true", "--log.progress",
-                       "false", "--checkpoint.interval", str(opts.ckpt_interval)],
+                       "false", "--checkpoint.interval", str(opts.ckpt_interval),
+                       *opts.goodput_args.split()],
                       work / f"g{r}_ckpt_ff.log")
     ff_sum = json.loads((ff_dir / "summary.json").read_text())
     per_step = ff_sum["tokens"] / ff_sum["steps"]
@@ -222,7 +226,8 @@ def markdown(res: dict[str, Any], notes: Path | None = None) -> str:
     for i, g in enumerate(res["goodput"]):
         lines += [f"## Goodput, round {i + 1}{' ' + g['tag'] if g.get('tag') else ''} (4 "
                   f"groups x 1 rank, {res['goodput_steps']} steps, kills at steps "
-                  f"{g['kill_steps']})", "",
+                  f"{g['kill_steps']}{', ' + g['train_args'] if g.get('train_args') else ''})",
+                  "",
                   "| path | fault-free tokens/s | fault run wall (s) | useful tokens | "
                   "goodput | recovery median / max (s) | CPU / other CPU (s) |",
                   "|---" * 7 + "|"]
@@ -262,6 +267,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--goodput-steps", type=int, default=200)
     p.add_argument("--kill-every", type=int, default=50)
     p.add_argument("--ckpt-interval", type=int, default=20)
+    p.add_argument("--goodput-args", default="",
+                   help="more `shardwise train` arguments for the goodput runs, e.g. "
+                        "'--model.name small' for steps of seconds, as on a real cluster")
     p.add_argument("--fast-detect", action="store_true",
                    help="goodput also with ft_heartbeat_ms 500, ft_timeout_s 2")
     p.add_argument("--no-ckpt", action="store_true",
