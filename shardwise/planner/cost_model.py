@@ -338,7 +338,7 @@ class CostModel:
     def _stage_weighted(self, L: Layout) -> tuple[float, ...] | None:
         """Per rank, the saved bytes at the schedule's peak with each stage weighed by its
         own layers and edges ([Note: stages of unequal weight] in pipeline.py), for the V
-        placements whose rank 0 holds both ends; None otherwise."""
+        placements whose rank 0 holds both ends; None otherwise (the rank's average)."""
         place = placement(L.pp_schedule, L.pp, L.pp_virtual)
         if L.pp == 1 or L.pp_schedule == "gpipe" or place[0] != place[-1]:
             return None

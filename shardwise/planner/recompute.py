@@ -132,6 +132,10 @@ def stack_saved_delta(spec, wl, moe: bool, tokens: float, tp: int, sp: bool) -> 
       vectors, the routed experts' outputs awaiting the bf16 combine (Section 3.3.3,
       "Low-Precision Communication": combine in BF16) and the dense layers' SwiGLU inputs.
       The dispatched tokens (the experts' up-projection input) arrive in fp8 and are kept so.
+    * ``moe_gate_in_activation``: the gate weights multiply the SwiGLU output (Megatron-
+      Core's weighted SwiGLU), whose backward takes the weights' gradient from the SwiGLU
+      output it replays anyway, so the routed experts' outputs (``dim x top_k`` 16-bit
+      values a token) are not kept for the gate's gradient.
     """
     a = wl.act_bytes
     h = spec.n_heads // tp
@@ -145,6 +149,8 @@ def stack_saved_delta(spec, wl, moe: bool, tokens: float, tp: int, sp: bool) -> 
             delta -= (a - FP8_CACHE_BYTES) * spec.dim * spec.top_k / split  # dispatched
             f = spec.moe_ffn_dim // tp
             delta -= (a - FP8_CACHE_BYTES) * 2 * f * (spec.top_k + spec.n_shared_experts)
+    if wl.moe_gate_in_activation and moe:  # the experts' outputs, kept for the gate
+        delta -= a * spec.dim * spec.top_k / (tp if sp else 1)
     return delta * tokens
 
 

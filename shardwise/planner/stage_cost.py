@@ -272,8 +272,9 @@ class StageCoster:
         tpc += dev.tp_edge_seconds(self.wl, tokens, spec.dim, L.tp, L.sp, first, last)
         if last:
             hf, _, logits = head_work(spec, tokens, L.tp, self.wl.act_bytes)
-            if self.wl.loss_grad_fp32:  # 12 bytes a logit in backward, 4 of them saved
-                logits *= 8 / (self.wl.act_bytes + 4)
+            if self.wl.loss_grad_fp32:  # 12 (16: loss_parallel) bytes a logit in
+                peak = 16 if L.tp > 1 else 12  # backward, 4 of them counted as saved
+                logits *= (peak - 4) / (self.wl.act_bytes + 4)
             head = mm * self.hw.matmul_time(hf, self.wl.compute_dtype)
             fwd, bwd, wgrad = fwd + head, bwd + 2 * head, wgrad + head
             saved += head_saved(spec, tokens, L.tp, L.sp, self.wl.act_bytes,

@@ -120,6 +120,13 @@ class Workload:
         fp8_activations: the linears' cached inputs are fp8 (attention output: E5M6; MoE
             SwiGLU inputs: fp8, output replayed), DeepSeek-V3 Section 3.3.3 (same Note).
             Default False.
+        moe_gate_in_activation: the routing weights multiply the experts' SwiGLU output
+            before the down-projection (Megatron-Core's ``WeightedSwiGLUFunction``,
+            ``megatron/core/fusions/fused_bias_swiglu.py`` at NVIDIA/Megatron-LM b1030e9:
+            it keeps the SwiGLU input, optionally in fp8, and the weights, and takes the
+            weights' gradient from the replayed SwiGLU output), so the combine is a plain
+            sum and the experts' outputs are not kept for the gate's gradient. Default
+            False (the combine weighs the experts' outputs, which it then keeps).
         optimizer_state_dtype: dtype of the optimizer's moments ("" (default): the
             parameter dtype; DeepSeek-V3 keeps AdamW's moments in "bf16", Section 3.3.3).
         grad_accum_dtype: dtype of the whole gradients ZeRO stage 1 (or accumulation)
@@ -129,12 +136,17 @@ class Workload:
             rank's parameters): "none" (default), "device" (kept in device memory) or
             "cpu" (kept in host memory and updated asynchronously: DeepSeek-V3 Section
             3.2.3, no device bytes).
-        loss_grad_fp32: the loss runs PyTorch's eager ``cross_entropy`` on logits upcast to
-            fp32 (torchtitan ``train.py`` ``loss_fn`` at 9dec370, ``pred.float()``): its
-            backward holds the saved fp32 log-probabilities, ``nll_loss``'s dense fp32
-            gradient and ``log_softmax``'s fp32 gradient at once (12 bytes a logit, with
-            every activation still held); default False (the logits and one fp32 gradient
-            while the loss runs, and the fp32 log-probabilities saved: ``work.head_work``).
+        loss_grad_fp32: the loss runs PyTorch's ``cross_entropy`` on logits upcast to
+            fp32 (torchtitan ``train.py`` ``loss_fn`` at 9dec370, ``pred.float()``), priced
+            at its backward's peak, with every activation still held: eager, the saved fp32
+            log-probabilities, ``nll_loss``'s dense fp32 gradient and ``log_softmax``'s
+            fp32 gradient (12 bytes a logit); with tensor parallelism, DTensor's
+            ``loss_parallel`` (torchtitan's default then), whose fused backward
+            (``_nll_loss_and_log_softmax_backward`` in torch/distributed/tensor/parallel/
+            loss.py) holds the saved log-probabilities, a zero-filled fp32 gradient,
+            ``exp`` of the log-probabilities and their sum (16 bytes a logit). Default
+            False (the logits and one fp32 gradient while the loss runs, and the fp32
+            log-probabilities saved: ``work.head_work``).
     """
 
     seq_len: int
@@ -165,6 +177,7 @@ class Workload:
     dp_copies: bool = True
     mla_up_recompute: bool = False
     fp8_activations: bool = False
+    moe_gate_in_activation: bool = False
     optimizer_state_dtype: str = ""
     grad_accum_dtype: str = ""
     ema: str = "none"
