@@ -49,10 +49,11 @@ from shardwise.planner import comm_model
 from shardwise.planner.devices.registry import device_model
 from shardwise.planner.dp_cost import dp_exposed, dp_times, scale_sync_seconds, shard_numel
 from shardwise.planner.parallel_layout import Layout
-from shardwise.planner.pipeline import gather_rounds, schedule_profile
-from shardwise.planner.rank_memory import MemoryBreakdown, state_bytes
+from shardwise.planner.pipeline import gather_rounds, placement, schedule_profile, weighted_peaks
+from shardwise.planner.rank_memory import MemoryBreakdown, state_bytes, workload_state_kwargs
 from shardwise.planner.sends import tp_calls_per_layer
-from shardwise.planner.stage_cost import RankTimes, StageCoster, fbw_seconds, stage_layers
+from shardwise.planner.stage_cost import (RankTimes, StageCoster, fbw_seconds, stage_bounds,
+                                          stage_layers)
 from shardwise.planner.workload import Workload
 
 __all__ = ["CostModel", "Estimate", "BOTTLENECKS", "FRAGMENTATION"]
@@ -218,15 +219,18 @@ class CostModel:
                 + [u for u, n in experts.items() for _ in range(n)])
 
     # ------------------------------------------------------------------ memory
-    def _memory(self, L: Layout, r: int, rt: RankTimes, layers, inflight: float
-                ) -> MemoryBreakdown:
+    def _memory(self, L: Layout, r: int, rt: RankTimes, layers, inflight: float,
+                held: float | None = None) -> MemoryBreakdown:
+        """Peak bytes of pipeline rank ``r``; ``held``: its saved activations at the peak
+        when the schedule's replay weighed its stages ([Note: stages of unequal weight]),
+        else ``inflight`` micro-batches of all its layers."""
         _, first, last = self.rank_plan(L, r)
         st = self.states(L, layers, first, last)
         optimizer = 0.0 if L.offload == "cpu" else st.optimizer
         tokens = L.microbatch * self.wl.seq_len / L.cp
         unsharded, comm, full_grads = self.device.transient_bytes(self, L, layers, first,
                                                                   last, st, tokens)
-        acts = inflight * rt.saved + rt.working
+        acts = (inflight * rt.saved if held is None else held) + rt.working
         frag = FRAGMENTATION * (st.params + st.grads + optimizer + unsharded + full_grads
                                 + acts)
         return MemoryBreakdown(st.params, st.grads, optimizer, unsharded, full_grads, comm,
@@ -242,8 +246,7 @@ class CostModel:
         wl = self.wl
         root, dense, experts = self.units(L, layers, first, last)
         units = [root] + [u for u, n in dense.items() for _ in range(n)]
-        kw = dict(zero=L.zero, param_bytes=wl.param_bytes, compute_bytes=wl.act_bytes,
-                  optimizer=wl.optimizer, prefetch=wl.prefetch,
+        kw = dict(zero=L.zero, prefetch=wl.prefetch, **workload_state_kwargs(wl),
                   accumulate=L.pp_microbatches > 1,
                   reshard_after_forward=wl.reshard_after_forward)
         st = state_bytes(units, L.dp_shard * L.cp, root=0 if root else None, **kw)
@@ -320,15 +323,30 @@ class CostModel:
         breakdown = self.device.combine(self, L, breakdown, layers, first, last)
         step = sum(breakdown.values())
         mems = []
+        held = self._stage_weighted(L) if exact else None
         for r, rtr, lay in ranks:
             inflight = prof.per_rank[r] if len(prof.per_rank) == L.pp else \
                 self._inflight(L, prof.peak_inflight, r)
-            mems.append(self._memory(L, r, rtr, lay, inflight))
+            mems.append(self._memory(L, r, rtr, lay, inflight,
+                                     None if held is None else held[r]))
         mem = max(mems, key=lambda x: x.total)
         model_flops = self._model_flops()
         hw_flops = model_flops + self._recompute_flops(L)
         return Estimate(L, step, breakdown, mem, mem.total <= hw.hbm_bytes, model_flops,
                         hw_flops, L.gpus, wl.tokens, hw.peak("bf16"))
+
+    def _stage_weighted(self, L: Layout) -> tuple[float, ...] | None:
+        """Per rank, the saved bytes at the schedule's peak with each stage weighed by its
+        own layers and edges ([Note: stages of unequal weight] in pipeline.py), for the V
+        placements whose rank 0 holds both ends; None otherwise (the rank's average)."""
+        place = placement(L.pp_schedule, L.pp, L.pp_virtual)
+        if L.pp == 1 or L.pp_schedule == "gpipe" or place[0] != place[-1]:
+            return None
+        bounds = stage_bounds(self.spec.n_layers, len(place))
+        last = len(place) - 1
+        weights = tuple(round(self.stages.rank(L, list(b), c == 0, c == last).saved)
+                        for c, b in enumerate(bounds))
+        return weighted_peaks(L.pp_schedule, L.pp, L.pp_virtual, L.pp_microbatches, weights)
 
     def _inflight(self, L: Layout, peak: float, r: int) -> float:
         if L.pp == 1:

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.parallel.pipeline import Costs, build_schedule, simulate
+from shardwise.parallel.pipeline.actions import Kind
 from shardwise.parallel.pipeline.action_lists import gather_rounds as stage_gather_rounds
 from shardwise.parallel.pipeline.schedules import schedule_spec
 
 __all__ = ["PipelineProfile", "schedule_profile", "min_microbatches", "stage_costs",
-           "placement", "simulated_microbatches", "rounded", "gather_rounds"]
+           "placement", "simulated_microbatches", "rounded", "gather_rounds", "weighted_peaks"]
 
 
 @dataclass(frozen=True)
@@ -138,3 +139,43 @@ def gather_rounds(L, wl) -> int:
     if L.pp > 1:
         return stage_gather_rounds(not wl.reshard_after_forward, L.pp_microbatches)
     return L.pp_microbatches
+
+
+@lru_cache(maxsize=256)
+def weighted_peaks(schedule: str, pp: int, virtual: int, microbatches: int,
+                   weights: tuple[float, ...]) -> tuple[float, ...]:
+    """Per rank, the peak bytes of saved activations when stage ``s`` keeps ``weights[s]``
+    bytes per micro-batch from its forward until its backward (B, or W of a split one),
+    replaying the schedule the executor runs.
+
+    [Note: stages of unequal weight] ``PipelineProfile.per_rank`` counts in-flight
+    micro-batches in units of a rank's whole set of layers, which assumes the stages a rank
+    holds keep equal bytes. They do not: the last stage also keeps the head's fp32
+    log-probabilities (and a multi-token-prediction module), the first the embedding's
+    output, and a rank's stages are in flight for different counts. A V placement (zbv,
+    dualpipev) puts the first stage (in flight for about ``2 pp`` micro-batches) and the
+    last (about one) on rank 0: averaging them overstated DeepSeek-V3's rank 0 by the
+    head's bytes times ``pp``; an interleaved schedule's last rank holds the last stage (in
+    flight for about one) beside an earlier one. Weighting each stage's forward by its own
+    bytes gives the peak the schedule really reaches. The exact pricing weighs the V
+    placements' stages, where the average is off by a factor near ``pp`` on the head's
+    bytes; looped schedules and the search's closed forms keep the average. Weighed, a
+    looped interleaved rank 0 grows too (its first chunk, in flight longest, holds the
+    embedding and, for Llama 3 405B's 126 layers on 16 x 6 stages, twice the layers of its
+    later chunks): Llama 3's 8K rows would then fit no selective layout, where the paper
+    balances its stages otherwise (Section 3.3.2: one layer fewer on the first and the last
+    stage), which the planner's even split does not express; see docs/planner.md.
+    """
+    m = simulated_microbatches(schedule, pp, microbatches)
+    sched = build_schedule(schedule, pp, m, virtual)
+    out = []
+    for acts in sched.ranks:
+        live = peak = 0.0
+        for a in acts:
+            if a.kind is Kind.F:
+                live += weights[a.stage]
+                peak = max(peak, live)
+            elif a.kind in (Kind.B, Kind.W):
+                live -= weights[a.stage]
+        out.append(peak)
+    return tuple(out)

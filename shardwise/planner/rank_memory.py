@@ -37,7 +37,7 @@ from shardwise.shard.layout import build_layout
 from shardwise.shard.identity import TAG_BYTES  # each unit's gather trailer
 
 __all__ = ["UnitState", "StateBytes", "MemoryBreakdown", "unit_state", "state_bytes",
-           "OPTIMIZER_STATES", "TAG_BYTES"]
+           "workload_state_kwargs", "OPTIMIZER_STATES", "TAG_BYTES"]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
 """State tensors per parameter (SGD: its momentum buffer); each also gets a 4-byte step
@@ -85,7 +85,9 @@ class StateBytes:
 def state_bytes(units: list[tuple[tuple[int, ...], ...]], world: int, *, zero: int,
                 rank: int = 0, param_bytes: int = 4, compute_bytes: int = 4,
                 optimizer: str = "adamw", prefetch: int = 1, accumulate: bool = False,
-                root: int | None = 0, reshard_after_forward: bool = True) -> StateBytes:
+                root: int | None = 0, reshard_after_forward: bool = True,
+                moment_bytes: int | None = None, accum_bytes: int | None = None,
+                ema_bytes: int = 0) -> StateBytes:
     """Bytes one rank holds for these units sharded over ``world`` ranks.
 
     Args:
@@ -102,6 +104,13 @@ def state_bytes(units: list[tuple[tuple[int, ...], ...]], world: int, *, zero: i
         reshard_after_forward: stage 3 frees gathered units after forward (True); False
             keeps every unit gathered between its forward and backward (all of them at
             the peak).
+        moment_bytes: bytes of an optimizer moment element (default ``param_bytes``;
+            DeepSeek-V3 keeps AdamW's moments in bf16).
+        accum_bytes: bytes of a whole-gradient element held across micro-batches or,
+            at stage 1, until the end of backward (default ``compute_bytes``; DeepSeek-V3
+            accumulates in fp32).
+        ema_bytes: bytes per element of an exponential moving average of this rank's
+            parameter shard kept in device memory (0: none, or kept on the host).
 
     Raises:
         ValueError: an unknown optimizer or stage.
@@ -119,7 +128,9 @@ def state_bytes(units: list[tuple[tuple[int, ...], ...]], world: int, *, zero: i
     trailer = TAG_BYTES // param_bytes if zero > 0 or compute_bytes != param_bytes else 0
     params = sum(s.shard_numel + (trailer if s.n_params else 0) for s in states) * param_bytes
     grads = sum(s.shard_numel for s in states) * param_bytes
-    opt = sum(s.local_numel * n_states * param_bytes + s.n_params * step for s in states)
+    moments = param_bytes if moment_bytes is None else moment_bytes
+    opt = sum(s.local_numel * (n_states * moments + ema_bytes) + s.n_params * step
+              for s in states)
     full = [s.full_numel * compute_bytes for s in states]
     if zero == 3 and not reshard_after_forward:
         unsharded = sum(full)
@@ -128,10 +139,19 @@ def state_bytes(units: list[tuple[tuple[int, ...], ...]], world: int, *, zero: i
         unsharded = (full[root] if root is not None and full else 0) + sum(blocks[:1 + prefetch])
     else:
         unsharded = sum(full) if (zero > 0 or compute_bytes != param_bytes) else 0
-    full_grads = numel * compute_bytes if (zero == 1 or (accumulate and zero >= 2)) else 0
+    whole = compute_bytes if accum_bytes is None else accum_bytes
+    full_grads = numel * whole if (zero == 1 or (accumulate and zero >= 2)) else 0
     # Staging of the largest unit: gathered buffer (stage 3 in flight) and packed gradients.
     comm = max(full, default=0) * (2 if zero == 3 else 1) if zero > 0 else 0
     return StateBytes(params, grads, opt, unsharded, full_grads, comm)
+
+
+def workload_state_kwargs(wl) -> dict:
+    """:func:`state_bytes` keywords a :class:`~shardwise.planner.workload.Workload` sets."""
+    return dict(param_bytes=wl.param_bytes, compute_bytes=wl.act_bytes,
+                optimizer=wl.optimizer, moment_bytes=wl.moment_bytes,
+                accum_bytes=wl.accum_bytes,
+                ema_bytes=wl.param_bytes if wl.ema == "device" else 0)
 
 
 @dataclass(frozen=True)

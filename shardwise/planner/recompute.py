@@ -24,7 +24,15 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["check_selective", "layer_ac", "replayed_matmuls"]
+__all__ = ["check_selective", "layer_ac", "replayed_matmuls", "alternate_mm_saved",
+           "stack_saved_delta", "up_projection_flops", "FP8_CACHE_BYTES", "E5M6_BYTES"]
+
+FP8_CACHE_BYTES = 1 + 4 / 128
+"""Bytes per element of an activation cached in fp8 with DeepSeek-V3's fine-grained
+quantisation (arXiv:2412.19437 Section 3.3.2: one fp32 scale per 1 x 128 tile)."""
+E5M6_BYTES = 12 / 8 + 4 / 128
+"""Bytes per element of the inputs of the linear after attention, which DeepSeek-V3 caches
+in its 12-bit E5M6 format (Section 3.3.3, exception (1)), with a scale per 128."""
 
 
 def check_selective(policy: str) -> None:
@@ -75,3 +83,80 @@ def replayed_matmuls(spec, moe: bool, tokens: float, tp: int, gemms) -> list[flo
         flat = [f for f, n in gemms for _ in range(n)]
         return flat[1::2]
     return [2 * tokens * math.prod(s) for s in _block_matmuls(spec, tp)[1::2]]
+
+
+def alternate_mm_saved(spec, tokens: float, tp: int, sp: bool, act_bytes: int) -> float:
+    """Bytes one dense block keeps for backward under torchtitan's op-level policy.
+
+    [Note: what alternate_mm keeps] ``selective_ac_option = "op"`` (parallelize_llama.py
+    at pytorch/torchtitan 9dec370, ``_apply_ac_to_transformer_block``) wraps each block in
+    a non-reentrant checkpoint whose policy marks ``MUST_SAVE`` only the outputs of
+    ``_save_list`` ops: every odd ``aten.mm`` in the block's forward (the count restarts
+    per block: wq, wv, w1, w2 of a Llama block), the SDPA kernel's outputs (its output and
+    fp32 log-sum-exp) and, with sequence parallelism, the reduce-scatters' outputs. All
+    else is ``PREFER_RECOMPUTE``: autograd's saved tensors inside the block are dropped
+    and replayed in backward, so between forward and backward the block holds just those
+    outputs and its input (what the checkpoint wrapper keeps). This is much less than
+    shardwise's "ops" policy, which keeps every multiply's inputs and outputs.
+
+    Args:
+        spec: the ModelSpec (a dense, non-MLA block). tokens: tokens of the micro-batch on
+            this rank; tp: tensor-parallel degree; sp: sequence parallelism on.
+        act_bytes: bytes of an activation element.
+    """
+    h = spec.n_heads // tp
+    kept = sum(out for out, _ in _block_matmuls(spec, tp)[0::2])  # 1st, 3rd, ... outputs
+    rep = spec.dim / (tp if sp else 1)  # the block's input (checkpoint input)
+    scattered = 2 * spec.dim / tp if (tp > 1 and sp) else 0.0  # wo's and w2's RS outputs
+    return tokens * (act_bytes * (kept + h * spec.v_dim + rep + scattered) + 4 * h)
+
+
+def stack_saved_delta(spec, wl, moe: bool, tokens: float, tp: int, sp: bool) -> float:
+    """Change in a layer's saved bytes per micro-batch under ``ac=selective`` from the
+    workload's storage options (negative: less kept).
+
+    [Note: DeepSeek-V3's activation storage] arXiv:2412.19437 describes what its layers
+    keep for backward beyond a plain selective recomputation:
+
+    * ``mla_up_recompute`` (Section 3.2.3, "Recomputation of RMSNorm and MLA
+      Up-Projection"): the per-head queries, keys and values that MLA's up-projections
+      produce are not kept; the backward replays the up-projections from the kept latent
+      vectors (priced as replayed multiplies by the stage coster: :func:`up_projection_flops`).
+      RMSNorm outputs are replayed too, which the "ops" policy already does.
+    * ``fp8_activations`` (Section 3.3.3, "Low-Precision Activations"): the inputs of the
+      linears are cached in fp8 with a scale per 128 elements, except (1) the input of the
+      linear after attention (the attention output), kept in E5M6 (12 bits) because the
+      attention backward reads it too, and (2) the SwiGLU inputs of the MoE (experts and
+      shared expert), cached in fp8 with the SwiGLU output replayed. What stays 16-bit:
+      the norms' inputs (the residual stream, for the replayed RMSNorm), MLA's latent
+      vectors, the routed experts' outputs awaiting the bf16 combine (Section 3.3.3,
+      "Low-Precision Communication": combine in BF16) and the dense layers' SwiGLU inputs.
+      The dispatched tokens (the experts' up-projection input) arrive in fp8 and are kept so.
+    * ``moe_gate_in_activation``: the gate weights multiply the SwiGLU output (Megatron-
+      Core's weighted SwiGLU), whose backward takes the weights' gradient from the SwiGLU
+      output it replays anyway, so the routed experts' outputs (``dim x top_k`` 16-bit
+      values a token) are not kept for the gate's gradient.
+    """
+    a = wl.act_bytes
+    h = spec.n_heads // tp
+    delta = 0.0
+    if wl.mla_up_recompute and spec.is_mla:
+        delta -= a * h * (2 * spec.qk_dim + spec.v_dim)  # q, k, v per head
+    if wl.fp8_activations:
+        delta -= (a - E5M6_BYTES) * h * spec.v_dim  # the linear after attention
+        if moe:
+            split = tp if sp else 1
+            delta -= (a - FP8_CACHE_BYTES) * spec.dim * spec.top_k / split  # dispatched
+            f = spec.moe_ffn_dim // tp
+            delta -= (a - FP8_CACHE_BYTES) * 2 * f * (spec.top_k + spec.n_shared_experts)
+    if wl.moe_gate_in_activation and moe:  # the experts' outputs, kept for the gate
+        delta -= a * spec.dim * spec.top_k / (tp if sp else 1)
+    return delta * tokens
+
+
+def up_projection_flops(spec, gemms) -> list[float]:
+    """FLOPs of MLA's up-projections in a layer's ``LayerWork.gemms`` (the multiplies
+    ``mla_up_recompute`` replays): the query's (with a query low-rank) and the key-value's,
+    in the order ``work._attention`` lists them."""
+    flat = [f for f, n in gemms for _ in range(n)]
+    return [flat[1], flat[3]] if spec.q_lora_rank else [flat[2]]

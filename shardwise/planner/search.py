@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from shardwise.planner.cost_model import CostModel, Estimate
 from shardwise.planner.parallel_layout import Layout, check_layout, cp_impl_error
-from shardwise.planner.rank_memory import state_bytes
+from shardwise.planner.rank_memory import state_bytes, workload_state_kwargs
 from shardwise.planner.pipeline import min_microbatches
 from shardwise.planner.stage_cost import stage_layers
 from shardwise.planner.workload import Workload
@@ -146,15 +146,13 @@ class _Searcher:
             plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)[0]
             root, dense, experts = self.cm.units(L, *plan)
             units = [root] + [u for u, n in dense.items() for _ in range(n)]
+            kw = workload_state_kwargs(self.wl)
             st = state_bytes(units, L.dp_shard * L.cp, zero=L.zero,
-                             param_bytes=self.wl.param_bytes, compute_bytes=self.wl.act_bytes,
-                             optimizer=self.wl.optimizer, accumulate=L.pp_microbatches > 1)
+                             accumulate=L.pp_microbatches > 1, **kw)
             if experts:
                 ex = [u for u, n in experts.items() for _ in range(n)]
                 st = st + state_bytes(ex, max(1, L.dp_shard * L.cp // L.ep), zero=L.zero,
-                                      param_bytes=self.wl.param_bytes,
-                                      compute_bytes=self.wl.act_bytes,
-                                      optimizer=self.wl.optimizer, root=None)
+                                      root=None, **kw)
             opt = 0.0 if L.offload == "cpu" else st.optimizer
             self._states[key] = (st.params + st.grads + opt + st.unsharded + st.full_grads
                                  + self.hw.reserved_bytes)

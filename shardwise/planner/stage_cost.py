@@ -66,12 +66,13 @@ from shardwise.planner import comm_model
 from shardwise.planner.pipeline import placement
 from shardwise.planner.recipe_cost import multiply_seconds
 from shardwise.planner.recipe_work import recipe_work
-from shardwise.planner.recompute import layer_ac, replayed_matmuls
+from shardwise.planner.recompute import (alternate_mm_saved, layer_ac, replayed_matmuls,
+                                         stack_saved_delta, up_projection_flops)
 from shardwise.planner.sends import ContextSends, context_sends
 from shardwise.planner.work import head_saved, head_work, layer_work, saved_bytes
 from shardwise.planner.workload import DTYPE_BYTES
 
-__all__ = ["LayerTimes", "RankTimes", "StageCoster", "stage_layers", "fbw_seconds",
+__all__ = ["LayerTimes", "RankTimes", "StageCoster", "stage_layers", "stage_bounds", "fbw_seconds",
            "cp_exposed_seconds"]
 
 
@@ -123,6 +124,18 @@ def fbw_seconds(rt: RankTimes) -> tuple[float, float, float]:
     return rt.fwd + comm * share, rt.bwd + comm * (1 - share), rt.wgrad
 
 
+def stage_bounds(n_layers: int, chunks: int) -> list[range]:
+    """Each pipeline stage's layers, in order (the first ``n_layers % chunks`` stages one
+    layer longer)."""
+    base, extra = divmod(n_layers, chunks)
+    bounds, start = [], 0
+    for c in range(chunks):
+        size = base + (1 if c < extra else 0)
+        bounds.append(range(start, start + size))
+        start += size
+    return bounds
+
+
 def stage_layers(n_layers: int, pp: int, virtual: int, schedule: str = "1f1b"
                  ) -> list[tuple[list[int], bool, bool]]:
     """Per pipeline rank: (its layer indices, whether it holds the embedding, whether it
@@ -130,12 +143,7 @@ def stage_layers(n_layers: int, pp: int, virtual: int, schedule: str = "1f1b"
     first ``n_layers % stages`` one layer longer) and sit on ranks as the schedule places
     them (``pipeline.placement``: looped, or a V where rank 0 holds the first and last)."""
     chunks = pp * virtual
-    base, extra = divmod(n_layers, chunks)
-    bounds, start = [], 0
-    for c in range(chunks):
-        size = base + (1 if c < extra else 0)
-        bounds.append(range(start, start + size))
-        start += size
+    bounds = stage_bounds(n_layers, chunks)
     place = placement(schedule, pp, virtual)
     return [([i for c in range(chunks) if place[c] == r for i in bounds[c]],
              place[0] == r, place[-1] == r) for r in range(pp)]
@@ -203,6 +211,8 @@ class StageCoster:
         fwd, bwd, wgrad, cheap = self.device.layer_seconds(spec, wl, w, tp, sp, moe)
         replayed = replayed_matmuls(spec, moe, tokens, tp, w.gemms) \
             if ac == "selective" and wl.selective_ac == "alternate_mm" else []
+        if ac == "selective" and wl.mla_up_recompute and spec.is_mla:
+            replayed = replayed + up_projection_flops(spec, w.gemms)  # [Note: DeepSeek-V3's..]
         replay_gemm = self.device.composition(spec)[0] * sum(
             multiply_seconds(hw, wl, w, f) for f in replayed) / (1 - wl.comm_sm_fraction)
         recompute = {"none": 0.0, "selective": cheap + replay_gemm, "full": fwd}[ac]
@@ -231,6 +241,10 @@ class StageCoster:
         codes = w.lowbit.saved_delta if w.lowbit is not None else 0.0
         working = saved_bytes(w, tp, sp, "none") + codes if ac == "full" else 0.0
         saved = saved_bytes(w, tp, sp, ac) + (codes if ac == "none" else 0.0)
+        if ac == "selective":  # what the stack keeps ([Note: what alternate_mm keeps])
+            if wl.selective_ac == "alternate_mm" and not (moe or spec.is_mla):
+                saved = alternate_mm_saved(spec, tokens, tp, sp, wl.act_bytes)
+            saved += stack_saved_delta(spec, wl, moe, tokens, tp, sp)
         return LayerTimes(fwd, bwd, wgrad, recompute, tp_comm, cp_comm, ep_comm,
                           w.model_flops, rec_flops, saved, working)
 
@@ -258,6 +272,9 @@ class StageCoster:
         tpc += dev.tp_edge_seconds(self.wl, tokens, spec.dim, L.tp, L.sp, first, last)
         if last:
             hf, _, logits = head_work(spec, tokens, L.tp, self.wl.act_bytes)
+            if self.wl.loss_grad_fp32:  # 12 (16: loss_parallel) bytes a logit in
+                peak = 16 if L.tp > 1 else 12  # backward, 4 of them counted as saved
+                logits *= (peak - 4) / (self.wl.act_bytes + 4)
             head = mm * self.hw.matmul_time(hf, self.wl.compute_dtype)
             fwd, bwd, wgrad = fwd + head, bwd + 2 * head, wgrad + head
             saved += head_saved(spec, tokens, L.tp, L.sp, self.wl.act_bytes,

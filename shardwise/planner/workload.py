@@ -113,6 +113,40 @@ class Workload:
             as DeepSpeed's pipeline engine does with its BF16_Optimizer
             (``_bf16_reduce_grads``: ``buffered_allreduce_fallback`` of the fp32
             gradients); default False: a reduce-scatter, as shardwise's engine does.
+        mla_up_recompute: MLA's up-projections are replayed in backward instead of keeping
+            the per-head queries, keys and values (DeepSeek-V3, arXiv:2412.19437 Section
+            3.2.3; [Note: DeepSeek-V3's activation storage] in recompute.py); priced in
+            memory and as replayed multiplies. Default False.
+        fp8_activations: the linears' cached inputs are fp8 (attention output: E5M6; MoE
+            SwiGLU inputs: fp8, output replayed), DeepSeek-V3 Section 3.3.3 (same Note).
+            Default False.
+        moe_gate_in_activation: the routing weights multiply the experts' SwiGLU output
+            before the down-projection (Megatron-Core's ``WeightedSwiGLUFunction``,
+            ``megatron/core/fusions/fused_bias_swiglu.py`` at NVIDIA/Megatron-LM b1030e9:
+            it keeps the SwiGLU input, optionally in fp8, and the weights, and takes the
+            weights' gradient from the replayed SwiGLU output), so the combine is a plain
+            sum and the experts' outputs are not kept for the gate's gradient. Default
+            False (the combine weighs the experts' outputs, which it then keeps).
+        optimizer_state_dtype: dtype of the optimizer's moments ("" (default): the
+            parameter dtype; DeepSeek-V3 keeps AdamW's moments in "bf16", Section 3.3.3).
+        grad_accum_dtype: dtype of the whole gradients ZeRO stage 1 (or accumulation)
+            holds across micro-batches ("" (default): the compute dtype, as shardwise's
+            engine; DeepSeek-V3 accumulates them in "fp32", Section 3.3.3).
+        ema: an exponential moving average of the parameters (a param-dtype copy of this
+            rank's parameters): "none" (default), "device" (kept in device memory) or
+            "cpu" (kept in host memory and updated asynchronously: DeepSeek-V3 Section
+            3.2.3, no device bytes).
+        loss_grad_fp32: the loss runs PyTorch's ``cross_entropy`` on logits upcast to
+            fp32 (torchtitan ``train.py`` ``loss_fn`` at 9dec370, ``pred.float()``), priced
+            at its backward's peak, with every activation still held: eager, the saved fp32
+            log-probabilities, ``nll_loss``'s dense fp32 gradient and ``log_softmax``'s
+            fp32 gradient (12 bytes a logit); with tensor parallelism, DTensor's
+            ``loss_parallel`` (torchtitan's default then), whose fused backward
+            (``_nll_loss_and_log_softmax_backward`` in torch/distributed/tensor/parallel/
+            loss.py) holds the saved log-probabilities, a zero-filled fp32 gradient,
+            ``exp`` of the log-probabilities and their sum (16 bytes a logit). Default
+            False (the logits and one fp32 gradient while the loss runs, and the fp32
+            log-probabilities saved: ``work.head_work``).
     """
 
     seq_len: int
@@ -141,6 +175,13 @@ class Workload:
     grad_accum_bytes: float = 0.0
     zero1_all_reduce: bool = False
     dp_copies: bool = True
+    mla_up_recompute: bool = False
+    fp8_activations: bool = False
+    moe_gate_in_activation: bool = False
+    optimizer_state_dtype: str = ""
+    grad_accum_dtype: str = ""
+    ema: str = "none"
+    loss_grad_fp32: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
@@ -160,6 +201,12 @@ class Workload:
             raise ValueError(f"matmul_recipe={self.matmul_recipe!r} with compute_dtype='fp8': "
                              f"the recipe's high precision is the compute dtype; expected "
                              f"compute_dtype bf16, fp16 or fp32 with a recipe")
+        for name in ("optimizer_state_dtype", "grad_accum_dtype"):
+            if getattr(self, name) not in ("",) + tuple(DTYPE_BYTES):
+                raise ValueError(f"{name}={getattr(self, name)!r}, expected '' or one of "
+                                 f"{', '.join(DTYPE_BYTES)}")
+        if self.ema not in ("none", "device", "cpu"):
+            raise ValueError(f"ema={self.ema!r}, expected none, device or cpu")
         if self.attention not in ("flash", "unfused"):
             raise ValueError(f"attention={self.attention!r}, expected flash or unfused")
         check_selective(self.selective_ac)
@@ -182,6 +229,16 @@ class Workload:
     @property
     def param_bytes(self) -> int:
         return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes of an optimizer moment element."""
+        return DTYPE_BYTES[self.optimizer_state_dtype or self.param_dtype]
+
+    @property
+    def accum_bytes(self) -> int:
+        """Bytes of a whole-gradient element held across micro-batches."""
+        return DTYPE_BYTES[self.grad_accum_dtype] if self.grad_accum_dtype else self.act_bytes
 
     @property
     def tokens(self) -> int:

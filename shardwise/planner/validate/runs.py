@@ -55,6 +55,8 @@ class PublishedRun:
     value: float
     role: str
     note: str = ""
+    memory_gib: float | None = None
+    """The memory one GPU used, where the source publishes it (data/published_runs.toml)."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,34 @@ class RunResult:
     chosen: Estimate | None = None
     in_space: bool | None = None
 
+    reserved_gib: float = 0.0
+    """The device's memory outside the allocator (CUDA context, NCCL), in the estimate."""
+    usable_gib: float = 0.0
+    """The device's memory (``Hardware.hbm_bytes``), what ``fits`` compares with."""
+
     @property
     def error(self) -> float:
         """(predicted - published) / published, in the source's metric."""
         return (self.predicted - self.run.value) / self.run.value
+
+    @property
+    def memory_gib(self) -> float:
+        """The planner's peak memory per GPU of the run's layout."""
+        return self.estimate.memory.total / 2**30
+
+    @property
+    def fits(self) -> bool:
+        """The predicted peak is at most the device's memory."""
+        return self.estimate.fits
+
+    @property
+    def memory_error(self) -> float | None:
+        """(predicted - published) / published memory, the prediction taken as the source
+        measures it (the allocator's bytes: the peak less ``reserved_gib``); None where the
+        source publishes none."""
+        if self.run.memory_gib is None:
+            return None
+        return (self.memory_gib - self.reserved_gib - self.run.memory_gib) / self.run.memory_gib
 
 
 def _data() -> dict:
@@ -91,7 +117,7 @@ def load_runs() -> list[PublishedRun]:
             global_batch=r["global_batch"], layout=r["layout"],
             schedules=tuple(r.get("schedules", ())), stack=dict(r.get("stack", {})),
             metric=r["metric"], value=float(r["value"]), role=r["role"],
-            note=r.get("note", "")))
+            note=r.get("note", ""), memory_gib=r.get("memory_gib")))
     return out
 
 
@@ -174,7 +200,9 @@ def run_all(with_choice: bool = False, ids: list[str] | None = None) -> list[Run
         chosen = in_space = None
         if with_choice:
             chosen, in_space = choose(run, est)
-        out.append(RunResult(run, est, value, closed, chosen, in_space))
+        hw = hardware_of(run)
+        out.append(RunResult(run, est, value, closed, chosen, in_space,
+                             hw.reserved_bytes / 2**30, hw.hbm_bytes / 2**30))
     return out
 
 
@@ -189,14 +217,18 @@ def _fmt_layout(L: Layout) -> str:
 def to_markdown(results: list[RunResult]) -> str:
     """The validation table (every run, misses included) and its summary."""
     lines = ["| run | source | GPUs | metric | published | predicted | error | closed form | "
-             "role | planner's layout | memory GiB |",
-             "|---|---|---:|---|---:|---:|---:|---:|---|---|---:|"]
+             "role | planner's layout | memory GiB | device GiB | fits | published GiB | "
+             "memory error |",
+             "|---|---|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|---:|---:|"]
     for r in results:
         closed = f"{r.closed_form:.4g}" if r.closed_form is not None else "-"
+        pub = f"{r.run.memory_gib:g}" if r.run.memory_gib is not None else "-"
+        merr = f"{100 * r.memory_error:+.1f}%" if r.memory_error is not None else "-"
         lines.append(f"| {r.run.id} | {r.run.source} | {r.run.gpus} | {r.run.metric} | "
                      f"{r.run.value:g} | {r.predicted:.4g} | {100 * r.error:+.1f}% | {closed} | "
                      f"{r.run.role} | {_fmt_layout(r.estimate.layout)} | "
-                     f"{r.estimate.memory.total / 2**30:.1f} |")
+                     f"{r.memory_gib:.1f} | {r.usable_gib:.1f} | "
+                     f"{'yes' if r.fits else 'NO'} | {pub} | {merr} |")
     judged = [r for r in results if r.run.role == "judge"]
     fitted = [r for r in results if r.run.role == "fit"]
     lines.append("")
@@ -207,6 +239,15 @@ def to_markdown(results: list[RunResult]) -> str:
             lines.append(f"- {name} runs: {len(group)}, mean |error| "
                          f"{100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%, "
                          f"{within} within +-10%")
+    fit = sum(r.fits for r in results)
+    lines.append(f"- fits its device: {fit} of {len(results)} runs")
+    mem = [r for r in results if r.memory_error is not None]
+    if mem:
+        errs = [abs(r.memory_error) for r in mem]
+        lines.append(f"- published memory: {len(mem)} runs, mean |error| "
+                     f"{100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%, "
+                     f"{sum(e <= 0.10 for e in errs)} within +-10% (the planner's peak less the "
+                     f"device's reserved memory, against the allocator's peak the source read)")
     chose = [r for r in results if r.chosen is not None]
     if chose:
         lines += ["", "| run | published layout in space | planner's choice | predicted step s "
