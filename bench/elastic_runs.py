@@ -77,7 +77,7 @@ def ft_args(groups: int, nproc: int, steps: int, log_dir: Path, timeout_s: float
 
 
 def soak_schedule(groups: int, size: int, steps: int, kills: int, stops: int,
-                  stop_s: float) -> list[str]:
+                  stop_s: float, rejoins: int = 0, rejoin_after: int = 8) -> list[str]:
     """Alternating kills and stops, evenly spaced over steps 8 .. steps - 10.
 
     Kills hit groups 1 .. groups-1 (group 0 is never killed: its PID must survive the run),
@@ -89,7 +89,9 @@ def soak_schedule(groups: int, size: int, steps: int, kills: int, stops: int,
     A kill names the attempt it fires in (the group's restart count: its k-th kill fires in
     attempt k), so a group restarted into the same step is not killed again (with
     ``attempt=any`` it was, when it rejoined before the others had committed that step);
-    stops fire in any attempt.
+    stops fire in any attempt. ``rejoins`` of the kills (spread evenly over them) say
+    ``rejoin=<step + rejoin_after>``: the restarted group holds until another group has
+    committed that step, as a node replaced later would.
 
     Returns:
         One fault spec per fault (join with ``;``).
@@ -107,8 +109,10 @@ def soak_schedule(groups: int, size: int, steps: int, kills: int, stops: int,
         phase = PHASES[(i // 2 + (0 if kill else 2)) % len(PHASES)]
         if kill:
             g = 1 + k_i % (groups - 1)
+            held = rejoins and k_i * rejoins // kills != (k_i + 1) * rejoins // kills
             out.append(f"kill:group={g}:rank={(k_i // (groups - 1)) % size}:step={step}"
-                       f":phase={phase}:attempt={kills_of[g]}")
+                       f":phase={phase}:attempt={kills_of[g]}"
+                       + (f":rejoin={step + rejoin_after}" if held else ""))
             kills_of[g] += 1
             k_i += 1
         else:
@@ -135,10 +139,14 @@ def read_ft(log_dir: Path) -> dict[str, Any]:
     return {"summary": summary, "faults": faults, "journals": journals, "results": results}
 
 
-def check_soak(run: dict[str, Any], steps: int, min_each: int) -> dict[str, Any]:
-    """The soak's checks on a fault run's outputs (each a bool, with the numbers)."""
+def check_soak(run: dict[str, Any], steps: int, min_each: int, rejoins: int = 0
+               ) -> dict[str, Any]:
+    """The soak's checks on a fault run's outputs (each a bool, with the numbers);
+    ``rejoins``: how many kills the schedule held back (rejoin=N)."""
     s, faults = run["summary"], run["faults"]
     fired = {a: sum(1 for f in faults if f["action"] == a) for a in ("kill", "stop")}
+    cues = rejoin_cues(run)
+    fired["rejoin"] = len(cues)
     unique = len({f["fault"] for f in faults})
     killed = {int(f["group"]) for f in faults if f["action"] == "kill"}
     survivors = {}
@@ -154,7 +162,11 @@ def check_soak(run: dict[str, Any], steps: int, min_each: int) -> dict[str, Any]
         "all_steps_committed_once": s.get("steps") == steps and not s.get("problems"),
         "digests_equal": len(digests) == 1 and len(run["results"]) == len(run["journals"]),
         "survivors_keep_pid": bool(survivors) and all(len(p) == 1 for p in survivors.values()),
+        "rejoined_on_cue": all(ok for _, ok in cues),
     }
+    if rejoins:
+        checks["rejoins_fired>=%d" % min(min_each, rejoins)] = \
+            fired["rejoin"] >= min(min_each, rejoins)
     return {"checks": checks, "fired": fired, "survivor_pids": survivors,
             "problems": s.get("problems")}
 
@@ -174,6 +186,24 @@ def groups_fired(faults: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     for f in faults:
         by = out.setdefault(f["action"], {})
         by[str(f["group"])] = by.get(str(f["group"]), 0) + 1
+    return out
+
+
+def rejoin_cues(run: dict[str, Any]) -> list[tuple[int, bool]]:
+    """Per kill that said ``rejoin=N``: (N, whether its group's restart began training only
+    after another group had committed step N)."""
+    out = []
+    for f in run["faults"]:
+        target = f.get("rejoin")
+        if f["action"] != "kill" or target in (None, "never"):
+            continue
+        g = int(f["group"])
+        starts = [r["time"] for r in run["journals"].get(g, [])
+                  if r.get("event") == "start" and r["time"] > f["time"]]
+        committed = [r["time"] for h, lines in run["journals"].items() if h != g
+                     for r in lines if r.get("event") == "step" and r["committed"]
+                     and r["step"] == int(target)]
+        out.append((int(target), bool(starts and committed) and starts[0] > min(committed)))
     return out
 
 

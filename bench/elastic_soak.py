@@ -52,17 +52,19 @@ def soak(name: str, opts: argparse.Namespace, work: Path) -> dict[str, Any]:
     groups, nproc = CONFIGS[name]
     size = nproc // groups
     if opts.quick:
-        spec = ["kill:group=1:step=5:phase=backward:attempt=0",
+        spec = ["kill:group=1:step=5:phase=backward:attempt=0:rejoin=12",
                 f"stop:group=2:step=15:seconds={opts.stop_s:g}:phase=reduction:attempt=any"]
     else:
-        spec = er.soak_schedule(groups, size, opts.steps, opts.kills, opts.stops, opts.stop_s)
+        spec = er.soak_schedule(groups, size, opts.steps, opts.kills, opts.stops, opts.stop_s,
+                                opts.rejoins)
     fault_dir, replay_dir = work / f"{name}_faults", work / f"{name}_replay"
     print(f"[{name}] fault run: {opts.steps} steps, {len(spec)} faults", flush=True)
     args = er.ft_args(groups, nproc, opts.steps, fault_dir, opts.timeout_s,
                       extra=["--faults", ";".join(spec)])
     fault = er.run_train(args, work / f"{name}_faults.log")
     run = er.read_ft(fault_dir)
-    checked = er.check_soak(run, opts.steps, opts.min_fired)
+    checked = er.check_soak(run, opts.steps, opts.min_fired,
+                            sum(1 for f in spec if ":rejoin=" in f))
     membership = work / f"{name}_membership.json"
     shutil.copy(fault_dir / "ft" / "membership.json", membership)
     print(f"[{name}] replay", flush=True)
@@ -196,9 +198,10 @@ def markdown(res: dict[str, Any], notes: Path | None = None) -> str:
              "unless said).", ""]
     if res["soak"]:
         lines += ["## Soak", "", "| config | steps | kills fired | stops fired | restarts | "
-                  "recovery median / max (s) | kill -> rejoin median (s) | steps with fewer "
+                  "recovery median / max (s) | kill -> rejoin median (s) | rejoins on cue | "
+                  "steps with fewer "
                   "groups | steps committed apart, healed over | checks | wall (s) | "
-                  "CPU / other CPU (s) |", "|---" * 12 + "|"]
+                  "CPU / other CPU (s) |", "|---" * 13 + "|"]
         for s in res["soak"]:
             rec, rj = s["recovery_s"] or {}, s["rejoin_s"]
             med = f"{rec['median']:.2f} / {rec['max']:.2f}" if rec.get("median") else "-"
@@ -209,7 +212,8 @@ def markdown(res: dict[str, Any], notes: Path | None = None) -> str:
             lines.append(
                 f"| {s['groups']} groups x {s['ranks_per_group']}{pinned} | {s['steps']} | "
                 f"{s['fired']['kill']} | {s['fired']['stop']} | {s['restarts']} | {med} | "
-                f"{statistics.median(rj) if rj else '-'} | {s['steps_with_fewer_groups']} | "
+                f"{statistics.median(rj) if rj else '-'} | {s['fired'].get('rejoin', '-')} | "
+                f"{s['steps_with_fewer_groups']} | "
                 f"{s.get('discarded_steps')} | {verdict} | "
                 f"{s['fault_run']['wall_s']} | {s['fault_run']['cpu_s']} / "
                 f"{s['fault_run']['other_cpu_s']} |")
@@ -260,6 +264,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="comma list of " + ", ".join(CONFIGS) + " ('': no soak)")
     p.add_argument("--kills", type=int, default=12)
     p.add_argument("--stops", type=int, default=12)
+    p.add_argument("--rejoins", type=int, default=12,
+                   help="kills whose group rejoins only 8 steps later (rejoin=step+8)")
     p.add_argument("--min-fired", type=int, default=10)
     p.add_argument("--stop-s", type=float, default=3.0)
     p.add_argument("--timeout-s", type=float, default=3.0)
