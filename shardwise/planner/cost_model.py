@@ -176,8 +176,10 @@ class CostModel:
         """(rank, per-micro-batch times, layers) of the pipeline ranks the closed forms
         price: the first (the most layers, uneven splits giving the first stages one more,
         and the embedding), the last (the head; rank 0 in a V) and, for a MoE model, the
-        second (no dense-first layers)."""
-        picks = sorted({0, L.pp - 1} | ({1} if self.spec.is_moe and L.pp > 2 else set()))
+        second (no dense-first layers; with ``pp_split="ends"`` the middle ranks hold the
+        most layers: [Note: stage splits] in stage_cost.py)."""
+        middle = (self.spec.is_moe or self.wl.pp_split == "ends") and L.pp > 2
+        picks = sorted({0, L.pp - 1} | ({1} if middle else set()))
         return self._priced_ranks(L, "sample", picks)
 
     def all_ranks(self, L: Layout) -> Ranks:
@@ -189,13 +191,19 @@ class CostModel:
                L.ac, self.stages.accum_bytes(L), L.cp_impl if L.cp > 1 else "ring",
                self.stages.offered(L))
         if key not in self._ranks:
-            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
+            plan = self.stage_plan(L)
             self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0]) for r in picks]
         return self._ranks[key]
 
+    def stage_plan(self, L: Layout) -> list[tuple[list[int], bool, bool]]:
+        """Per pipeline rank: (layers, holds the embedding, holds the head), the layers
+        split over stages as the workload's ``pp_split`` says."""
+        return stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule,
+                            self.wl.pp_split)
+
     def rank_plan(self, L: Layout, r: int) -> tuple[list[int], bool, bool]:
         """(layers, holds the embedding, holds the head) of pipeline rank ``r``."""
-        return stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)[r]
+        return self.stage_plan(L)[r]
 
     def units(self, L: Layout, layers: list[int], first: bool, last: bool):
         """(root unit's shapes, Counter of dense units' shapes, Counter of expert units'
@@ -337,12 +345,13 @@ class CostModel:
 
     def _stage_weighted(self, L: Layout) -> tuple[float, ...] | None:
         """Per rank, the saved bytes at the schedule's peak with each stage weighed by its
-        own layers and edges ([Note: stages of unequal weight] in pipeline.py), for the V
-        placements whose rank 0 holds both ends; None otherwise (the rank's average)."""
+        own layers and edges ([Note: stages of unequal weight] in pipeline.py), for the
+        schedules with more than one stage per rank; None otherwise (one stage: the rank's
+        own)."""
         place = placement(L.pp_schedule, L.pp, L.pp_virtual)
-        if L.pp == 1 or L.pp_schedule == "gpipe" or place[0] != place[-1]:
+        if L.pp == 1 or L.pp_schedule == "gpipe" or L.pp_virtual == 1:
             return None
-        bounds = stage_bounds(self.spec.n_layers, len(place))
+        bounds = stage_bounds(self.spec.n_layers, len(place), self.wl.pp_split)
         last = len(place) - 1
         weights = tuple(round(self.stages.rank(L, list(b), c == 0, c == last).saved)
                         for c, b in enumerate(bounds))
@@ -361,7 +370,7 @@ class CostModel:
         spec = self.spec
         if not spec.tie_embeddings or L.pp == 1:
             return 0.0
-        plan = stage_layers(spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
+        plan = self.stage_plan(L)
         if any(first and last for _, first, last in plan):
             return 0.0
         grad_bytes = 4 if self.wl.reduce_fp32 else self.wl.act_bytes
