@@ -153,3 +153,55 @@ def test_the_buildable_rules_are_the_trainers_refusals(layout, model, buildable,
     assert plan_layout._buildable(new, model_cfg, L.gpus) is buildable
     spec = from_llama_config(model_cfg, model)
     assert (not_buildable(L, spec) is None) is buildable
+
+
+DEEPSEEK = ["plan", "--model", "deepseek-v3", "--hardware", "h800", "--gpus", "2048",
+            "--seq-len", "4096", "--global-batch", "15360", "--json", "--top", "1", "--layout",
+            "tp=1,pp=16,ep=64,dp_shard=128,zero=1,microbatch=1,pp_schedule=dualpipev,"
+            "ac=selective"]
+
+
+def _one(args, capsys) -> tuple[dict, str]:
+    assert main(args) == 0
+    out = capsys.readouterr()
+    (rec,) = json.loads(out.out)
+    return rec, out.err
+
+
+def test_workload_of_prices_a_published_runs_stack(capsys):
+    """The issue's DeepSeek-V3 command does not fit with shardwise's own stack (bf16
+    activations) and says which published run's stack does, and what memory it gives;
+    ``--workload-of`` prices that stack (the fitting layout), and options given beside it
+    win over the run's stack."""
+    own, hint = _one(DEEPSEEK, capsys)
+    assert not own["fits"]
+    m = re.search(r"published run deepseek-v3-2048 \(as deepseek-v3-mtp\); .*"
+                  r"\(--workload-of deepseek-v3-2048\) this layout takes ([\d.]+) GiB per GPU "
+                  r"of [\d.]+ \(fits\)", hint)
+    assert m, hint
+    theirs, hint2 = _one(DEEPSEEK + ["--workload-of", "deepseek-v3-2048"], capsys)
+    assert theirs["fits"] and not hint2
+    assert theirs["memory_per_gpu_gib"] == pytest.approx(float(m[1]), abs=0.05)
+    assert theirs["step_time_s"] < own["step_time_s"]  # fp8 multiplies, overlapped all-to-all
+    more, _ = _one(DEEPSEEK + ["--workload-of", "deepseek-v3-2048", "--workload",
+                               "fp8_activations=false"], capsys)
+    assert more["memory_per_gpu_gib"] > theirs["memory_per_gpu_gib"] + 5
+    bf16, _ = _one(DEEPSEEK + ["--workload-of", "deepseek-v3-2048", "--compute-dtype",
+                               "bf16"], capsys)
+    assert bf16["step_time_s"] > theirs["step_time_s"]
+
+
+def test_workload_of_an_unknown_run_names_the_close_ones(capsys):
+    assert main(DEEPSEEK + ["--workload-of", "deepseek-v3"]) == 2
+    err = capsys.readouterr().err
+    assert "no published run 'deepseek-v3'" in err and "did you mean deepseek-v3-2048" in err
+
+
+def test_the_hint_only_when_the_layout_does_not_fit(capsys):
+    assert main(JOB + ["--layout", "tp=8,ac=full"]) == 0
+    assert "hint:" not in capsys.readouterr().out
+    assert main(["plan", "--model", "llama3-8b", "--hardware", "h100", "--gpus", "8",
+                 "--seq-len", "8192", "--global-batch", "64", "--layout",
+                 "dp_shard=8,zero=0,microbatch=8,ac=none"]) == 0
+    out = capsys.readouterr().out
+    assert " NO " in out and "hint:" in out  # torchtitan trained llama3-8b

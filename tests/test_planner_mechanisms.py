@@ -293,3 +293,59 @@ def test_zero1_all_reduce_reduces_whole_gradients():
     assert red_ar > 1.5 * red_rs and g_ar == g_rs
     L2 = dataclasses.replace(L, zero=2)
     assert dp_times(ar, L2, *plan) == dp_times(rs, L2, *plan)
+
+
+def _torchtitan_split(n_layers: int, stages: int) -> list[int]:
+    """Layers per stage of torchtitan's ``generate_split_points`` at 9dec370
+    (torchtitan/parallelisms/pipelining_utils.py, re-stated): the first stage ``n // s``,
+    the remainder one each on the middle stages, the last the rest."""
+    base, extra = divmod(n_layers, stages)
+    sizes = [base]
+    for _ in range(stages - 2):
+        sizes.append(base + (1 if extra > 0 else 0))
+        extra -= 1 if extra > 0 else 0
+    return sizes + [n_layers - sum(sizes)]
+
+
+def test_stage_splits_are_the_published_runs():
+    """``pp_split="ends"`` counts the embedding and the head as a layer each ([Note: stage
+    splits]): torchtitan's generated splits of Llama 3.1 405B (126 layers) over 8 and 16
+    stages, Llama 3's 16 x 8 chunks whose first holds only the embedding and last only the
+    head (arXiv:2407.21783 Section 3.3.2), BLOOM's 5 / 6 / 5; "even" is unchanged."""
+    from shardwise.planner.stage_cost import stage_bounds, stage_layers
+
+    def sizes(n, s, split):
+        return [len(b) for b in stage_bounds(n, s, split)]
+
+    for stages in (8, 16):
+        assert sizes(126, stages, "ends") == _torchtitan_split(126, stages)
+    llama3 = sizes(126, 128, "ends")
+    assert llama3[0] == llama3[-1] == 0 and set(llama3[1:-1]) == {1}
+    assert sizes(70, 12, "ends") == [5] + [6] * 10 + [5]
+    assert sizes(126, 16, "even") == [8] * 14 + [7, 7]
+    assert sizes(126, 1, "ends") == [126]
+    plan = stage_layers(126, 8, 2, "interleaved_1f1b", "ends")
+    assert [len(p[0]) for p in plan] == [15] + [16] * 6 + [15] and plan[0][1] and plan[7][2]
+    with pytest.raises(ValueError, match="pp_split='middle'"):
+        stage_bounds(126, 8, "middle")
+    with pytest.raises(ValueError, match="pp_split='middle'"):
+        Workload(seq_len=8, global_batch=1, pp_split="middle")
+
+
+def test_interleaved_ranks_weigh_their_stages():
+    """An interleaved rank's saved activations at the peak are its stages' own bytes as the
+    schedule keeps them ([Note: stages of unequal weight]): with the ends split, the
+    torchtitan 405B interleaved run's heaviest rank is no longer the last one holding the
+    head beside an average of its stages."""
+    spec = get_model_spec("llama3-405b")
+    hw = get_hardware("h100")
+    wl = Workload(seq_len=8192, global_batch=256, pp_split="ends")
+    L = Layout(dp_shard=8, tp=8, pp=8, zero=3, microbatch=4, pp_microbatches=8,
+               pp_schedule="interleaved_1f1b", pp_virtual=2, ac="full", sp=True)
+    cm = CostModel(spec, hw, wl)
+    held = cm._stage_weighted(L)
+    assert held is not None and len(held) == 8
+    ranks = {r: rt for r, rt, _ in cm.all_ranks(L)}
+    prof_avg = [ranks[r].saved * 1.0 for r in range(8)]
+    assert held[0] > held[7] and all(h >= s for h, s in zip(held, prof_avg))
+    assert cm._stage_weighted(L.replace(pp_schedule="1f1b", pp_virtual=1)) is None

@@ -5,6 +5,7 @@
     shardwise plan ... --json                              # the same records, JSON only
     shardwise plan ... --layout "tp=8,pp=16,dp_shard=128,pp_schedule=1f1b,microbatch=1,ac=full"
     shardwise plan ... --plot plan.png                     # memory + pipeline timeline
+    shardwise plan ... --workload-of deepseek-v3-2048      # a published run's stack
     shardwise plan --hardware local --calibrate            # measure this machine first
     shardwise plan --model-config my_model.toml ...        # any other shape
 
@@ -56,19 +57,61 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--calibrate-budget", type=float, default=30.0, metavar="SECONDS",
                    help="time the micro-benchmarks may take (default 30)")
     g = p.add_argument_group("workload (defaults: shardwise's own stack)")
-    g.add_argument("--compute-dtype", default="bf16", help="bf16, fp16, fp8 or fp32")
-    g.add_argument("--matmul-recipe", default="none", metavar="RECIPE",
+    g.add_argument("--workload-of", metavar="RUN_ID",
+                   help="price the software stack of a published run (its `stack` in "
+                        "shardwise/planner/data/published_runs.toml, e.g. deepseek-v3-2048); "
+                        "the options below and --workload override it")
+    g.add_argument("--compute-dtype", help="bf16 (default), fp16, fp8 or fp32")
+    g.add_argument("--matmul-recipe", metavar="RECIPE",
                    help="low-bit matmuls in the blocks' linears, as the trainer's "
                         "--precision.matmul: none (default), fp8_tensorwise, fp8_rowwise, "
                         "fp8_rowwise_gw_hp, fp8_blockwise, mxfp8 or nvfp4")
-    g.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
-    g.add_argument("--attention", default="flash", help="flash or unfused")
-    g.add_argument("--fused-kernels", action="store_true",
+    g.add_argument("--optimizer", help="adamw (default), adam or sgd")
+    g.add_argument("--attention", help="flash (default) or unfused")
+    g.add_argument("--fused-kernels", action="store_true", default=None,
                    help="bandwidth-bound ops as fused kernels (default: eager PyTorch)")
     g.add_argument("--workload", metavar="K=V,...", default="",
                    help="other Workload fields, e.g. overlap_ep=true,overlap_dp=false "
                         "(see shardwise/planner/workload.py)")
     return p
+
+
+_FLAGS = ("compute_dtype", "matmul_recipe", "optimizer", "attention", "fused_kernels")
+"""Workload fields with options of their own."""
+
+
+def _workload(args, run_id: str | None):
+    """The Workload of the job: shardwise's defaults, under the published run ``run_id``'s
+    stack (if any), under the options given, under ``--workload``."""
+    from shardwise.planner.validate.runs import find_run
+    from shardwise.planner.workload import Workload, parse_workload
+    stack = dict(find_run(run_id).stack) if run_id else {}
+    flags = {k: getattr(args, k) for k in _FLAGS if getattr(args, k) is not None}
+    return Workload(**{**stack, **flags, **parse_workload(args.workload),
+                       "seq_len": args.seq_len, "global_batch": args.global_batch})
+
+
+def _stack_hint(args, spec, hw, fixed: dict, best) -> str | None:
+    """One line for a layout that does not fit with shardwise's own stack on a model a
+    published run trained: the memory that run's stack (``--workload-of``) gives it."""
+    from shardwise.planner.search import search
+    from shardwise.planner.validate.runs import runs_of_model
+    if args.workload_of or best.fits or not fixed:
+        return None
+    runs = sorted(runs_of_model(spec.name),
+                  key=lambda r: (r.hardware != hw.name, r.gpus != args.gpus))
+    if not runs:
+        return None
+    run = runs[0]
+    ranked = search(spec, hw, _workload(args, run.id), args.gpus, fixed).ranked
+    if not ranked:
+        return None
+    e = ranked[0]
+    as_ = "" if run.model == spec.name else f" (as {run.model})"
+    return (f"hint: {spec.name} is the model of the published run {run.id}{as_}; priced with "
+            f"that run's software stack (--workload-of {run.id}) this layout takes "
+            f"{e.memory.total / 2**30:.1f} GiB per GPU of {hw.hbm_bytes / 2**30:.1f} "
+            f"({'fits' if e.fits else 'does not fit either'})")
 
 
 def _need(args, *names: str) -> None:
@@ -149,15 +192,10 @@ def _plan(args) -> int:
     from shardwise.planner.hardware import get_hardware
     from shardwise.planner.parallel_layout import parse_layout
     from shardwise.planner.search import explain_empty, search
-    from shardwise.planner.workload import Workload, parse_workload
     _need(args, "hardware", "gpus", "seq_len", "global_batch")
     spec = _spec(args)
     hw = get_hardware(args.hardware, args.hardware_config, args.calibration)
-    extra = parse_workload(args.workload)
-    wl = Workload(**{"seq_len": args.seq_len, "global_batch": args.global_batch,
-                     "compute_dtype": args.compute_dtype, "optimizer": args.optimizer,
-                     "matmul_recipe": args.matmul_recipe,
-                     "attention": args.attention, "fused_kernels": args.fused_kernels, **extra})
+    wl = _workload(args, args.workload_of)
     fixed = parse_layout(args.layout) if args.layout else {}
     if args.top < 1:
         raise ValueError(f"--top={args.top}, expected an integer >= 1")
@@ -174,6 +212,7 @@ def _plan(args) -> int:
     if not result.ranked:
         raise ValueError(explain_empty(spec, hw, wl, args.gpus, fixed))
     cm = CostModel(spec, hw, wl)
+    hint = _stack_hint(args, spec, hw, fixed, result.ranked[0])
     if args.json:
         json.dump([_record(e, spec, cm) for e in result.ranked[:args.top]], sys.stdout,
                   indent=1)
@@ -184,6 +223,8 @@ def _plan(args) -> int:
             from shardwise.planner.recipe_report import describe_recipe, recipe_summary
             print("\n".join(describe_recipe(recipe_summary(cm, result.ranked[0].layout),
                                              hw.name)))
+    if hint:
+        print(hint, file=sys.stderr if args.json else sys.stdout)
     if args.plot:
         from shardwise.planner.plot import plot_estimate
         out = plot_estimate(result.ranked[0], cm, args.plot)

@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from dataclasses import dataclass
 
 from shardwise.planner import comm_model
 from shardwise.planner.devices.registry import device_model
 from shardwise.planner.dp_cost import dp_exposed, dp_times, scale_sync_seconds, shard_numel
+from shardwise.planner.estimate import BOTTLENECKS, Estimate  # re-exported: the result
 from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.pipeline import gather_rounds, placement, schedule_profile, weighted_peaks
 from shardwise.planner.rank_memory import MemoryBreakdown, state_bytes, workload_state_kwargs
@@ -58,59 +58,11 @@ from shardwise.planner.workload import Workload
 
 __all__ = ["CostModel", "Estimate", "BOTTLENECKS", "FRAGMENTATION"]
 
-BOTTLENECKS = ("compute", "dp_comm", "tp_comm", "pp_bubble", "pp_comm", "ep_all_to_all",
-               "offload")
 FRAGMENTATION = 0.05
 """Allocator fragmentation allowance, a fraction of model states and activations."""
-_GIB = 2 ** 30
 _OPT_BYTES = {"adamw": 30, "adam": 30, "sgd": 18}  # HBM bytes per parameter per step
 
 Ranks = list[tuple[int, RankTimes, list[int]]]
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """The prediction for one layout (seconds, bytes, fractions)."""
-
-    layout: Layout
-    step_time: float
-    breakdown: dict[str, float]
-    memory: MemoryBreakdown
-    fits: bool
-    model_flops: float
-    hardware_flops: float
-    gpus: int
-    tokens: int
-    peak_flops: float
-
-    @property
-    def tokens_per_s_per_gpu(self) -> float:
-        return self.tokens / (self.step_time * self.gpus)
-
-    @property
-    def mfu(self) -> float:
-        """Model FLOPs (no recomputation) per second over the devices' peak."""
-        return self.model_flops / (self.step_time * self.gpus * self.peak_flops)
-
-    @property
-    def hfu(self) -> float:
-        """Executed FLOPs (recomputation included) per second over the devices' peak."""
-        return self.hardware_flops / (self.step_time * self.gpus * self.peak_flops)
-
-    @property
-    def bottleneck(self) -> str:
-        cats = {k: self.breakdown.get(k, 0.0) for k in BOTTLENECKS}
-        cats["compute"] += self.breakdown.get("optimizer", 0.0)
-        cats["tp_comm"] += self.breakdown.get("cp_comm", 0.0)
-        return max(cats, key=cats.get)
-
-    def record(self) -> dict[str, object]:
-        """The JSON record of ``shardwise plan --json``."""
-        return {"layout": self.layout.as_dict(), "step_time_s": self.step_time,
-                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
-                "hfu": self.hfu, "memory_per_gpu_gib": self.memory.total / _GIB,
-                "fits": self.fits, "bottleneck": self.bottleneck}
-
 
 
 class CostModel:
@@ -176,8 +128,10 @@ class CostModel:
         """(rank, per-micro-batch times, layers) of the pipeline ranks the closed forms
         price: the first (the most layers, uneven splits giving the first stages one more,
         and the embedding), the last (the head; rank 0 in a V) and, for a MoE model, the
-        second (no dense-first layers)."""
-        picks = sorted({0, L.pp - 1} | ({1} if self.spec.is_moe and L.pp > 2 else set()))
+        second (no dense-first layers; with ``pp_split="ends"`` the middle ranks hold the
+        most layers: [Note: stage splits] in stage_cost.py)."""
+        middle = (self.spec.is_moe or self.wl.pp_split == "ends") and L.pp > 2
+        picks = sorted({0, L.pp - 1} | ({1} if middle else set()))
         return self._priced_ranks(L, "sample", picks)
 
     def all_ranks(self, L: Layout) -> Ranks:
@@ -189,13 +143,19 @@ class CostModel:
                L.ac, self.stages.accum_bytes(L), L.cp_impl if L.cp > 1 else "ring",
                self.stages.offered(L))
         if key not in self._ranks:
-            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
+            plan = self.stage_plan(L)
             self._ranks[key] = [(r, self.stages.rank(L, *plan[r]), plan[r][0]) for r in picks]
         return self._ranks[key]
 
+    def stage_plan(self, L: Layout) -> list[tuple[list[int], bool, bool]]:
+        """Per pipeline rank: (layers, holds the embedding, holds the head), the layers
+        split over stages as the workload's ``pp_split`` says."""
+        return stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule,
+                            self.wl.pp_split)
+
     def rank_plan(self, L: Layout, r: int) -> tuple[list[int], bool, bool]:
         """(layers, holds the embedding, holds the head) of pipeline rank ``r``."""
-        return stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)[r]
+        return self.stage_plan(L)[r]
 
     def units(self, L: Layout, layers: list[int], first: bool, last: bool):
         """(root unit's shapes, Counter of dense units' shapes, Counter of expert units'
@@ -337,12 +297,13 @@ class CostModel:
 
     def _stage_weighted(self, L: Layout) -> tuple[float, ...] | None:
         """Per rank, the saved bytes at the schedule's peak with each stage weighed by its
-        own layers and edges ([Note: stages of unequal weight] in pipeline.py), for the V
-        placements whose rank 0 holds both ends; None otherwise (the rank's average)."""
+        own layers and edges ([Note: stages of unequal weight] in pipeline.py), for the
+        schedules with more than one stage per rank; None otherwise (one stage: the rank's
+        own)."""
         place = placement(L.pp_schedule, L.pp, L.pp_virtual)
-        if L.pp == 1 or L.pp_schedule == "gpipe" or place[0] != place[-1]:
+        if L.pp == 1 or L.pp_schedule == "gpipe" or L.pp_virtual == 1:
             return None
-        bounds = stage_bounds(self.spec.n_layers, len(place))
+        bounds = stage_bounds(self.spec.n_layers, len(place), self.wl.pp_split)
         last = len(place) - 1
         weights = tuple(round(self.stages.rank(L, list(b), c == 0, c == last).saved)
                         for c, b in enumerate(bounds))
@@ -361,7 +322,7 @@ class CostModel:
         spec = self.spec
         if not spec.tie_embeddings or L.pp == 1:
             return 0.0
-        plan = stage_layers(spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)
+        plan = self.stage_plan(L)
         if any(first and last for _, first, last in plan):
             return 0.0
         grad_bytes = 4 if self.wl.reduce_fp32 else self.wl.act_bytes

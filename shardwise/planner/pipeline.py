@@ -157,14 +157,16 @@ def weighted_peaks(schedule: str, pp: int, virtual: int, microbatches: int,
     last (about one) on rank 0: averaging them overstated DeepSeek-V3's rank 0 by the
     head's bytes times ``pp``; an interleaved schedule's last rank holds the last stage (in
     flight for about one) beside an earlier one. Weighting each stage's forward by its own
-    bytes gives the peak the schedule really reaches. The exact pricing weighs the V
-    placements' stages, where the average is off by a factor near ``pp`` on the head's
-    bytes; looped schedules and the search's closed forms keep the average. Weighed, a
-    looped interleaved rank 0 grows too (its first chunk, in flight longest, holds the
-    embedding and, for Llama 3 405B's 126 layers on 16 x 6 stages, twice the layers of its
-    later chunks): Llama 3's 8K rows would then fit no selective layout, where the paper
-    balances its stages otherwise (Section 3.3.2: one layer fewer on the first and the last
-    stage), which the planner's even split does not express; see docs/planner.md.
+    bytes gives the peak the schedule really reaches. The exact pricing weighs the stages
+    of every schedule with more than one stage per rank (the V placements, where the
+    average is off by a factor near ``pp`` on the head's bytes, and interleaved 1F1B,
+    whose rank 0 keeps its first chunk, with the embedding, in flight longest); the
+    search's closed forms keep the average. Weighed, an interleaved rank 0 is only as
+    heavy as the stages are split: Llama 3 405B's 126 layers split evenly over 16 x 6
+    stages give its first chunk twice the layers of its later ones and its 8K rows no
+    selective layout that fits, while the split the paper ran (Section 3.3.2: one layer
+    fewer on the first and the last stage, ``Workload.pp_split = "ends"``, [Note: stage
+    splits] in stage_cost.py) fits; see docs/planner.md.
     """
     m = simulated_microbatches(schedule, pp, microbatches)
     sched = build_schedule(schedule, pp, m, virtual)

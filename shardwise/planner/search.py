@@ -53,7 +53,6 @@ from shardwise.planner.cost_model import CostModel, Estimate
 from shardwise.planner.parallel_layout import Layout, check_layout, cp_impl_error
 from shardwise.planner.rank_memory import state_bytes, workload_state_kwargs
 from shardwise.planner.pipeline import min_microbatches
-from shardwise.planner.stage_cost import stage_layers
 from shardwise.planner.workload import Workload
 
 __all__ = ["SearchResult", "search", "search_space", "in_search_space", "mesh_candidates",
@@ -143,7 +142,7 @@ class _Searcher:
         key = (L.dp_shard, L.cp, L.tp, L.pp, L.ep, L.zero, L.pp_virtual, L.pp_schedule,
                L.pp_microbatches > 1, L.offload)
         if key not in self._states:
-            plan = stage_layers(self.spec.n_layers, L.pp, L.pp_virtual, L.pp_schedule)[0]
+            plan = self.cm.rank_plan(L, 0)
             root, dense, experts = self.cm.units(L, *plan)
             units = [root] + [u for u, n in dense.items() for _ in range(n)]
             kw = workload_state_kwargs(self.wl)

@@ -70,10 +70,10 @@ from shardwise.planner.recompute import (alternate_mm_saved, layer_ac, replayed_
                                          stack_saved_delta, up_projection_flops)
 from shardwise.planner.sends import ContextSends, context_sends
 from shardwise.planner.work import head_saved, head_work, layer_work, saved_bytes
-from shardwise.planner.workload import DTYPE_BYTES
+from shardwise.planner.workload import DTYPE_BYTES, PP_SPLITS
 
-__all__ = ["LayerTimes", "RankTimes", "StageCoster", "stage_layers", "stage_bounds", "fbw_seconds",
-           "cp_exposed_seconds"]
+__all__ = ["LayerTimes", "RankTimes", "StageCoster", "stage_layers", "stage_bounds",
+           "fbw_seconds", "cp_exposed_seconds"]
 
 
 @dataclass(frozen=True)
@@ -124,26 +124,45 @@ def fbw_seconds(rt: RankTimes) -> tuple[float, float, float]:
     return rt.fwd + comm * share, rt.bwd + comm * (1 - share), rt.wgrad
 
 
-def stage_bounds(n_layers: int, chunks: int) -> list[range]:
-    """Each pipeline stage's layers, in order (the first ``n_layers % chunks`` stages one
-    layer longer)."""
-    base, extra = divmod(n_layers, chunks)
+def stage_bounds(n_layers: int, chunks: int, split: str = "even") -> list[range]:
+    """Each pipeline stage's layers, in order.
+
+    [Note: stage splits] "even": the first ``n_layers % chunks`` stages one layer longer
+    (the planner's default). "ends": the embedding and the head each count as one layer,
+    so ``n_layers + 2`` slots split evenly and the first and the last stage hold one layer
+    fewer: Llama 3 balances its pipeline so (arXiv:2407.21783 Section 3.3.2: "we reduce one
+    Transformer layer each from the first and the last stages"), BigScience's BLOOM
+    partition counts the tied embedding as a layer (tr11-176B-ml README), and torchtitan's
+    generated split points at 9dec370 (``pipelining_utils.generate_split_points``: the
+    remainder on the middle stages) give the same stages for Llama 3.1 405B's 126 layers
+    over 8 or 16 stages (15/16/15 and 7/8/7 layers).
+
+    Raises:
+        ValueError: an unknown ``split``.
+    """
+    if split not in PP_SPLITS:
+        raise ValueError(f"pp_split={split!r}, expected one of {', '.join(PP_SPLITS)}")
+    ends = split == "ends" and chunks > 1
+    base, extra = divmod(n_layers + (2 if ends else 0), chunks)
+    sizes = [base + (1 if c < extra else 0) for c in range(chunks)]
+    if ends:
+        sizes[0] -= 1
+        sizes[-1] -= 1
     bounds, start = [], 0
-    for c in range(chunks):
-        size = base + (1 if c < extra else 0)
+    for size in sizes:
         bounds.append(range(start, start + size))
         start += size
     return bounds
 
 
-def stage_layers(n_layers: int, pp: int, virtual: int, schedule: str = "1f1b"
-                 ) -> list[tuple[list[int], bool, bool]]:
+def stage_layers(n_layers: int, pp: int, virtual: int, schedule: str = "1f1b",
+                 split: str = "even") -> list[tuple[list[int], bool, bool]]:
     """Per pipeline rank: (its layer indices, whether it holds the embedding, whether it
-    holds the final norm and head). ``pp x virtual`` stages split the layers in order (the
-    first ``n_layers % stages`` one layer longer) and sit on ranks as the schedule places
-    them (``pipeline.placement``: looped, or a V where rank 0 holds the first and last)."""
+    holds the final norm and head). ``pp x virtual`` stages split the layers in order as
+    ``split`` says (:func:`stage_bounds`) and sit on ranks as the schedule places them
+    (``pipeline.placement``: looped, or a V where rank 0 holds the first and last)."""
     chunks = pp * virtual
-    bounds = stage_bounds(n_layers, chunks)
+    bounds = stage_bounds(n_layers, chunks, split)
     place = placement(schedule, pp, virtual)
     return [([i for c in range(chunks) if place[c] == r for i in bounds[c]],
              place[0] == r, place[-1] == r) for r in range(pp)]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from shardwise.parallel.lowbit.recipes import RECIPE_NAMES
 from shardwise.planner.recompute import check_selective
 
-__all__ = ["Workload", "DTYPE_BYTES", "MATMUL_RECIPES", "parse_workload"]
+__all__ = ["Workload", "DTYPE_BYTES", "MATMUL_RECIPES", "PP_SPLITS", "parse_workload"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 ATTENTION_DTYPE = {"fp8": "bf16"}
@@ -27,6 +27,8 @@ ATTENTION_DTYPE = {"fp8": "bf16"}
 MATMUL_RECIPES = ("none",) + RECIPE_NAMES
 """``matmul_recipe`` values: no low-bit matmuls, or one of ``shardwise.parallel.lowbit``'s
 recipes (the trainer's ``precision.matmul``, whose "bf16" is "none" here)."""
+PP_SPLITS = ("even", "ends")
+"""``pp_split`` values ([Note: stage splits] in stage_cost.py)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,11 @@ class Workload:
             ``exp`` of the log-probabilities and their sum (16 bytes a logit). Default
             False (the logits and one fp32 gradient while the loss runs, and the fp32
             log-probabilities saved: ``work.head_work``).
+        pp_split: how the layers split over pipeline stages ([Note: stage splits] in
+            stage_cost.py): "even" (default: the first ``layers % stages`` stages one
+            layer longer) or "ends" (the embedding and the head each count as a layer, so
+            the first and the last stage hold one layer fewer: Llama 3, torchtitan's
+            generated split points, BLOOM).
     """
 
     seq_len: int
@@ -182,6 +189,7 @@ class Workload:
     grad_accum_dtype: str = ""
     ema: str = "none"
     loss_grad_fp32: bool = False
+    pp_split: str = "even"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
@@ -205,6 +213,9 @@ class Workload:
             if getattr(self, name) not in ("",) + tuple(DTYPE_BYTES):
                 raise ValueError(f"{name}={getattr(self, name)!r}, expected '' or one of "
                                  f"{', '.join(DTYPE_BYTES)}")
+        if self.pp_split not in PP_SPLITS:
+            raise ValueError(f"pp_split={self.pp_split!r}, expected one of "
+                             f"{', '.join(PP_SPLITS)}")
         if self.ema not in ("none", "device", "cpu"):
             raise ValueError(f"ema={self.ema!r}, expected none, device or cpu")
         if self.attention not in ("flash", "unfused"):

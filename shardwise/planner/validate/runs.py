@@ -21,6 +21,7 @@ within the same device memory.
 from __future__ import annotations
 
 import argparse
+import difflib
 from shardwise.compat import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -32,7 +33,8 @@ from shardwise.planner.parallel_layout import Layout, parse_layout
 from shardwise.planner.search import in_search_space, search
 from shardwise.planner.workload import Workload
 
-__all__ = ["PublishedRun", "RunResult", "load_runs", "hardware_of", "workload_of", "convert",
+__all__ = ["PublishedRun", "RunResult", "load_runs", "find_run", "runs_of_model", "hardware_of",
+           "workload_of", "convert",
            "predict", "choose", "run_all", "to_markdown", "main"]
 
 
@@ -119,6 +121,31 @@ def load_runs() -> list[PublishedRun]:
             metric=r["metric"], value=float(r["value"]), role=r["role"],
             note=r.get("note", ""), memory_gib=r.get("memory_gib")))
     return out
+
+
+def find_run(run_id: str) -> PublishedRun:
+    """The published run ``run_id`` (``shardwise plan --workload-of``).
+
+    Raises:
+        ValueError: an unknown id, naming the closest ids (or every id when none is close).
+    """
+    runs = load_runs()
+    for r in runs:
+        if r.id == run_id:
+            return r
+    ids = [r.id for r in runs]
+    close = difflib.get_close_matches(run_id, ids, n=3, cutoff=0.5)
+    hint = (f"did you mean {', '.join(close)}?" if close
+            else f"published runs: {', '.join(ids)}")
+    raise ValueError(f"--workload-of: no published run {run_id!r} "
+                     f"(shardwise/planner/data/published_runs.toml); {hint}")
+
+
+def runs_of_model(name: str) -> list[PublishedRun]:
+    """The published runs that trained model ``name`` or a variant of it (its name plus a
+    suffix: ``deepseek-v3-mtp``, DeepSeek-V3 with its multi-token prediction module, for
+    ``deepseek-v3``)."""
+    return [r for r in load_runs() if r.model == name or r.model.startswith(name + "-")]
 
 
 def hardware_of(run: PublishedRun, overrides: dict | None = None):
