@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--finalists", type=int, default=3,
                    help="fastest screened layouts measured in the rounds")
     p.add_argument("--calibration", help="an existing calibration file, or where to write one")
-    p.add_argument("--only", default="", help="jobs whose name contains this")
+    p.add_argument("--only", default="", help="the job of this name, or the jobs whose "
+                   "name contains this")
     p.add_argument("--out", default=str(OUT), help="where the .md and .json go")
     args = p.parse_args(argv)
     from shardwise.planner.hardware import get_hardware
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     path, secs = _calibrate(args.calibration)
     hw0 = get_hardware("local", calibration=path)
-    jobs = [j for j in space.JOBS if args.only in j.name]
+    jobs = ([j for j in space.JOBS if j.name == args.only]  # a whole name: that job alone
+            or [j for j in space.JOBS if args.only in j.name])
     if not jobs:
         raise ValueError(f"--only={args.only!r} matches no job of {[j.name for j in space.JOBS]}")
     plans = [{**_plan(j, hw0), "rounds": {}} for j in jobs]
