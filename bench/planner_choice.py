@@ -126,13 +126,31 @@ def _plan(job: space.Job, hw0) -> dict[str, Any]:
             "brute": space.brute_force(job, hw)}
 
 
-def _screen(plan: dict[str, Any], steps: int, limit: int | None) -> list[dict[str, Any]]:
+def _family(L) -> tuple:
+    """A layout's mesh and schedule: what ``--screen-per-family`` keeps a few of."""
+    return L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, L.pp_schedule, L.pp_virtual
+
+
+def _screen(plan: dict[str, Any], steps: int, limit: int | None,
+            per_family: int = 0) -> list[dict[str, Any]]:
+    """Measure the job's brute-force space (its first ``limit``; with ``per_family``, the
+    predicted fastest few of each mesh and schedule)."""
     job, brute = plan["job"], plan["brute"]
+    if per_family:
+        kept, seen = [], {}
+        for L in brute:  # fastest predicted first
+            seen[_family(L)] = seen.get(_family(L), 0) + 1
+            if seen[_family(L)] <= per_family:
+                kept.append(L)
+        brute = kept
     chosen = brute if limit is None else brute[:limit]
     got = measure(job, chosen, steps)
-    rows = [{"layout": L.as_dict(), "name": space.name_of(L),
-             "pred_best": predict(job, L, plan["hw"])["best_step_time"], **g}
-            for L, g in zip(chosen, got, strict=True)]
+    rows = []
+    for L, g in zip(chosen, got, strict=True):
+        pred = predict(job, L, plan["hw"])
+        rows.append({"layout": L.as_dict(), "name": space.name_of(L),
+                     "pred_best": pred["best_step_time"], "pred_kinds": pred["measured_kinds"],
+                     **g})
     print(f"screen {job.name}: {len(rows)} of {len(brute)} layouts measured", flush=True)
     return rows
 
@@ -208,6 +226,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--screen-max", type=int, default=None,
                    help="screen only the first N layouts of each space (predicted fastest "
                         "first; default: all, the brute force)")
+    p.add_argument("--screen-per-family", type=int, default=0,
+                   help="screen only the N predicted fastest layouts of each mesh and "
+                        "schedule (jobs of --family-ranks ranks or more; default 0: all)")
+    p.add_argument("--family-ranks", type=int, default=4,
+                   help="the rank count from which --screen-per-family applies")
     p.add_argument("--screen-from", help="reuse the screen of an earlier planner_choice.json "
                    "(same calibration file needed: --calibration)")
     p.add_argument("--finalists", type=int, default=3,
@@ -232,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     for plan in plans:
         name, model = plan["job"].name, plan["job"].model
         screens[name] = old.get(name) or _screen(
-            plan, args.screen_steps or SCREEN_STEPS[model], args.screen_max)
+            plan, args.screen_steps or SCREEN_STEPS[model], args.screen_max,
+            args.screen_per_family if plan["job"].ranks >= args.family_ranks else 0)
         Path(args.out).mkdir(parents=True, exist_ok=True)  # kept as it goes: a long screen
         (Path(args.out) / "planner_choice_screen.json").write_text(json.dumps(screens))
     finals = {pl["job"].name: _finalists(pl, screens[pl["job"].name], args.finalists)
@@ -242,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"rounds": args.rounds, "steps": args.steps, "steps_per_model": STEPS,
             "screen_steps": args.screen_steps, "screen_steps_per_model": SCREEN_STEPS,
             "screen_from": args.screen_from, "screen_max": args.screen_max,
+            "screen_per_family": args.screen_per_family, "family_ranks": args.family_ranks,
             "finalists": args.finalists, "cap_share": space.CAP_SHARE,
             "calibration_s": secs, "calibration": Path(path).read_text(),
             "duration_s": time.perf_counter() - start,

@@ -142,6 +142,28 @@ def _layouts_table(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _screen_table(data: dict[str, Any]) -> list[str]:
+    out = ["| job | screened | fastest three screened (fastest step s : predicted) | top's "
+           "screen s (rank) | predicted rank of the fastest | memory error, largest |",
+           "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for j in data["jobs"]:
+        scr = sorted((r for r in j["screen"] if "error" not in r),
+                     key=lambda r: r["best_step_time"])
+        if not scr:
+            continue
+        fast = "; ".join(f"{r['name']} ({r['best_step_time']:.3f} : {r['pred_best']:.3f})"
+                         for r in scr[:3])
+        names = [r["name"] for r in scr]
+        top = (f"{scr[names.index(j['top'])]['best_step_time']:.3f} "
+               f"({names.index(j['top']) + 1})" if j["top"] in names else "-")
+        by_pred = sorted(scr, key=lambda r: r["pred_best"])
+        errs = [r["pred_kinds"] / r["memory"] - 1 for r in scr if "pred_kinds" in r]
+        err = f"{max(errs, key=abs):+.1%}" if errs else "-"
+        out.append(f"| {j['job']} | {len(scr)} of {j['brute_force_size']} | {fast} | {top} | "
+                   f"{by_pred.index(scr[0]) + 1} | {err} |")
+    return out
+
+
 def write(data: dict[str, Any], out: Path = OUT) -> str:
     """Write ``planner_choice.json`` and ``.md`` under ``out``; return the markdown."""
     m = data["meta"]
@@ -159,6 +181,8 @@ def write(data: dict[str, Any], out: Path = OUT) -> str:
         lines.append(f"| {j['job']} | {_mark(v['no_slower'])} | {_mark(v['within_best'])} | "
                      f"{_mark(v['gain_within'])} |")
     lines += ["", "## Every layout of the rounds", ""] + _layouts_table(data)
+    lines += ["", "## The screen (brute force, once: a warm-up step and the screen's timed "
+              "steps)", ""] + _screen_table(data)
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "planner_choice.json").write_text(json.dumps(data, indent=1, default=str))
