@@ -18,11 +18,13 @@ function) on random tokens. For each job:
 * **brute force**: every buildable layout of the planner's enumeration that fits the cap,
   reduced by rules that do not come from the cost model ([Note: the brute-force space]).
   Each is screened once (a warm-up step and ``--screen-steps`` timed steps: its fastest);
-  the ``--finalists`` fastest go into the rounds.
+  the ``--finalists`` fastest go into the rounds. ``--screen-per-family 1`` screens, on 4
+  ranks, only the predicted fastest of each mesh and schedule (a shorter run).
 
-Then ``--rounds`` rounds: in each, for each job, one launch of the ranks measures the top,
-the default and the finalists back to back (the order rotating by round), each with a warm-up
-step (memory-tracked: planner_bench's accounting) and ``--steps`` timed steps. Per layout:
+Then ``--rounds`` rounds: in each, for each job, the top, the default and the finalists are
+measured back to back (the order rotating by round), each in its own launch of the ranks
+([Note: one launch per layout]) with a warm-up step (memory-tracked: planner_bench's
+accounting) and ``--steps`` timed steps. Per layout:
 the median and the fastest step (the slowest rank's) and the CPU seconds a step. The
 brute-force best of a round is the fastest fitting layout measured in it (the top and
 finalists; the default when it fits). Targets, judged on the fastest steps (the machine is
@@ -37,7 +39,6 @@ Writes ``bench/results/planner_choice.{md,json}`` (``--out`` elsewhere).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -54,50 +55,39 @@ from bench.planner_choice_report import OUT, write  # noqa: E402
 STEPS = {"debug": 4, "small": 2}
 """Timed steps per layout in a round (after the warm-up step)."""
 SCREEN_STEPS = {"debug": 2, "small": 1}
-_CHUNK = 24  # layouts per launch of the ranks (each layout builds its process groups)
-
-
-def _rank_many(cfgs: list, model_cfg, steps: int) -> list[dict[str, Any]]:
-    """One rank: planner_bench's rank function on each config in turn, same processes."""
-    from bench.planner_bench import _rank
-
-    out = []
-    # The first layout a process builds pays its one-time costs (thread pools, allocator,
-    # lazy imports): a discarded warm-up build keeps that off whichever layout comes first.
-    _rank(cfgs[0], model_cfg, 1)
-    gc.collect()
-    for cfg in cfgs:
-        try:
-            out.append(_rank(cfg, model_cfg, steps))
-        except (ValueError, RuntimeError) as exc:  # every rank refuses alike (a check)
-            out.append({"error": f"{type(exc).__name__}: {exc}"[:300]})
-        gc.collect()
-    return out
+_TIMEOUT_S = 600  # one layout's launch
 
 
 def measure(job: space.Job, layouts: list, steps: int) -> list[dict[str, Any]]:
     """Build and time each layout of ``job`` on its ranks: the slowest rank's median,
-    fastest and CPU seconds a step, and the largest rank's engine-accounted bytes."""
-    from bench.planner_bench import KINDS
-    from shardwise.testing.dist import run_ranks
+    fastest and CPU seconds a step, and the largest rank's engine-accounted bytes.
+
+    [Note: one launch per layout] Each layout gets its own launch of the ranks (processes
+    forked from the preloaded server, a second or two): building a second pipeline in the
+    same processes left the ranks one collective apart (the next build's group creation on
+    one rank against the last step's loss all-reduce on the other), and every layout is then
+    equally the first its processes run. A layout whose ranks fail is recorded with its
+    error and the others go on.
+    """
+    from bench.planner_bench import KINDS, _rank
+    from shardwise.testing.dist import RankFailure, RankTimeout, run_ranks
     from shardwise.train import plan_layout
     from shardwise.train.preflight import build_model_config
 
     base = space.job_config(job)
     model_cfg = build_model_config(base)
     out: list[dict[str, Any]] = []
-    for i in range(0, len(layouts), _CHUNK):
-        cfgs = [plan_layout.with_layout(base, L) for L in layouts[i:i + _CHUNK]]
-        rows = run_ranks(_rank_many, job.ranks, args=(cfgs, model_cfg, steps), threads=1,
-                         env={"OMP_NUM_THREADS": "1"}, timeout_s=1800)
-        for per_rank in zip(*rows, strict=True):
-            errs = [r["error"] for r in per_rank if "error" in r]
-            if errs:
-                out.append({"error": errs[0]})
-                continue
-            mem = [sum(r[k] for k in KINDS) for r in per_rank]
-            out.append({k: max(r[k] for r in per_rank) for k in
-                        ("step_time", "best_step_time", "cpu_step_time")} | {"memory": max(mem)})
+    for L in layouts:
+        cfg = plan_layout.with_layout(base, L)
+        try:
+            rows = run_ranks(_rank, job.ranks, args=(cfg, model_cfg, steps), threads=1,
+                             env={"OMP_NUM_THREADS": "1"}, timeout_s=_TIMEOUT_S)
+        except (RankFailure, RankTimeout) as exc:
+            out.append({"error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        mem = [sum(r[k] for k in KINDS) for r in rows]
+        out.append({k: max(r[k] for r in rows) for k in
+                    ("step_time", "best_step_time", "cpu_step_time")} | {"memory": max(mem)})
     return out
 
 
@@ -233,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="the rank count from which --screen-per-family applies")
     p.add_argument("--screen-from", help="reuse the screen of an earlier planner_choice.json "
                    "(same calibration file needed: --calibration)")
-    p.add_argument("--finalists", type=int, default=3,
+    p.add_argument("--finalists", type=int, default=2,
                    help="fastest screened layouts measured in the rounds")
     p.add_argument("--calibration", help="an existing calibration file, or where to write one")
     p.add_argument("--only", default="", help="the job of this name, or the jobs whose "
