@@ -21,8 +21,9 @@ function) on random tokens. For each job:
   the ``--finalists`` fastest go into the rounds. ``--screen-per-family 1`` screens, on 4
   ranks, only the predicted fastest of each mesh and schedule (a shorter run).
 
-Then ``--rounds`` rounds: in each, for each job, the top, the default and the finalists are
-measured back to back (the order rotating by round), each in its own launch of the ranks
+Then, each job right after its screen (so every job ends complete and is written as it
+ends), ``--rounds`` rounds: in each, the top, the default and the finalists are measured
+back to back (the order rotating by round), each in its own launch of the ranks
 ([Note: one launch per layout]) with a warm-up step (memory-tracked: planner_bench's
 accounting) and ``--steps`` timed steps. Per layout:
 the median and the fastest step (the slowest rank's) and the CPU seconds a step. The
@@ -158,17 +159,17 @@ def _finalists(plan: dict[str, Any], screen: list[dict[str, Any]], k: int) -> li
     return out
 
 
-def _round(plans, finals, args, rnd: int) -> None:
-    for plan in plans:
-        job, layouts = plan["job"], finals[plan["job"].name]
-        turn = rnd % len(layouts)
-        order = layouts[turn:] + layouts[:turn]  # the first slot moves every round
-        got = measure(job, order, args.steps or STEPS[job.model])
-        for L, g in zip(order, got, strict=True):
-            plan["rounds"].setdefault(space.name_of(L), []).append(g)
-        print(f"round {rnd + 1}: {job.name}: " + "; ".join(
-            f"{space.name_of(L)} {g.get('best_step_time', float('nan')):.3f}"
-            for L, g in zip(order, got, strict=True)), flush=True)
+def _round(plan: dict[str, Any], layouts: list, args, rnd: int) -> None:
+    """One round of one job: every layout back to back, the first slot moving by round."""
+    job = plan["job"]
+    turn = rnd % len(layouts)
+    order = layouts[turn:] + layouts[:turn]
+    got = measure(job, order, args.steps or STEPS[job.model])
+    for L, g in zip(order, got, strict=True):
+        plan["rounds"].setdefault(space.name_of(L), []).append(g)
+    print(f"round {rnd + 1}: {job.name}: " + "; ".join(
+        f"{space.name_of(L)} {g.get('best_step_time', float('nan')):.3f}"
+        for L, g in zip(order, got, strict=True)), flush=True)
 
 
 def _old_screens(path: str | None) -> dict[str, list]:
@@ -239,33 +240,29 @@ def main(argv: list[str] | None = None) -> None:
             or [j for j in space.JOBS if args.only in j.name])
     if not jobs:
         raise ValueError(f"--only={args.only!r} matches no job of {[j.name for j in space.JOBS]}")
-    plans = [{**_plan(j, hw0), "rounds": {}} for j in jobs]
-    old = _old_screens(args.screen_from)
-    screens: dict[str, list] = {}
-    for plan in plans:
-        name, model = plan["job"].name, plan["job"].model
-        screens[name] = old.get(name) or _screen(
-            plan, args.screen_steps or SCREEN_STEPS[model], args.screen_max,
-            args.screen_per_family if plan["job"].ranks >= args.family_ranks else 0)
-        Path(args.out).mkdir(parents=True, exist_ok=True)  # kept as it goes: a long screen
-        (Path(args.out) / "planner_choice_screen.json").write_text(json.dumps(screens))
-    finals = {pl["job"].name: _finalists(pl, screens[pl["job"].name], args.finalists)
-              for pl in plans}
-    for rnd in range(args.rounds):
-        _round(plans, finals, args, rnd)
     meta = {"rounds": args.rounds, "steps": args.steps, "steps_per_model": STEPS,
             "screen_steps": args.screen_steps, "screen_steps_per_model": SCREEN_STEPS,
             "screen_from": args.screen_from, "screen_max": args.screen_max,
             "screen_per_family": args.screen_per_family, "family_ranks": args.family_ranks,
             "finalists": args.finalists, "cap_share": space.CAP_SHARE,
             "calibration_s": secs, "calibration": Path(path).read_text(),
-            "duration_s": time.perf_counter() - start,
             "command": "python bench/planner_choice.py " + " ".join(sys.argv[1:] if argv is None
                                                                     else argv)}
-    data = {"meta": meta, "jobs": [_record(pl, finals[pl["job"].name], screens[pl["job"].name])
-                                   for pl in plans]}
-    print(write(data, Path(args.out)))
-
+    old, screens, done = _old_screens(args.screen_from), {}, []
+    for job in jobs:  # a job's screen, then its rounds: each job complete as it ends
+        plan = {**_plan(job, hw0), "rounds": {}}
+        screens[job.name] = old.get(job.name) or _screen(
+            plan, args.screen_steps or SCREEN_STEPS[job.model], args.screen_max,
+            args.screen_per_family if job.ranks >= args.family_ranks else 0)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "planner_choice_screen.json").write_text(json.dumps(screens))
+        finals = _finalists(plan, screens[job.name], args.finalists)
+        for rnd in range(args.rounds):
+            _round(plan, finals, args, rnd)
+        done.append(_record(plan, finals, screens[job.name]))
+        meta["duration_s"] = time.perf_counter() - start
+        text = write({"meta": meta, "jobs": done}, Path(args.out))
+    print(text)
 
 if __name__ == "__main__":
     main()
