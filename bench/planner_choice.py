@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -80,6 +81,7 @@ def measure(job: space.Job, layouts: list, steps: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for L in layouts:
         cfg = plan_layout.with_layout(base, L)
+        load = os.getloadavg()[0]  # the machine's, as the layout starts
         try:
             rows = run_ranks(_rank, job.ranks, args=(cfg, model_cfg, steps), threads=1,
                              env={"OMP_NUM_THREADS": "1"}, timeout_s=_TIMEOUT_S)
@@ -88,7 +90,8 @@ def measure(job: space.Job, layouts: list, steps: int) -> list[dict[str, Any]]:
             continue
         mem = [sum(r[k] for k in KINDS) for r in rows]
         out.append({k: max(r[k] for r in rows) for k in
-                    ("step_time", "best_step_time", "cpu_step_time")} | {"memory": max(mem)})
+                    ("step_time", "best_step_time", "cpu_step_time")}
+                   | {"memory": max(mem), "load": load})
     return out
 
 
@@ -230,7 +233,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", default="", help="the job of this name, or the jobs whose "
                    "name contains this")
     p.add_argument("--out", default=str(OUT), help="where the .md and .json go")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite the markdown from --out's planner_choice.json, measure nothing")
     args = p.parse_args(argv)
+    if args.report_only:
+        print(write(json.loads((Path(args.out) / "planner_choice.json").read_text()),
+                    Path(args.out)))
+        return
     from shardwise.planner.hardware import get_hardware
 
     start = time.perf_counter()
