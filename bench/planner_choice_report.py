@@ -120,7 +120,8 @@ def _rounds_table(data: dict[str, Any]) -> list[str]:
            "brute-force best (fastest step s) | top/default | top/best | gain predicted : "
            "measured | no slower | within 10% | gain within 15% | CPU s: top/default, "
            "top/least | load |",
-           "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |"]
+           "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- | ---: "
+           "| ---: |"]
     for j in data["jobs"]:
         for r in range(len(j["layouts"][0]["rounds"])):
             s = round_stats(j, r)
