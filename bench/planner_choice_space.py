@@ -17,8 +17,11 @@ by rules that do not come from the cost model:
   every stage, so one of them (the lowest) stands for all;
 * tensor parallelism with sequence parallelism on (the trainer's default when tp > 1), the
   1F1B family without GPipe (the same work, more micro-batches in flight) and interleaved
-  1F1B at 2 stages per rank (the 2 x pp stages of the small model's 8 layers; more
-  stages split 8 layers into pieces of one).
+  1F1B at 2 stages per rank only (a reduction for time, not a rule: more stages per rank
+  are left out).
+
+Layouts the trainer refuses (``plan_layout``'s checks, as ``--parallel.plan auto`` applies
+them) are not in the space.
 
 What remains is screened (every layout measured once, a few steps) and its fastest are
 measured in the rounds beside the top and the default (planner_choice.py).
