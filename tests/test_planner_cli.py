@@ -135,6 +135,12 @@ def test_layouts_the_trainer_cannot_build_are_marked_and_can_be_left_out(capsys)
      True),
     (dict(cp=2, ep=2, zero=3, microbatch=4), "debug-moe", True),
     (dict(cp=2, zero=3, microbatch=4), "deepseek-v3", False),
+    (dict(pp=2, pp_schedule="zb1", zero=0, microbatch=4, pp_microbatches=2, ac="selective"),
+     "debug", False),
+    (dict(pp=2, pp_schedule="zbv", pp_virtual=2, zero=0, microbatch=4, pp_microbatches=2,
+          ac="full"), "debug", True),
+    (dict(pp=2, pp_schedule="1f1b", zero=0, microbatch=4, pp_microbatches=2,
+          ac="selective"), "debug", True),
 ])
 def test_the_buildable_rules_are_the_trainers_refusals(layout, model, buildable, tmp_path):
     """[Note: buildable layouts]: the planner's rule and the trainer's own checks agree."""

@@ -55,6 +55,9 @@ PP2 = {"parallel.pp": "2", "parallel.pp_schedule": "zb1", "parallel.pp_microbatc
      "parallel.pp_virtual: schedule 'zbv' runs exactly 2 stages per rank; got virtual=3"),
     ({"parallel.pp": "3"}, 4, "parallel.pp=3 must divide the world size 4"),
     ({"train.grad_accum": "2"}, 2, "parallel.pp=2 does not run with train.grad_accum=2"),
+    ({"parallel.pp_schedule": "zb1", "train.activation_checkpoint": "selective"}, 2,
+     "parallel.pp=2 does not run with train.activation_checkpoint='selective' under "
+     "parallel.pp_schedule='zb1' (split backward"),
     ({"parallel.tp": "4"}, 4, "parallel.dp_replicate * parallel.tp = 1 * 4 = 4 does not "
      "divide the world size 2 / parallel.pp=2"),
 ])

@@ -17,6 +17,10 @@ from shardwise.planner.parallel_layout import Layout
 
 __all__ = ["not_buildable", "BUILDABLE_FIXED"]
 
+_SPLIT_BACKWARD = ("zb1", "zbv", "dualpipev")
+"""Schedules running input and weight gradients as two backward passes (the trainer's
+``shardwise.train.pipeline.SPLIT_BACKWARD``)."""
+
 BUILDABLE_FIXED: dict[str, object] = {}
 """Layout keys ``--buildable`` fixes before the search (the rest is filtered after it)."""
 
@@ -42,6 +46,9 @@ def not_buildable(L: Layout, spec) -> str | None:
         return "pipeline stages do not run with optimizer offload yet"
     if L.ep > 1 and L.tp > 1 and not L.sp:
         return "expert parallelism under tensor parallelism needs sequence parallelism"
+    if L.ac == "selective" and L.pp > 1 and L.pp_schedule in _SPLIT_BACKWARD:
+        return (f"selective checkpointing under {L.pp_schedule} (split backward: torch's "
+                "selective checkpoint allows one backward through a block)")
     if spec.n_experts and L.ac != "none":
         return "activation checkpointing of MoE layers is refused (data-dependent routing)"
     return None

@@ -34,6 +34,20 @@ never changes memory, only time, and numerics: it must be ``QUANT_MIN_GAIN`` fas
 best ``top`` are then re-priced exactly (every pipeline rank, the simulated schedule). Keys
 the user fixed restrict every level.
 
+[Note: pipelines that fit exactly] The closed forms' in-flight micro-batches
+(``ScheduleSpec.peak_inflight``) are a ranking device, not the schedule: for interleaved
+1F1B, ZB-V and DualPipeV they count more than the simulated schedule holds (the debug
+model's ZB-V on 2 ranks: 334.8 MiB closed, 327.5 MiB simulated, and 327.6 MiB measured by
+bench/planner_choice.py's engine accounting; the small model's interleaved 1F1B on 4 ranks:
+678 against 622 MiB). A pipeline layout of more than one stage per rank (where the closed
+forms count more; for 1F1B and ZB-H1 they count fewer) that they reject for its activations
+alone (its states and working buffers fit) and whose step time would place it among the
+``top`` fastest that fit is priced again exactly before it is dropped; otherwise a job
+capped between the two figures never sees it (bench/results/planner_choice.md, the capped
+debug x2 and small x4 jobs). At most ``2 top`` of them, the fastest: simulating every rejected
+pipeline quadrupled the 405B search on 16,384 GPUs, and the 297 of DeepSeek-V3's on 2,048
+that would qualify added 8 s (none of them fit).
+
 Layouts another layout dominates (no faster under the cost model and holding at least as
 much memory) are in the space but not priced, unless the user fixed the key that makes
 them differ: ZeRO-1 (ZeRO-2 moves the same bytes and holds less), ``sp=false`` with
@@ -290,6 +304,23 @@ def _refine(searcher: _Searcher, ranked: list[Estimate], top: int) -> list[Estim
     return extra
 
 
+def _fit_exactly(searcher: _Searcher, found: list[Estimate], top: int) -> list[Estimate]:
+    """``found`` with the pipeline layouts the closed forms reject for their activations
+    alone, and that would enter the ``top`` fastest, priced exactly ([Note: pipelines that
+    fit exactly])."""
+    times = sorted(e.step_time for e in found if e.fits)
+    bar = times[top - 1] if len(times) >= top else float("inf")
+    rejected = sorted((i for i, e in enumerate(found)
+                       if not e.fits and e.layout.pp_virtual > 1 and e.step_time <= bar
+                       and e.memory.total - e.memory.activations <= searcher.hw.hbm_bytes),
+                      key=lambda i: found[i].step_time)
+    out = list(found)
+    for i in rejected[:2 * top]:  # the fastest: each is a simulation of every rank
+        out[i] = searcher.cm.estimate(found[i].layout, exact=True)
+        searcher.evaluated += 1
+    return out
+
+
 def _rank_key(e: Estimate):
     return (not e.fits, e.step_time if e.fits else e.memory.total, e.memory.total)
 
@@ -317,7 +348,7 @@ def search(spec, hw, wl: Workload, gpus: int, fixed: dict | None = None, top: in
         raise ValueError(f"--gpus={gpus!r}, expected an integer >= 1")
     start = time.perf_counter()
     s = _Searcher(spec, hw, wl, gpus, dict(fixed or {}))
-    found = s.run(keep=max(top, 1) + _KEEP)
+    found = _fit_exactly(s, s.run(keep=max(top, 1) + _KEEP), max(top, 1))
     found.sort(key=_rank_key)
     found += _refine(s, found, top)
     found.sort(key=_rank_key)

@@ -58,6 +58,10 @@ __all__ = ["check_pipeline_config", "pipeline_world", "resolve_microbatches", "b
            "describe_pipeline"]
 
 
+SPLIT_BACKWARD = ("zb1", "zbv", "dualpipev")
+"""Schedules whose backward is split into input- and weight-gradient passes."""
+
+
 def check_pipeline_config(cfg: Any) -> None:
     """The pipeline keys on their own and with the rest of the config (no model, no world).
 
@@ -90,6 +94,12 @@ def check_pipeline_config(cfg: Any) -> None:
         (cfg.precision.param_dtype == "fp16", "precision.param_dtype='fp16' (use bf16)"),
         (cfg.offload.device != "none", f"offload.device={cfg.offload.device!r}"),
         (bool(cfg.checkpoint.import_safetensors), "checkpoint.import_safetensors"),
+        # The split-backward schedules run two backward passes through a block (input
+        # gradients, then weight gradients); torch's selective checkpoint allows one
+        # ("Trying to backward an extra time", found by bench/planner_choice.py).
+        (cfg.train.activation_checkpoint == "selective" and par.pp_schedule in SPLIT_BACKWARD,
+         f"train.activation_checkpoint='selective' under parallel.pp_schedule="
+         f"{par.pp_schedule!r} (split backward: use 'full', or a schedule without W passes)"),
     ]
     for bad, what in unsupported:
         if bad:
