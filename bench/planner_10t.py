@@ -95,9 +95,9 @@ def plan(model: str, hardware: str, gpus: int) -> dict:
     line = command(model, hardware, gpus)
     args = _parse(line)
     spec, hw, wl = get_model_spec(model), get_hardware(hardware), workload_of(args)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = search(spec, hw, wl, gpus, {})
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     fitting = [e for e in result.ranked if e.fits]
     best = (fitting or result.ranked)[0]
     L = best.layout
@@ -105,7 +105,8 @@ def plan(model: str, hardware: str, gpus: int) -> dict:
         "model": model, "hardware": hw.name, "gpus": gpus, "command": f"shardwise plan {line}",
         "seq_len": wl.seq_len, "global_batch": wl.global_batch,
         "tokens_per_step": wl.seq_len * wl.global_batch,
-        "search_s": wall, "evaluated": result.evaluated, "pruned": result.pruned,
+        "search_s": wall, "search_cpu_s": cpu, "evaluated": result.evaluated,
+        "pruned": result.pruned,
         "layout": L.as_dict(), "fits": best.fits, "step_time_s": best.step_time,
         "mfu": best.mfu, "hfu": best.hfu, "tokens_per_s_per_gpu": best.tokens_per_s_per_gpu,
         "tokens_per_day": best.tokens_per_s_per_gpu * gpus * _DAY,
@@ -120,6 +121,35 @@ def plan(model: str, hardware: str, gpus: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- report
+SHAPES = ("deepseek-v3-mtp", "moe-10t", "llama3-405b", "dense-10t")
+
+
+def _shape_row(name: str) -> list[str]:
+    s = get_model_spec(name)
+    moe = s.n_moe_layers
+    mla = (f"q {s.q_lora_rank}, kv {s.kv_lora_rank}; qk {s.qk_nope_head_dim}+"
+           f"{s.qk_rope_head_dim}, v {s.v_head_dim}") if s.is_mla else "-"
+    experts = (f"{s.n_experts} + {s.n_shared_experts} shared, width {s.moe_ffn_dim}, "
+               f"top-{s.top_k}") if s.is_moe else "-"
+    heads = f"{s.n_heads}" + ("" if s.is_mla else f" ({s.kv_heads} kv)")
+    return [name, f"{s.n_layers} ({s.n_layers - moe} dense + {moe} MoE)" if moe
+            else str(s.n_layers), str(s.dim), heads, mla, str(s.ffn_dim), experts,
+            str(s.vocab_size), f"{s.num_params() / 1e12:.3f}T",
+            f"{s.active_params() / 1e9:.1f}B" if s.is_moe else "all",
+            f"{s.mtp_params() / 1e9:.1f}B" if s.mtp_layers else "-"]
+
+
+def shapes(names=SHAPES) -> str:
+    """The shape table of the 10T models beside the published ones they scale, from the
+    planner's own ModelSpec (parameters without the multi-token-prediction module, as
+    DeepSeek-V3's 671B; its parameters apart)."""
+    head = ["model", "layers", "hidden", "heads", "MLA ranks; head dims", "dense ffn",
+            "routed experts", "vocab", "parameters", "active/token", "MTP module"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows += ["| " + " | ".join(_shape_row(n)) + " |" for n in names]
+    return "\n".join(rows)
+
+
 def overhead(r: dict) -> tuple[str, float]:
     """The largest part of the step that is not compute, and its share of the step."""
     parts = {k: v for k, v in r["step_s"].items() if k not in ("compute", "optimizer")}
@@ -170,13 +200,14 @@ def _layout(d: dict) -> str:
 
 def table(records: list[dict]) -> str:
     """The plan table (one row per plan) as markdown."""
-    rows = ["| model | GPUs | device | search s | step s | MFU | tokens/day | GiB/GPU | "
+    rows = ["| model | GPUs | device | search s (CPU) | step s | MFU | tokens/day | GiB/GPU | "
             "bottleneck | largest overhead | seq/DP rank | layout |",
             "|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|---|"]
     for r in records:
         k, share = overhead(r)
         fit = "" if r["fits"] else " (does not fit)"
-        rows.append(f"| {r['model']} | {r['gpus']:,} | {r['hardware']} | {r['search_s']:.1f} | "
+        rows.append(f"| {r['model']} | {r['gpus']:,} | {r['hardware']} | "
+                    f"{r['search_s']:.1f} ({r['search_cpu_s']:.1f}) | "
                     f"{r['step_time_s']:.3g} | {r['mfu']:.1%} | "
                     f"{r['tokens_per_day'] / 1e9:,.0f}B | {r['memory_gib']['total']:.1f}{fit} | "
                     f"{r['bottleneck']} | {k} {share:.1%} | {r['sequences_per_dp_rank']} | "
@@ -226,10 +257,13 @@ def markdown(records: list[dict]) -> str:
     series: dict[tuple, list[dict]] = {}
     for r in records:
         series.setdefault((r["model"], r["hardware"]), []).append(r)
-    worst = max(r["search_s"] for r in records)
+    worst = max(records, key=lambda r: r["search_s"])
     return "\n\n".join([
+        shapes(),
         table(records),
-        f"Search wall time per plan on this machine: at most {worst:.1f} s.",
+        f"Search time per plan on this machine (2 cores shared with other work): at most "
+        f"{worst['search_s']:.1f} s wall ({worst['search_cpu_s']:.1f} s CPU), "
+        f"{worst['model']} on {worst['gpus']:,} {worst['hardware']}.",
         "What breaks first, per series (fixed global batch, the cluster growing):\n\n"
         + "\n".join(f"- {breaks_first(s)}" for s in series.values()),
         "Assumptions (every plan's full list is in bench/results/planner_10t.json):\n\n"
