@@ -56,13 +56,18 @@ MODELS = {
                "--workload overlap_ep=true,ep_node_limit=4,comm_sm_fraction=0.15",
     "dense-10t": "--seq-len 8192 --global-batch 4096 --fused-kernels",
 }
+WHAT_IF_SCALE = 4
+"""The largest cluster is also planned at this many times the batch (what feeds it)."""
 _GIB = 2 ** 30
 _DAY = 86400
 
 
-def command(model: str, hardware: str, gpus: int) -> str:
-    """The ``shardwise plan`` arguments of one plan."""
-    return f"--model {model} --hardware {hardware} --gpus {gpus} {MODELS[model]}"
+def command(model: str, hardware: str, gpus: int, batch_scale: int = 1) -> str:
+    """The ``shardwise plan`` arguments of one plan (``batch_scale``: the model's global
+    batch times this, for the largest cluster's what-if)."""
+    line = f"--model {model} --hardware {hardware} --gpus {gpus} {MODELS[model]}"
+    return re.sub(r"--global-batch (\d+)",
+                  lambda m: f"--global-batch {int(m.group(1)) * batch_scale}", line)
 
 
 def _parse(line: str) -> argparse.Namespace:
@@ -90,9 +95,9 @@ def assumptions(wl: Workload, hw) -> dict[str, object]:
         "inter_gbs": hw.inter_peak.bandwidth / 1e9, "reserved_gib": hw.reserved_bytes / _GIB}}
 
 
-def plan(model: str, hardware: str, gpus: int) -> dict:
+def plan(model: str, hardware: str, gpus: int, batch_scale: int = 1) -> dict:
     """Search one plan; returns its JSON record (see the module docstring)."""
-    line = command(model, hardware, gpus)
+    line = command(model, hardware, gpus, batch_scale)
     args = _parse(line)
     spec, hw, wl = get_model_spec(model), get_hardware(hardware), workload_of(args)
     start, cpu = time.perf_counter(), time.process_time()
@@ -102,7 +107,8 @@ def plan(model: str, hardware: str, gpus: int) -> dict:
     best = (fitting or result.ranked)[0]
     L = best.layout
     return {
-        "model": model, "hardware": hw.name, "gpus": gpus, "command": f"shardwise plan {line}",
+        "model": model, "hardware": hw.name, "gpus": gpus, "batch_scale": batch_scale,
+        "command": f"shardwise plan {line}",
         "seq_len": wl.seq_len, "global_batch": wl.global_batch,
         "tokens_per_step": wl.seq_len * wl.global_batch,
         "search_s": wall, "search_cpu_s": cpu, "evaluated": result.evaluated,
@@ -164,6 +170,9 @@ def breaks_first(series: list[dict]) -> str:
     series = sorted(series, key=lambda r: r["gpus"])
     base = series[0]
     shares0 = {k: v / base["step_time_s"] for k, v in base["step_s"].items()}
+    last = series[-1]
+    k, share = overhead(last)
+    grown = f"; at {last['gpus']:,} the largest overhead is {k} ({share:.1%} of the step)"
     for prev, r in zip(series, series[1:]):
         if r["mfu"] >= 0.9 * base["mfu"] and r["fits"]:
             continue
@@ -175,9 +184,7 @@ def breaks_first(series: list[dict]) -> str:
                 f"{shares[grew]:.1%} of the step, with {r['sequences_per_dp_rank']} "
                 f"sequences per data-parallel rank ({r['layout']['pp_microbatches']} "
                 f"micro-batches for pp={r['layout']['pp']}) and {r['tokens_per_gpu']:,.0f} "
-                f"tokens per GPU.")
-    last = series[-1]
-    k, share = overhead(last)
+                f"tokens per GPU" + (grown if r is not last else "") + ".")
     return (f"{last['model']} on {last['hardware']}: MFU stays within 10% of the "
             f"{base['gpus']:,}-GPU plan's up to {last['gpus']:,} GPUs ({base['mfu']:.1%} -> "
             f"{last['mfu']:.1%}); the largest overhead there is {k} ({share:.1%} of the step).")
@@ -255,12 +262,20 @@ def assumption_lines(records: list[dict]) -> str:
 def markdown(records: list[dict]) -> str:
     """The generated part of the docs section (and bench/results/planner_10t.md)."""
     series: dict[tuple, list[dict]] = {}
-    for r in records:
+    fixed = [r for r in records if r["batch_scale"] == 1]
+    for r in fixed:
         series.setdefault((r["model"], r["hardware"]), []).append(r)
     worst = max(records, key=lambda r: r["search_s"])
+    bigger = [r for r in records if r["batch_scale"] != 1]
+    what_if = ([f"The largest cluster with {bigger[0]['batch_scale']}x the batch ("
+                + ", ".join(dict.fromkeys(f"{r['model']} {r['global_batch']} sequences, "
+                                          f"{r['tokens_per_step'] / 1e6:.0f}M tokens"
+                                          for r in bigger)) + "):\n\n" + table(bigger)]
+               if bigger else [])
     return "\n\n".join([
         shapes(),
-        table(records),
+        table(fixed),
+        *what_if,
         f"Search time per plan on this machine (2 cores shared with other work): at most "
         f"{worst['search_s']:.1f} s wall ({worst['search_cpu_s']:.1f} s CPU), "
         f"{worst['model']} on {worst['gpus']:,} {worst['hardware']}.",
@@ -289,16 +304,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=sorted(MODELS), help="one model (printed, not written)")
     p.add_argument("--hardware", choices=HARDWARE, help="one device (printed, not written)")
     p.add_argument("--gpus", type=int, choices=GPUS, help="one size (printed, not written)")
+    p.add_argument("--batch-scale", type=int, default=1,
+                   help="the global batch times this (printed, not written)")
     a = p.parse_args(argv)
-    subset = bool(a.only or a.hardware or a.gpus)
+    subset = bool(a.only or a.hardware or a.gpus or a.batch_scale != 1)
+    jobs = [(m, h, g, a.batch_scale) for m in ([a.only] if a.only else MODELS)
+            for h in ([a.hardware] if a.hardware else HARDWARE)
+            for g in ([a.gpus] if a.gpus else GPUS)]
+    if not subset:  # what the largest cluster does with a batch that feeds it
+        jobs += [(m, h, GPUS[-1], WHAT_IF_SCALE) for m in MODELS for h in HARDWARE]
     records = []
-    for model in ([a.only] if a.only else MODELS):
-        for hardware in ([a.hardware] if a.hardware else HARDWARE):
-            for gpus in ([a.gpus] if a.gpus else GPUS):
-                records.append(plan(model, hardware, gpus))
-                r = records[-1]
-                print(f"{model} {hardware} {gpus}: {r['search_s']:.1f} s search, step "
-                      f"{r['step_time_s']:.3g} s, MFU {r['mfu']:.1%}", file=sys.stderr)
+    for job in jobs:
+        records.append(plan(*job))
+        r = records[-1]
+        print(f"{' '.join(map(str, job))}: {r['search_s']:.1f} s search, step "
+              f"{r['step_time_s']:.3g} s, MFU {r['mfu']:.1%}", file=sys.stderr)
     text = markdown(records)
     print(text)
     if not subset:
