@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.planner_10t import (BEGIN, END, GPUS, MODELS, breaks_first, command, shapes,
-                               workload_of, _parse)
+from bench.planner_10t import (BEGIN, END, GPUS, MODELS, WHAT_IF_SCALE, breaks_first,
+                               command, shapes, workload_of, _parse)
 from shardwise.planner import get_hardware, get_model_spec, planner_only_models
 from shardwise.planner.cli import main as plan_main
 from shardwise.planner.search import search
@@ -62,12 +62,15 @@ def test_docs_section_is_the_scripts_output_and_its_commands_exist():
 
 def test_committed_plans_cover_the_grid_fit_and_list_their_assumptions():
     recs = _records()
-    assert {(r["model"], r["hardware"], r["gpus"]) for r in recs} == {
-        (m, h, g) for m in MODELS for h in ("h100-sxm", "b200") for g in GPUS}
+    devices = ("h100-sxm", "b200")
+    assert {(r["model"], r["hardware"], r["gpus"], r["batch_scale"]) for r in recs} == {
+        (m, h, g, 1) for m in MODELS for h in devices for g in GPUS} | {
+        (m, h, GPUS[-1], WHAT_IF_SCALE) for m in MODELS for h in devices}
     for r in recs:
         assert r["fits"] and r["memory_gib"]["total"] <= r["assumptions"]["device"]["hbm_gib"]
         assert r["command"] == "shardwise plan " + command(
-            r["model"], "h100" if r["hardware"] == "h100-sxm" else "b200", r["gpus"])
+            r["model"], "h100" if r["hardware"] == "h100-sxm" else "b200", r["gpus"],
+            r["batch_scale"])
         wl = r["assumptions"]["workload"]
         assert wl["compute_dtype"] in ("bf16", "fp8") and "overlap_dp" in wl
         assert r["tokens_per_day"] == pytest.approx(r["tokens_per_s_per_gpu"] * r["gpus"]
@@ -81,7 +84,8 @@ def test_committed_plans_cover_the_grid_fit_and_list_their_assumptions():
 def test_the_planner_finds_a_fitting_layout_at_the_smallest_and_largest_cluster(model, gpus):
     """The search over the committed plan's mesh (the rest free: ZeRO, micro-batches,
     schedule, checkpointing) finds a layout that fits; the full search's speed is bench's."""
-    for rec in [r for r in _records() if r["model"] == model and r["gpus"] == gpus]:
+    for rec in [r for r in _records() if r["model"] == model and r["gpus"] == gpus
+                and r["batch_scale"] == 1]:
         hw = get_hardware(rec["hardware"])
         wl = workload_of(_parse(rec["command"].removeprefix("shardwise plan ")))
         fixed = {k: rec["layout"][k] for k in MESH}
@@ -92,8 +96,8 @@ def test_the_planner_finds_a_fitting_layout_at_the_smallest_and_largest_cluster(
 
 
 def test_shardwise_plan_prints_moe_10t(capsys):
-    rec = next(r for r in _records() if (r["model"], r["hardware"], r["gpus"])
-               == ("moe-10t", "b200", 131072))
+    rec = next(r for r in _records() if (r["model"], r["hardware"], r["gpus"],
+                                         r["batch_scale"]) == ("moe-10t", "b200", 131072, 1))
     mesh = ",".join(f"{k}={rec['layout'][k]}" for k in MESH)
     argv = command("moe-10t", "b200", 131072).split() + ["--layout", mesh, "--json",
                                                          "--top", "1"]
@@ -113,3 +117,6 @@ def test_breaks_first_names_the_size_and_the_overhead_that_grew():
     assert "holds to 2,048" in s and "falls to 30.0% at 4,096" in s and "pp_bubble" in s
     s = breaks_first([rec(1024, 0.5, 0.05, 64), rec(2048, 0.49, 0.06, 32)])
     assert "stays within 10%" in s and "pp_bubble (6.0% of the step)" in s
+    s = breaks_first([rec(1024, 0.5, 0.05, 64), rec(2048, 0.4, 0.2, 32),
+                      rec(4096, 0.3, 0.4, 8)])
+    assert "falls to 40.0% at 2,048" in s and "at 4,096 the largest overhead is pp_bubble" in s
