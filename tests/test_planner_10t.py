@@ -83,16 +83,18 @@ def test_committed_plans_cover_the_grid_fit_and_list_their_assumptions():
 @pytest.mark.parametrize("gpus", [GPUS[0], GPUS[-1]])
 def test_the_planner_finds_a_fitting_layout_at_the_smallest_and_largest_cluster(model, gpus):
     """The search over the committed plan's mesh (the rest free: ZeRO, micro-batches,
-    schedule, checkpointing) finds a layout that fits; the full search's speed is bench's."""
+    schedule, checkpointing; closed forms, not the simulated schedule, to keep it quick)
+    finds a layout that fits, near the committed plan's step; the full search's speed is
+    bench's."""
     for rec in [r for r in _records() if r["model"] == model and r["gpus"] == gpus
                 and r["batch_scale"] == 1]:
         hw = get_hardware(rec["hardware"])
         wl = workload_of(_parse(rec["command"].removeprefix("shardwise plan ")))
         fixed = {k: rec["layout"][k] for k in MESH}
-        res = search(get_model_spec(model), hw, wl, gpus, fixed, top=1)
+        res = search(get_model_spec(model), hw, wl, gpus, fixed, top=1, exact=False)
         best = res.ranked[0]
         assert best.fits and best.memory.total <= hw.hbm_bytes, (rec["hardware"], fixed)
-        assert best.step_time <= rec["step_time_s"] * 1.001
+        assert best.step_time == pytest.approx(rec["step_time_s"], rel=0.1)
 
 
 def test_shardwise_plan_prints_moe_10t(capsys):
