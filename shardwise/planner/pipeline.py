@@ -178,7 +178,7 @@ def weighted_peaks(schedule: str, pp: int, virtual: int, microbatches: int,
     splits] in stage_cost.py) fits; see docs/planner.md.
     """
     m = simulated_microbatches(schedule, pp, microbatches)
-    sched = build_schedule(schedule, pp, m, virtual)
+    sched = _built(schedule, pp, m, virtual)
     out = []
     for acts in sched.ranks:
         live = peak = 0.0
