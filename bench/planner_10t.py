@@ -1,7 +1,7 @@
 """Ten trillion parameters: ``moe-10t`` and ``dense-10t`` planned on 16K to 128K H100 and
 B200 (docs/planner.md, "Ten trillion parameters").
 
-    python bench/planner_10t.py            # every plan (~15 min on 2 busy cores): prints the
+    python bench/planner_10t.py            # every plan (~5 min on 2 busy cores): prints the
                                            # table, writes bench/results/planner_10t.{md,json}
                                            # and the docs section's generated part
     python bench/planner_10t.py --only moe-10t --gpus 131072 --hardware b200   # a subset,
@@ -37,7 +37,7 @@ from pathlib import Path
 from shardwise.planner.catalogue import get_model_spec
 from shardwise.planner.hardware import get_hardware
 from shardwise.planner.search import search
-from shardwise.planner.workload import Workload, parse_workload
+from shardwise.planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -45,16 +45,18 @@ DOCS = ROOT / "docs" / "planner.md"
 BEGIN, END = "<!-- planner_10t:begin -->", "<!-- planner_10t:end -->"
 GPUS = (16384, 32768, 65536, 131072)
 HARDWARE = ("h100", "b200")
-# [Note: 10T workloads] The model's own stack: moe-10t as DeepSeek-V3 trained (fp8,
-# fused kernels, expert all-to-alls overlapped and node-limited to 4 nodes, 20 of 132 SMs
-# kept for them), seq 4096 and 16384 sequences = 67M tokens a step (V3: 15360 x 4096 = 63M,
-# rounded to a power of two so every data-parallel degree divides it); dense-10t as Llama 3
-# 405B trained (bf16, fused kernels), seq 8192 and 4096 sequences = 34M tokens (405B
-# ended at 16M; the critical batch grows as the loss falls, Kaplan et al. 2020).
+# [Note: 10T workloads] Each model on its authors' stack, as the validation table prices
+# their published runs (``--workload-of``): moe-10t as DeepSeek-V3 trained (fp8, expert
+# all-to-alls overlapped and node-limited, MLA up-projections recomputed, fp8 activations,
+# bf16 optimizer state, EMA on the CPU: run deepseek-v3-2048), seq 4096 and 16384
+# sequences = 67M tokens a step (V3: 15360 x 4096 = 63M, rounded to a power of two so
+# every data-parallel degree divides it); dense-10t as Llama 3 405B trained (bf16, fused
+# kernels, stages split as Llama 3 splits them: run llama3-405b-8k-16384gpu), seq 8192 and
+# 4096 sequences = 34M tokens (405B ended at 16M; the critical batch grows as the loss
+# falls, Kaplan et al. 2020).
 MODELS = {
-    "moe-10t": "--seq-len 4096 --global-batch 16384 --compute-dtype fp8 --fused-kernels "
-               "--workload overlap_ep=true,ep_node_limit=4,comm_sm_fraction=0.15",
-    "dense-10t": "--seq-len 8192 --global-batch 4096 --fused-kernels",
+    "moe-10t": "--seq-len 4096 --global-batch 16384 --workload-of deepseek-v3-2048",
+    "dense-10t": "--seq-len 8192 --global-batch 4096 --workload-of llama3-405b-8k-16384gpu",
 }
 WHAT_IF_SCALE = 4
 """The largest cluster is also planned at this many times the batch (what feeds it)."""
@@ -78,11 +80,9 @@ def _parse(line: str) -> argparse.Namespace:
 
 
 def workload_of(args: argparse.Namespace) -> Workload:
-    """The :class:`Workload` ``shardwise plan`` builds from ``args`` (as cli._plan)."""
-    return Workload(seq_len=args.seq_len, global_batch=args.global_batch,
-                    compute_dtype=args.compute_dtype, optimizer=args.optimizer,
-                    matmul_recipe=args.matmul_recipe, attention=args.attention,
-                    fused_kernels=args.fused_kernels, **parse_workload(args.workload))
+    """The :class:`Workload` ``shardwise plan`` builds from ``args`` (its own function)."""
+    from shardwise.planner.cli import _workload
+    return _workload(args, getattr(args, "workload_of", None))
 
 
 def assumptions(wl: Workload, hw) -> dict[str, object]:
