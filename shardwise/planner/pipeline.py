@@ -48,11 +48,20 @@ def min_microbatches(schedule: str, pp: int) -> int:
     return 1 if schedule == "none" else schedule_spec(schedule).min_microbatches(pp)
 
 
+@lru_cache(maxsize=8)
+def _built(schedule: str, pp: int, m: int, v: int):
+    """The built and validated schedule, shared by every pricing of its shape: the search
+    re-prices its best layouts with their own stage costs, often of one schedule shape, and
+    building and validating a deep one (pp 256, 512 micro-batches) costs more than its
+    simulation."""
+    return build_schedule(schedule, pp, m, v)
+
+
 @lru_cache(maxsize=512)
 def _simulated(schedule: str, pp: int, v: int, m: int, stages: tuple, comm: float
                ) -> tuple[float, tuple[float, ...]]:
     """(bubble seconds, per-rank peak micro-batches) of the simulated schedule."""
-    sched = build_schedule(schedule, pp, m, v)
+    sched = _built(schedule, pp, m, v)
     f, b, i, w = (tuple(s[k] for s in stages) for k in range(4))
     sim = simulate(sched, Costs(f=list(f), b=list(b), i=list(i), w=list(w), comm=comm))
     peaks = tuple(float(x) / v for x in sim.peak_activations)
@@ -169,7 +178,7 @@ def weighted_peaks(schedule: str, pp: int, virtual: int, microbatches: int,
     splits] in stage_cost.py) fits; see docs/planner.md.
     """
     m = simulated_microbatches(schedule, pp, microbatches)
-    sched = build_schedule(schedule, pp, m, virtual)
+    sched = _built(schedule, pp, m, virtual)
     out = []
     for acts in sched.ranks:
         live = peak = 0.0

@@ -255,17 +255,19 @@ class _Searcher:
         ``keep`` fastest fitting layouts ([Note: search order])."""
         groups = []
         for group in self.layouts():
-            bounds = [self.cm.lower_bound(L) for L in group]
-            groups.append((bounds[0], len(groups), group, bounds))
+            # only the group's first bound orders it: the others are priced when reached
+            # (most groups never are, and pricing every bound was most of a 10T search)
+            groups.append((self.cm.lower_bound(group[0]), len(groups), group))
         groups.sort()
         out: list[Estimate] = []
         best: list[float] = []  # negated step times of the fastest fitting layouts
-        for n, (_, _, group, bounds) in enumerate(groups):
-            if len(best) >= keep and bounds[0] > -best[0]:
+        for n, (first, _, group) in enumerate(groups):
+            if len(best) >= keep and first > -best[0]:
                 self.pruned += sum(len(g[2]) for g in groups[n:])
                 break
             for i, L in enumerate(group):
-                if len(best) >= keep and bounds[i] > -best[0]:
+                bound = first if i == 0 else self.cm.lower_bound(L)
+                if len(best) >= keep and bound > -best[0]:
                     self.pruned += len(group) - i
                     break
                 est = self._price(L)

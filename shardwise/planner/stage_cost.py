@@ -59,6 +59,7 @@ about 4% for 6 bytes and one 2048-token sequence on an A100.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -155,12 +156,15 @@ def stage_bounds(n_layers: int, chunks: int, split: str = "even") -> list[range]
     return bounds
 
 
+@functools.lru_cache(maxsize=4096)
 def stage_layers(n_layers: int, pp: int, virtual: int, schedule: str = "1f1b",
                  split: str = "even") -> list[tuple[list[int], bool, bool]]:
     """Per pipeline rank: (its layer indices, whether it holds the embedding, whether it
     holds the final norm and head). ``pp x virtual`` stages split the layers in order as
     ``split`` says (:func:`stage_bounds`) and sit on ranks as the schedule places them
-    (``pipeline.placement``: looped, or a V where rank 0 holds the first and last)."""
+    (``pipeline.placement``: looped, or a V where rank 0 holds the first and last).
+    Cached (the search asks for the same split once per layout priced): callers read the
+    lists, never change them."""
     chunks = pp * virtual
     bounds = stage_bounds(n_layers, chunks, split)
     place = placement(schedule, pp, virtual)
@@ -180,6 +184,7 @@ class StageCoster:
     def __init__(self, spec, device, wl) -> None:
         self.spec, self.device, self.hw, self.wl = spec, device, device.hw, wl
         self._layers: dict[tuple, LayerTimes] = {}
+        self._accum: dict[tuple, float] = {}
 
     # ------------------------------------------------------------------ one layer
     def layer(self, moe: bool, tp: int, cp: int, sp: bool, ep: int, mb: int, ac: str,
@@ -328,10 +333,18 @@ class StageCoster:
                        per_param: float, ker: float) -> float:
         """Seconds of one micro-batch's gradient accumulation, ``per_param`` bytes per
         parameter the rank holds whole (its tensor- and expert-parallel shards), priced by
-        the device with the layers' kernel factor ``ker``."""
-        shapes = [s for i in layers for s in self.spec.block_shapes(i, L.tp, L.ep)]
-        shapes += self.spec.root_shapes(L.tp, first, last)
-        return self.device.accumulate_seconds(self.spec, self.wl, shapes, per_param, ker)
+        the device with the layers' kernel factor ``ker``. Cached by the rank's count of
+        dense and MoE blocks (a block's shapes depend on its index only through whether it
+        is MoE): listing every block's shapes for every layout priced was half the search
+        time of a 10T MoE (docs/planner.md, "Ten trillion parameters")."""
+        moe = sum(1 for i in layers if self.spec.is_moe_layer(i))
+        key = (L.tp, L.ep, len(layers) - moe, moe, first, last, per_param, ker)
+        if key not in self._accum:
+            shapes = [s for i in layers for s in self.spec.block_shapes(i, L.tp, L.ep)]
+            shapes += self.spec.root_shapes(L.tp, first, last)
+            self._accum[key] = self.device.accumulate_seconds(self.spec, self.wl, shapes,
+                                                              per_param, ker)
+        return self._accum[key]
 
     def _layer_kinds(self, layers: list[int], ac: str) -> list[tuple[bool, str, int]]:
         """(MoE feed-forward, checkpointing policy, how many) over ``layers``."""
