@@ -236,7 +236,8 @@ class StageCoster:
         replayed = replayed_matmuls(spec, moe, tokens, tp, w.gemms) \
             if ac == "selective" and wl.selective_ac == "alternate_mm" else []
         if ac == "selective" and wl.mla_up_recompute and spec.is_mla:
-            replayed = replayed + up_projection_flops(spec, w.gemms)  # [Note: DeepSeek-V3's..]
+            # recompute.py [Note: DeepSeek-V3's activation storage]
+            replayed = replayed + up_projection_flops(spec, w.gemms)
         replay_gemm = self.device.composition(spec)[0] * sum(
             multiply_seconds(hw, wl, w, f) for f in replayed) / (1 - wl.comm_sm_fraction)
         recompute = {"none": 0.0, "selective": cheap + replay_gemm, "full": fwd}[ac]
