@@ -109,3 +109,22 @@ def test_layouts_built_in_turn_train_as_in_their_own_launch(chained, model_cfg, 
         kind, losses = chained[rank][CHAIN.index(L)]
         assert kind == "ok"
         assert losses == alone[rank][0][1]  # bit for bit
+
+
+def test_the_replanner_never_ranks_a_layout_the_executor_refuses():
+    """``--parallel.plan auto`` rebuilds in the same processes whatever ``rank_layouts``
+    ranks; with selective checkpointing fixed by the user, the split-backward schedules
+    (the fastest here otherwise) must not be among its candidates."""
+    from shardwise.planner.hardware import get_hardware
+    from shardwise.train.pipeline import SPLIT_BACKWARD
+
+    def ranked(**over):
+        cfg = resolve_world(load_config(None, {**TINY, "parallel.plan": "auto",
+                                               "parallel.pp": "2", **over}), 2)
+        return [e.layout for e in plan_layout.rank_layouts(cfg, build_model_config(cfg), 2,
+                                                           get_hardware("h100"))]
+
+    assert ranked()[0].pp_schedule in SPLIT_BACKWARD
+    chosen = ranked(**{"train.activation_checkpoint": "selective"})
+    assert chosen and all(L.ac == "selective" and L.pp == 2 for L in chosen)
+    assert not [L for L in chosen if L.pp_schedule in SPLIT_BACKWARD]
