@@ -65,11 +65,13 @@ def measure(job: space.Job, layouts: list, steps: int) -> list[dict[str, Any]]:
     fastest and CPU seconds a step, and the largest rank's engine-accounted bytes.
 
     [Note: one launch per layout] Each layout gets its own launch of the ranks (processes
-    forked from the preloaded server, a second or two): building a second pipeline in the
-    same processes left the ranks one collective apart (the next build's group creation on
-    one rank against the last step's loss all-reduce on the other), and every layout is then
-    equally the first its processes run. A layout whose ranks fail is recorded with its
-    error and the others go on.
+    forked from the preloaded server, a second or two), so every layout is equally the
+    first its processes run, and a layout that fails cannot disturb the next. (The ranks
+    once ended one collective apart after a pipeline here: selective checkpointing under a
+    split-backward schedule failed mid-step on the last stage's rank only, and the next
+    build's group creation met the first stage's loss all-reduce. The executor now refuses
+    that at build time on every rank alike: tests/test_pp_rebuild.py.) A layout whose
+    ranks fail is recorded with its error and the others go on.
     """
     from bench.planner_bench import KINDS, _rank
     from shardwise.testing.dist import RankFailure, RankTimeout, run_ranks

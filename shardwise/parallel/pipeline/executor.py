@@ -176,7 +176,9 @@ class PipelineExecutor:
         record_times: keep the timestamps of every step of the list (``last_times``).
 
     Raises:
-        ValueError: the schedule does not fit the part (pp, stages or placement).
+        ValueError: the schedule does not fit the part (pp, stages or placement), or it
+            splits backward passes (``W`` actions) while a stage holds selectively
+            checkpointed blocks (on every pipeline rank alike).
     """
 
     def __init__(self, part: PipelinePart, schedule: Schedule, loss_fn: LossFn | None = None,
@@ -201,10 +203,19 @@ class PipelineExecutor:
                                device)
         self.ties = TiedWeights(part)
         self.last_times: list[ActionTime] = []
+        refused = _selective_under_split(schedule, part)
         if groups.pp is not None and groups.pp_size > 1:
-            # NCCL: the first point-to-point call on a group must involve all its ranks.
-            comm.all_reduce(torch.zeros(1, device=comm.group_device(groups.pp)), groups.pp,
-                            label="pp.init")
+            # NCCL: the first point-to-point call on a group must involve all its ranks. It
+            # also carries the refusal below, so every pipeline rank refuses alike.
+            flag = torch.tensor([float(refused)], device=comm.group_device(groups.pp))
+            comm.all_reduce(flag, groups.pp, label="pp.init")
+            refused = bool(flag.item())
+        if refused:
+            raise ValueError(
+                f"schedule {schedule.name!r} splits each backward into input- and "
+                f"weight-gradient passes, and blocks checkpointed with policy 'selective' "
+                f"allow one backward: checkpoint them with policy 'full', or use a schedule "
+                f"without W passes ([Note: refused on every pipeline rank])")
 
     # ------------------------------------------------------------------ public
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -358,6 +369,22 @@ class PipelineExecutor:
         if self.groups.pp is not None and self.groups.pp_size > 1:
             comm.all_reduce(total, self.groups.pp, label="pp.loss")
         return total
+
+
+def _selective_under_split(schedule: Schedule, part: PipelinePart) -> bool:
+    """Whether this rank's stages hold selectively checkpointed blocks under a schedule
+    with weight-gradient (``W``) passes.
+
+    [Note: refused on every pipeline rank] A checkpointed stage's ``W`` pass is a second
+    backward through its blocks ([Note: split backward]), which torch's selective
+    checkpoint refuses mid-step, and only on the ranks whose stages run one: the first
+    stage's rank went on to the loss all-reduce, and a caller that went on in the same
+    processes paired the next build's group creation with it (bench/planner_choice.py).
+    So every pipeline rank refuses alike at build time (the flag rides on ``pp.init``).
+    """
+    has_w = any(a.kind is Kind.W for actions in schedule.ranks for a in actions)
+    return has_w and any(policy == "selective" for st in part.stages
+                         for policy in checkpointed_blocks(st).values())
 
 
 def _signature(x: Any) -> tuple:
