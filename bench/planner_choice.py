@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import planner_choice_space as space  # noqa: E402
+from bench.planner_bench import _calibrate  # noqa: E402  (the same calibration step)
 from bench.planner_choice_report import OUT, write  # noqa: E402
 
 STEPS = {"debug": 4, "small": 2}
@@ -185,15 +185,6 @@ def _old_screens(path: str | None) -> dict[str, list]:
     return {r["job"]: r["screen"] for r in data["jobs"]} if "jobs" in data else data
 
 
-def _calibrate(path: str | None) -> tuple[Path, float]:
-    from shardwise.planner.calibrate import measure_local, write_calibration
-
-    if path and Path(path).exists():
-        return Path(path), 0.0
-    start = time.perf_counter()
-    out = Path(path) if path else Path(tempfile.mkdtemp()) / "calibration.toml"
-    write_calibration(measure_local(budget_s=30.0, ranks=4), out)
-    return out, time.perf_counter() - start
 
 
 def _record(plan: dict[str, Any], finals: list, screen) -> dict[str, Any]:
