@@ -34,7 +34,10 @@ section: torchtitan's 1F1B run of Llama 3.1 405B, priced with the stages torchti
 (15 / 16 / 15 layers, ``pp_split = "ends"``) 9.8 GiB below its published 82.5 GiB, where the
 interleaved run of the same stages is within 1%: what 1F1B kept beyond the planner's
 stages is not in the source (the planner's even split, 16 layers on rank 0, hid it at
--9.1%)."""
+-9.1%). The audit there ("What the 1F1B row's 9.8 GiB is not") found torch's Schedule1F1B
+keeping nothing the interleaved schedule does not, the interleaved row overpriced instead
+(its earlier chunk's gradients counted at a peak they postdate), and torchtitan's Table 6
+reading the same bytes at 75.3 GiB."""
 _SUMMARY = re.compile(r"^- (?P<name>judged|fitted) runs: (?P<n>\d+), mean \|error\| "
                       r"(?P<mean>[\d.]+)%, max (?P<max>[\d.]+)%, (?P<within>\d+) within \+-10%$",
                       re.M)
