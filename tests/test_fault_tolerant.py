@@ -19,6 +19,7 @@ import torch
 from shardwise.train.config import load_config
 from shardwise.train.fault_tolerant.combine import (combine_contributions, combine_gradients,
                                                     flatten_grads, next_lineage)
+from shardwise.train.fault_tolerant.launch import threads_per_rank
 from shardwise.train.fault_tolerant.summary import summarize
 from shardwise.train.faults import FaultPlan, parse_faults
 
@@ -319,12 +320,14 @@ def test_with_every_group_in_every_step_the_numbers_are_those_of_a_run_without_i
 def test_a_group_rejoins_at_its_chosen_step_and_one_whose_capacity_is_gone_never_does(tmp_path):
     """3 groups of 1 rank: group 1 is killed at step 4 and comes back only once step 12 is
     committed; group 2 is killed at step 6 and never comes back. The others never restart;
-    the run finishes with groups 0 and 1 holding the same bits."""
+    the run finishes with groups 0 and 1 holding the same bits. Group 0 is frozen for 8 s at
+    step 8, so group 1's restarted process is up before step 12 however fast the steps are
+    (a restart takes ~5 s here) and its hold is what keeps it out."""
     run = _shardwise(["--parallel.fault_tolerant", "true", "--parallel.dp_replicate", "3",
                       "--nproc", "3", "--train.steps", "22", "--log.progress", "false",
                       "--parallel.ft_timeout_s", "5", "--log.dir", "run", "--faults",
                       "kill:group=1:step=4:rejoin=12;kill:group=2:step=6:phase=backward:"
-                      "rejoin=never"], tmp_path)
+                      "rejoin=never;stop:group=0:step=8:seconds=8"], tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "group 2 left the run for good" in run.stdout
     ft = tmp_path / "run" / "ft"
@@ -344,6 +347,10 @@ def test_a_group_rejoins_at_its_chosen_step_and_one_whose_capacity_is_gone_never
     assert restarted["time"] > step12  # it started at once, then held until step 12
     assert restarted["launched"] < step12
     assert len({r["pid"] for r in journal0 if r.get("event") == "start"}) == 1
+    # The 3 groups share this machine's cores: each rank its share, restarted ones too (each
+    # group's trainer alone would give its 1 rank every core: 3x oversubscribed).
+    starts = [r for r in journal0 + journal1 if r.get("event") == "start"]
+    assert len(starts) == 3 and {r["threads"] for r in starts} == {threads_per_rank(3)}
 
 
 _GATHER_TIMEOUT_S = 180  # far beyond the test's wait: a survivor that waits it out fails

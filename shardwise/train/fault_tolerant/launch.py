@@ -36,7 +36,7 @@ from shardwise.train.faults import ENV_VAR, LOG_ENV, parse_faults
 from shardwise.train.fault_tolerant.rejoin import LEFT_EXIT
 from shardwise.train.fault_tolerant.summary import print_summary, summarize
 
-__all__ = ["run_fault_tolerant", "FaultToleranceError"]
+__all__ = ["run_fault_tolerant", "FaultToleranceError", "threads_per_rank"]
 
 
 class FaultToleranceError(RuntimeError):
@@ -51,6 +51,11 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
     os.setpgrp()
     _die_with(os.getppid())
     os.environ.setdefault("RUST_LOG", "error")  # torchft's quorum client narrates each quorum
+    # Every group's ranks share this machine's cores: each rank gets its share of all of
+    # them (the trainer's own share is per group, which it thinks has the machine alone:
+    # 4 groups of 1 rank on 2 cores ran 8 compute threads, and a restarting group's start
+    # slowed the survivors' steps 2-10x). Set before any rank starts, so restarts get it too.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.parallel.nproc)))
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from shardwise.train.fault_tolerant.replica import run_replica
@@ -64,6 +69,16 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
     Path(result_path).write_text(json.dumps(out[0]))
     if out[0].get("left"):  # gone for good (rejoin=never): neither failed nor finished
         sys.exit(LEFT_EXIT)
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """Intra-op threads for each of ``local_ranks`` ranks sharing this machine's cores (the
+    cores this process may run on), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
 
 
 def _die_with(parent: int) -> None:

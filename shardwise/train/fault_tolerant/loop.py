@@ -75,6 +75,12 @@ def _all_gather(pg: Any, world: int):
     return gather
 
 
+def _since(mark: float) -> tuple[float, float]:
+    """Seconds since ``mark``, and now (the next mark)."""
+    now = time.perf_counter()
+    return now - mark, now
+
+
 def membership_change(before: list[int], now: list[int], failed: list[tuple[int, str]],
                       par: Any) -> dict[str, Any]:
     """Which groups left and joined since the last committed step, and why they were
@@ -142,6 +148,7 @@ class ReplicaSteps:
         start = time.perf_counter()
         healed = self.healable.healed
         self.manager.start_quorum()  # heals this group first when it is behind
+        phases = {"quorum_s": time.perf_counter() - start}
         step = self.manager.current_step() + 1
         if self.healable.healed != healed:
             self.journal.write(event="healed", step=step, time=time.time())
@@ -152,21 +159,25 @@ class ReplicaSteps:
         if self.faults is not None:
             self.faults.at_step(step)
         lr = self.optimizer.param_groups[0]["lr"]
+        mark = time.perf_counter()
         loss_sum, _ = forward_backward(self.model, self.loader, self.gcfg, env, self.scaler,
                                         None)
         self._fire("reduction")
+        phases["compute_s"], mark = _since(mark)
         lineage = self.healable.lineage
         ids, error, loss = self._combine(step, lineage, loss_sum)
         norm = grad_norm(self.model)
         stats = gather_stats([loss, norm], env)  # the participants' mean loss, all ranks
+        phases["combine_s"], mark = _since(mark)
         committed = self.manager.should_commit()
+        phases["commit_s"], _ = _since(mark)
         if committed:
             self._update(step, ids, lineage, norm)
         else:
             self.loader.load_state_dict(position)  # the same step again, next quorum
         self.optimizer.zero_grad(set_to_none=True)
         self._record(step, committed, ids, error, lineage, lr, stats,
-                     time.perf_counter() - start)
+                     time.perf_counter() - start, phases)
 
     def _combine(self, step: int, lineage: int, loss: torch.Tensor
                  ) -> tuple[list[int], str | None, torch.Tensor]:
@@ -242,14 +253,18 @@ class ReplicaSteps:
         return step == self.cfg.train.steps or (interval > 0 and step % interval == 0)
 
     def _record(self, step: int, committed: bool, ids: list[int], error: str | None,
-                lineage: int, lr: float, stats: torch.Tensor, elapsed: float) -> None:
-        """The journal line of this attempt, and the group's console lines."""
+                lineage: int, lr: float, stats: torch.Tensor, elapsed: float,
+                phases: dict[str, float]) -> None:
+        """The journal line of this attempt (with where its time went: the quorum, healing
+        included; this group's forward and backward; the combine across groups; the commit
+        vote), and the group's console lines."""
         cfg, env = self.cfg, self.env
         tokens = env.world_size * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
         loss = float(stats[:, 0].mean())
         record = {"event": "step", "step": step, "committed": committed, "participants": ids,
                   "loss": loss, "lr": lr, "grad_norm": float(stats[0, 1]),
                   "tokens": tokens * len(ids) if committed else 0, "step_time_s": elapsed,
+                  **{k: round(v, 4) for k, v in phases.items()},
                   "time": time.time(), "lineage_before": lineage,
                   "lineage": self.healable.lineage}
         if error is not None:

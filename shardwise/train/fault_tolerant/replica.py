@@ -124,7 +124,7 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
         journal = Journal(Path(cfg.log.dir) / "ft" / f"group{group}.jsonl"
                            if env.is_main else None)
         journal.write(event="start", group=group, pid=os.getpid(), attempt=attempt,
-                      time=time.time(), launched=launched)
+                      time=time.time(), launched=launched, threads=torch.get_num_threads())
         try:
             ReplicaSteps(cfg, gcfg, env, group, model, optimizer, schedule, scaler, loader,
                          data.val_ids, manager, pg, healable, faults, journal,
