@@ -92,8 +92,8 @@ def test_collectives_are_exposed_once_the_cores_are_saturated():
 def test_pipeline_bubble_is_filled_by_time_sharing():
     """pp 2 x dp 2 on 2 cores: ranks waiting in the bubble free their core, so the step is
     the four ranks' busy seconds (compute, and the collectives' CPU: half their seconds
-    here) over the two cores plus the collectives' waiting that no other rank fills (2 of
-    4 ranks' worth), not the critical path with its bubble slowed down."""
+    here) over the two cores, not the critical path with its bubble slowed down; the
+    collectives' waiting is other ranks' turns ([Note: waiting beyond the cores])."""
     import dataclasses
 
     hw = local_cpu(2)
@@ -107,13 +107,55 @@ def test_pipeline_bubble_is_filled_by_time_sharing():
                for r, rt, lay in cm.all_ranks(L))
     b = est.breakdown
     comm = b["pp_comm"] + b["dp_comm"] + b["tp_comm"]
-    on_core = 0.5 * comm  # every group here has 2 ranks
-    assert est.step_time == pytest.approx((2 * busy + 4 * on_core) / 2
-                                          + (comm - on_core) * 2 / 4, rel=0.02)  # copies aside
+    on_core = 0.5 * comm  # the groups here have 2 ranks (the step's statistics aside)
+    assert est.step_time == pytest.approx((2 * busy + 4 * on_core) / 2, rel=0.02)  # copies aside
     without = estimate_debug(local_cpu(2), **pipe)  # CPU fraction not measured: all waiting
     assert without.step_time < est.step_time
     assert alone.step_time < est.step_time < 2 * alone.step_time
     assert b["pp_bubble"] == pytest.approx(alone.breakdown["pp_bubble"])
+
+
+def _slow_collectives(hw, factor: float, copy: bool = True):
+    """``hw`` with its 4-rank collectives ``factor`` times their fits, CPU fractions
+    measured (0.5 of a 2-rank collective's seconds, 0.25 of a 4-rank one's), and the
+    engine's copies free unless ``copy``."""
+    c = hw.cpu
+    colls = {k: {**v, 4: Fit(factor * v[4].latency, factor * v[4].per_unit)}
+             for k, v in c.collectives.items()}
+    kernels = dict(c.kernels)
+    if not copy:
+        kernels["copy"] = Kernel(Fit(0.0, 0.0), Fit(0.0, 0.0))
+    return hw.replace(cpu=replace(c, collectives=colls, kernels=kernels,
+                                  comm_cpu={2: 0.5, 4: 0.25}))
+
+
+def test_waiting_beyond_the_cores_is_not_on_the_step():
+    """ZeRO-3 over 4 ranks on 2 cores: a collective's waiting is the peers' compute while
+    they time-share the cores, already in the busy seconds ([Note: waiting beyond the
+    cores]), so slower collectives lengthen the step only by their CPU: each rank's 0.25
+    of the added seconds, 4 ranks over 2 cores."""
+    fast = estimate_debug(_slow_collectives(local_cpu(2), 1.0), dp_shard=4, zero=3)
+    slow = estimate_debug(_slow_collectives(local_cpu(2), 10.0), dp_shard=4, zero=3)
+    added = slow.breakdown["dp_comm"] - fast.breakdown["dp_comm"]
+    assert added > 0.1 * fast.step_time  # the collectives weigh
+    assert slow.step_time - fast.step_time == pytest.approx(4 * 0.25 * added / 2, rel=1e-6)
+
+
+def test_collectives_cpu_is_their_own_groups():
+    """dp_replicate 4 on 2 cores (no shards): the replicas' gradient all-reduce and the
+    step's loss and statistics are 4-rank collectives, so 0.25 of their seconds is CPU
+    that joins the busy seconds, not nothing (the engine's shard group has one rank)."""
+    layout = dict(dp_replicate=4, dp_shard=1, zero=1)
+    wl = Workload(seq_len=128, global_batch=16, compute_dtype="fp32")
+    hw = _slow_collectives(local_cpu(2), 1.0, copy=False)
+    none = hw.replace(cpu=replace(hw.cpu, comm_cpu={}))
+    L = Layout(microbatch=4, **layout)
+    got, unmeasured = (CostModel(get_model_spec("debug"), h, wl).estimate(L, exact=True)
+                       for h in (hw, none))
+    comm = got.breakdown["dp_comm"]
+    assert comm > 0 and comm == pytest.approx(unmeasured.breakdown["dp_comm"])
+    assert got.step_time - unmeasured.step_time == pytest.approx(4 * 0.25 * comm / 2,
+                                                                 rel=1e-6)
 
 
 def test_layer_kernels_count_the_calls_a_block_makes():

@@ -16,10 +16,27 @@ core is idle. Under time-sharing a collective's seconds are of two kinds, which 
 calibration measures apart (process CPU time beside wall time, ``CpuCosts.comm_cpu``): its
 own CPU (copies, the reduction, Gloo's threads), which competes for the cores like compute
 and joins the busy seconds; and waiting (for a peer still computing, or descheduled),
-during which another rank runs on the core, so only ``cores / ranks`` of it is exposed
-(the rounds of the cores' round robin in which no other rank is runnable). Adding the
-waiting whole to the busy seconds would count the other ranks' compute twice; leaving the
-collectives' own CPU out would miss what a rank spends on them.
+during which another rank runs on the core ([Note: waiting beyond the cores]). Adding the
+waiting to the busy seconds would count the other ranks' compute twice; leaving the
+collectives' own CPU out would miss what a rank spends on them. Each collective's CPU
+fraction is the one measured for its group: a pipeline send's pair, the engine's shards
+or replicas (the larger), and every rank for the step's loss and statistics.
+
+[Note: waiting beyond the cores] Beyond the cores, a collective's waiting is not on the
+step at all. The calibration times each collective after a few milliseconds of compute on
+every rank (calibrate/gloo.py), so on 4 ranks over 2 cores its waiting is the time its
+peers take to finish that compute while time-sharing the cores (a 4-rank collective there
+is 0.2-0.25 CPU and the rest waiting): other ranks' compute, which the busy seconds
+already count. The steps measure the same: ZeRO-3 over 4 ranks on 2 cores, every rank
+equally busy, ran in the ranks' CPU seconds over the cores (the fastest step over twice
+the slowest rank's median CPU seconds a step: 0.97-1.03 in the 12 rounds of
+bench/results/planner_choice.json, debug and small, and 0.93-1.01 in the 20 of
+planner_bench's last run and runs 23-25), so no core idled that a rank's waiting could
+be charged for. Exposing ``cores / ranks`` of the waiting, as this model once did, priced
+the collective-heavy layouts too high against the others: planner_choice's debug x4
+default (ZeRO-3, a collective per unit) over its top (2 pipelines of 2 stages) was
+predicted 1.33 and measured 1.09-1.14; re-predicted from the same calibration, 1.12
+(``bench/planner_choice_refit.py``).
 
 Cores are not independent either: they share the clock budget (a lone busy core runs at a
 higher boost frequency), the last-level cache and the memory bandwidth. The calibration
@@ -71,15 +88,14 @@ def saturated(hw, ranks: int) -> bool:
     return bool(hw.cores) and ranks >= hw.cores
 
 
-def time_shared(hw, ranks: int, critical: float, busy_total: float, waiting: float
-                ) -> float:
+def time_shared(hw, ranks: int, critical: float, busy_total: float) -> float:
     """The step time of ``ranks`` ranks on ``hw.cores`` cores ([Note: CPU ranks share the
     cores]): the critical path, or the ranks' busy seconds (compute and the collectives'
-    own CPU) over the cores plus the share of a rank's collective waiting no other rank
-    fills (``cores / ranks`` of it), whichever is longer."""
+    own CPU) over the cores, whichever is longer (a collective's waiting is other ranks'
+    turns on the cores: [Note: waiting beyond the cores])."""
     if not hw.cores or ranks <= hw.cores:
         return critical
-    return max(critical, busy_total / hw.cores + waiting * hw.cores / ranks)
+    return max(critical, busy_total / hw.cores)
 
 
 def _step_collectives(cm, L) -> float:
@@ -95,6 +111,17 @@ def _step_collectives(cm, L) -> float:
         norms = (2 * cm.spec.n_layers + 1) * cm.spec.dim * 4 / L.pp
         total += dev.all_reduce(norms, comm_model.place(L.tp, 1, dev.hw.gpus_per_node))
     return total
+
+
+def _collectives(L, out: dict[str, float], own: float, stats: float
+                 ) -> list[tuple[int, float]]:
+    """(group size, seconds) of a step's collectives by kind ([Note: CPU ranks share the
+    cores]): a pipeline send pairs two ranks; the engine's gathers and reductions run over
+    the shards and over the replicas (the larger group), the step's loss and statistics
+    over every rank; ``own``, the engine's copies, are compute."""
+    return [(L.tp, out["tp_comm"]), (L.cp, out["cp_comm"]), (L.ep, out["ep_all_to_all"]),
+            (2, out["pp_comm"]), (L.gpus, stats),
+            (max(L.dp_shard * L.cp, L.dp_replicate), out["dp_comm"] - own - stats)]
 
 
 def _tp_calls(cm, L, layers, first: bool, last: bool) -> int:
@@ -184,8 +211,8 @@ def combine(hw, cm, L, breakdown: dict[str, float], layers, first: bool, last: b
     else:
         for k in ("compute", "optimizer", "pp_bubble"):
             out[k] *= slow
-    own = slow * copies(layers, first, last)
-    out["dp_comm"] += own + _step_collectives(cm, L)
+    own, stats = slow * copies(layers, first, last), _step_collectives(cm, L)
+    out["dp_comm"] += own + stats
     for k, v in collective_overhead_seconds(hw, cm, L, layers, first, last).items():
         out[k] += v
     if not hw.cores or L.gpus <= hw.cores or cm.timeline_only:
@@ -196,12 +223,9 @@ def combine(hw, cm, L, breakdown: dict[str, float], layers, first: bool, last: b
         busy += (L.pp_microbatches * (rt.fwd + rt.bwd) + cm.optimizer_seconds(L, lay, f, la)[0]
                  + copies(lay, f, la))
     busy *= slow * L.gpus / L.pp  # every pipeline rank's data and tensor replicas
-    groups = {"tp_comm": L.tp, "cp_comm": L.cp, "ep_all_to_all": L.ep,
-              "pp_comm": 2, "dp_comm": world}  # a pipeline send pairs two ranks
-    comm = {k: out[k] - (own if k == "dp_comm" else 0.0) for k in groups}
-    on_core = sum(hw.cpu.comm_cpu_fraction(groups[k]) * v for k, v in comm.items())
+    on_core = sum(hw.cpu.comm_cpu_fraction(group) * seconds
+                  for group, seconds in _collectives(L, out, own, stats))
     busy += on_core * L.gpus  # every rank's collectives occupy its core that long
     critical = sum(out.values())
-    waiting = sum(comm.values()) - on_core
-    out["compute"] += time_shared(hw, L.gpus, critical, busy, waiting) - critical
+    out["compute"] += time_shared(hw, L.gpus, critical, busy) - critical
     return out
