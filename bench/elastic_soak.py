@@ -127,7 +127,15 @@ def _ckpt_restart(opts: argparse.Namespace, work: Path, kills: list[int],
 
 
 def goodput_round(opts: argparse.Namespace, work: Path, r: int) -> dict[str, Any]:
-    """One goodput round (config 4x1): fault-tolerant beside checkpoint-restart."""
+    """One goodput round (config 4x1): fault-tolerant beside checkpoint-restart.
+
+    [Note: a fault-free run on each side] Goodput divides the fault run's committed tokens by
+    what a fault-free run would commit in its time, and runs of the same command on this
+    machine differ by up to 15% in their steady pace (the fault run's steps before its first
+    fault were 10-15% slower than the fault-free run's just before it, twice in a row, with
+    nothing else running). With ``--sandwich`` a second fault-free run follows the fault run;
+    the rate is the two runs' mean, and each one's goodput is kept beside it.
+    """
     groups, nproc, n = 4, 4, opts.goodput_steps
     plan = er.kill_schedule(groups, n, opts.kill_every, opts.kill_every - 20)
     spec = ";".join(f"kill:group={g}:step={s}:phase={er.PHASES[i % 5]}"
@@ -140,41 +148,63 @@ def goodput_round(opts: argparse.Namespace, work: Path, r: int) -> dict[str, Any
         variants.append(("ft_fast", 2.0, 500))
     for tag, timeout, hb in variants:
         print(f"[goodput {r}] {tag}: fault-free, then {len(plan)} kills", flush=True)
-        ff_dir, f_dir = work / f"g{r}_{tag}_ff", work / f"g{r}_{tag}_faults"
+        f_dir = work / f"g{r}_{tag}_faults"
         extra = opts.goodput_args.split()
-        ff = er.run_train(er.ft_args(groups, nproc, n, ff_dir, timeout, hb, extra),
-                          work / f"g{r}_{tag}_ff.log")
-        ff_tokens = er.read_ft(ff_dir)["summary"].get("committed_tokens", 0)
+
+        def fault_free(when: str, tag: str = tag, timeout: float = timeout,
+                       hb: int | None = hb, extra: list[str] = extra
+                       ) -> tuple[dict[str, Any], float]:
+            ff_dir = work / f"g{r}_{tag}_ff{when}"
+            ff = er.run_train(er.ft_args(groups, nproc, n, ff_dir, timeout, hb, extra),
+                              work / f"g{r}_{tag}_ff{when}.log")
+            return ff, er.read_ft(ff_dir)["summary"].get("committed_tokens", 0) / ff["wall_s"]
+
+        ff, rate = fault_free("")
         fr = er.run_train(er.ft_args(groups, nproc, n, f_dir, timeout, hb,
                                      [*extra, "--faults", spec]),
                           work / f"g{r}_{tag}_faults.log")
         fs = er.read_ft(f_dir)
-        rate = ff_tokens / ff["wall_s"]
+        committed = fs["summary"].get("committed_tokens", 0)
         rows[tag] = {"timeout_s": timeout, "heartbeat_ms": hb or 1000, "fault_free": ff,
                      "fault_free_tokens_per_s": round(rate, 1), "fault_run": fr,
                      "kills_fired": sum(1 for f in fs["faults"] if f["action"] == "kill"),
-                     "committed_tokens": fs["summary"].get("committed_tokens", 0),
-                     "steps": fs["summary"].get("steps"),
+                     "committed_tokens": committed, "steps": fs["summary"].get("steps"),
                      "recovery_s": fs["summary"].get("recovery_s"),
-                     "goodput": round(fs["summary"].get("committed_tokens", 0)
-                                      / (rate * fr["wall_s"]), 3)}
+                     "goodput": round(committed / (rate * fr["wall_s"]), 3)}
+        if opts.sandwich:  # [Note: a fault-free run on each side]
+            after, rate_after = fault_free("_after")
+            each = [committed / (x * fr["wall_s"]) for x in (rate, rate_after)]
+            rows[tag].update(fault_free_after=after,
+                             fault_free_tokens_per_s_after=round(rate_after, 1),
+                             goodput=round(2 * committed / ((rate + rate_after) * fr["wall_s"]),
+                                           3),
+                             goodput_each=[round(g, 3) for g in each])
     if opts.no_ckpt:
         return rows
     print(f"[goodput {r}] checkpoint-restart: fault-free, then kills", flush=True)
-    ff_dir = work / f"g{r}_ckpt_ff"
-    ff = er.run_train(["--nproc", "4", "--parallel.dp_replicate", "4", "--train.steps", str(n),
-                       "--log.dir", str(ff_dir), "--log.overwrite", "true", "--log.progress",
-                       "false", "--checkpoint.interval", str(opts.ckpt_interval),
-                       *opts.goodput_args.split()],
-                      work / f"g{r}_ckpt_ff.log")
-    ff_sum = json.loads((ff_dir / "summary.json").read_text())
-    per_step = ff_sum["tokens"] / ff_sum["steps"]
-    rate = ff_sum["tokens"] / ff["wall_s"]
+
+    def ckpt_fault_free(when: str) -> tuple[dict[str, Any], float, float]:
+        ff_dir = work / f"g{r}_ckpt_ff{when}"
+        ff = er.run_train(["--nproc", "4", "--parallel.dp_replicate", "4", "--train.steps",
+                           str(n), "--log.dir", str(ff_dir), "--log.overwrite", "true",
+                           "--log.progress", "false", "--checkpoint.interval",
+                           str(opts.ckpt_interval), *opts.goodput_args.split()],
+                          work / f"g{r}_ckpt_ff{when}.log")
+        ff_sum = json.loads((ff_dir / "summary.json").read_text())
+        return ff, ff_sum["tokens"] / ff_sum["steps"], ff_sum["tokens"] / ff["wall_s"]
+
+    ff, per_step, rate = ckpt_fault_free("")
     cr = _ckpt_restart(opts, work, [s for s, _ in plan], f"r{r}")
     useful = per_step * n if cr["finished"] else 0
     rows["ckpt"] = {"interval": opts.ckpt_interval, "fault_free": ff,
                     "fault_free_tokens_per_s": round(rate, 1), **cr,
                     "useful_tokens": useful, "goodput": round(useful / (rate * cr["wall_s"]), 3)}
+    if opts.sandwich:
+        after, _, rate_after = ckpt_fault_free("_after")
+        rows["ckpt"].update(
+            fault_free_after=after, fault_free_tokens_per_s_after=round(rate_after, 1),
+            goodput=round(2 * useful / ((rate + rate_after) * cr["wall_s"]), 3),
+            goodput_each=[round(useful / (x * cr["wall_s"]), 3) for x in (rate, rate_after)])
     print(f"[goodput {r}] " + ", ".join(f"{k} {v['goodput']}" for k, v in rows.items()
                                         if isinstance(v, dict)), flush=True)
     return rows
@@ -187,6 +217,17 @@ def _cpu_note(runs: list[dict[str, Any]]) -> str:
     return (f"{len(runs)} runs, {wall:.0f} s wall: their CPU {mine:.0f} s, the rest of the "
             f"machine {other:.0f} s meanwhile (= {other / max(wall, 1e-9):.2f} of a core on "
             f"average{'; runs were under outside load' if other / max(wall, 1e-9) > 0.1 else ''})")
+
+
+def _rates(row: dict[str, Any]) -> str:
+    """The fault-free rate, or the rates before / after the fault run."""
+    after = row.get("fault_free_tokens_per_s_after")
+    return f"{row['fault_free_tokens_per_s']}" + ("" if after is None else f" / {after}")
+
+
+def _each(row: dict[str, Any]) -> str:
+    each = row.get("goodput_each")
+    return "" if not each else f" ({each[0]} / {each[1]})"
 
 
 def markdown(res: dict[str, Any], notes: Path | None = None) -> str:
@@ -232,8 +273,8 @@ def markdown(res: dict[str, Any], notes: Path | None = None) -> str:
                   f"groups x 1 rank, {res['goodput_steps']} steps, kills at steps "
                   f"{g['kill_steps']}{', ' + g['train_args'] if g.get('train_args') else ''})",
                   "",
-                  "| path | fault-free tokens/s | fault run wall (s) | useful tokens | "
-                  "goodput | recovery median / max (s) | CPU / other CPU (s) |",
+                  "| path | fault-free tokens/s (before / after) | fault run wall (s) | "
+                  "useful tokens | goodput | recovery median / max (s) | CPU / other CPU (s) |",
                   "|---" * 7 + "|"]
         for tag in ("ft", "ft_fast"):
             if tag in g:
@@ -242,13 +283,14 @@ def markdown(res: dict[str, Any], notes: Path | None = None) -> str:
                 med = f"{rec['median']:.2f} / {rec['max']:.2f}" if rec.get("median") else "-"
                 lines.append(f"| fault tolerant (timeout {v['timeout_s']} s, heartbeat "
                              f"{v['heartbeat_ms']} ms; {v['kills_fired']} kills) | "
-                             f"{v['fault_free_tokens_per_s']} | {v['fault_run']['wall_s']} | "
-                             f"{v['committed_tokens']} | **{v['goodput']}** | {med} | "
+                             f"{_rates(v)} | {v['fault_run']['wall_s']} | "
+                             f"{v['committed_tokens']} | **{v['goodput']}**{_each(v)} | {med} | "
                              f"{v['fault_run']['cpu_s']} / {v['fault_run']['other_cpu_s']} |")
         c = g.get("ckpt")
         lines.append("" if c is None else f"| checkpoint-restart (interval {c['interval']}, "
-                     f"{len(c['launches'])} launches) | {c['fault_free_tokens_per_s']} | "
-                     f"{c['wall_s']} | {c['useful_tokens']:.0f} | **{c['goodput']}** | - | "
+                     f"{len(c['launches'])} launches) | {_rates(c)} | "
+                     f"{c['wall_s']} | {c['useful_tokens']:.0f} | **{c['goodput']}**"
+                     f"{_each(c)} | - | "
                      f"{c['cpu_s']} / {c['other_cpu_s']} |")
         lines.append("")
     lines += ["## Machine load", "", _cpu_note(res["all_runs"]), ""]
@@ -278,6 +320,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "'--model.name small' for steps of seconds, as on a real cluster")
     p.add_argument("--fast-detect", action="store_true",
                    help="goodput also with ft_heartbeat_ms 500, ft_timeout_s 2")
+    p.add_argument("--sandwich", action="store_true",
+                   help="a second fault-free run after each fault run; goodput against their "
+                        "mean rate ([Note: a fault-free run on each side])")
     p.add_argument("--no-ckpt", action="store_true",
                    help="goodput rounds without the checkpoint-restart path")
     p.add_argument("--tag", default="", help="a label for this invocation's goodput rounds")
