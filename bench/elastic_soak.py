@@ -253,7 +253,8 @@ def markdown(res: dict[str, Any], notes: Path | None = None) -> str:
             lines.append(
                 f"| {s['groups']} groups x {s['ranks_per_group']}{pinned} | {s['steps']} | "
                 f"{s['fired']['kill']} | {s['fired']['stop']} | {s['restarts']} | {med} | "
-                f"{statistics.median(rj) if rj else '-'} | {s['fired'].get('rejoin', '-')} | "
+                f"{f'{statistics.median(rj):.2f}' if rj else '-'} | "
+                f"{s['fired'].get('rejoin', '-')} | "
                 f"{s['steps_with_fewer_groups']} | "
                 f"{s.get('discarded_steps')} | {verdict} | "
                 f"{s['fault_run']['wall_s']} | {s['fault_run']['cpu_s']} / "
