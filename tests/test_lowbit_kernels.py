@@ -62,19 +62,29 @@ def test_rowwise_real_kernel_equals_the_emulation_bit_for_bit(recipe, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_tensorwise_real_kernel_within_the_accumulation_bound(shape):
+def test_tensorwise_real_kernel_within_the_accumulation_bound(shape, monkeypatch):
     x, w, dy = draw("block", *shape, seed=22)
+    calls = []
+    kernel = torch._scaled_mm
+
+    def spy(*args, **kwargs):  # the real kernel runs; the spy only counts it
+        calls.append(args[0].dtype)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
     real = tao.ours("fp8_tensorwise", x, w, dy, "real")
+    assert torch.float8_e4m3fn in calls, calls  # the e4m3 x e4m3 forward ran in the kernel
+    monkeypatch.setattr(torch, "_scaled_mm", kernel)
     emulated = tao.ours("fp8_tensorwise", x, w, dy, "emulated")
     ops = tao.decoded_operands("fp8_tensorwise", x, w, dy)
     for q, a, b in zip(("output", "grad_input", "grad_weight"), real, emulated):
         bound = tao.accumulation_bound(*ops[q])
         assert ((a.double() - b.double()).abs() <= bound).all(), q
-    # the e4m3 x e4m3 forward sums in the kernel's own order (so the kernel did run) ...
-    assert not torch.equal(real[0], emulated[0])
-    assert (real[0] - emulated[0]).abs().max() <= 1e-5 * emulated[0].abs().max()
-    # ... while its e5m2 x e4m3 products (both gradients) give the emulation's bits here
-    assert torch.equal(real[1], emulated[1]) and torch.equal(real[2], emulated[2])
+    # Whether the kernel's e4m3 sums land on the emulation's bits depends on the CPU's kernel
+    # (they differed on AMD EPYC and match on an Intel Xeon with AVX512-FP16), so only the
+    # bound and a relative 1e-5 are asserted, not the bits.
+    for a, b in zip(real, emulated):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r not in CPU_TAKES])
