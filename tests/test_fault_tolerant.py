@@ -320,9 +320,8 @@ def test_with_every_group_in_every_step_the_numbers_are_those_of_a_run_without_i
 def test_a_group_rejoins_at_its_chosen_step_and_one_whose_capacity_is_gone_never_does(tmp_path):
     """3 groups of 1 rank: group 1 is killed at step 4 and comes back only once step 12 is
     committed; group 2 is killed at step 6 and never comes back. The others never restart;
-    the run finishes with groups 0 and 1 holding the same bits. Group 0 is frozen for 8 s at
-    step 8, so group 1's restarted process is up before step 12 however fast the steps are
-    (a restart takes ~5 s here) and its hold is what keeps it out."""
+    the run finishes with groups 0 and 1 holding the same bits. Group 0 is frozen 8 s at step
+    8, so group 1 is up before step 12 however fast the steps are: its hold keeps it out."""
     run = _shardwise(["--parallel.fault_tolerant", "true", "--parallel.dp_replicate", "3",
                       "--nproc", "3", "--train.steps", "22", "--log.progress", "false",
                       "--parallel.ft_timeout_s", "5", "--log.dir", "run", "--faults",
@@ -347,8 +346,7 @@ def test_a_group_rejoins_at_its_chosen_step_and_one_whose_capacity_is_gone_never
     assert restarted["time"] > step12  # it started at once, then held until step 12
     assert restarted["launched"] < step12
     assert len({r["pid"] for r in journal0 if r.get("event") == "start"}) == 1
-    # The 3 groups share this machine's cores: each rank its share, restarted ones too (each
-    # group's trainer alone would give its 1 rank every core: 3x oversubscribed).
+    # Each rank (restarted ones too) its share of the cores the 3 groups share.
     starts = [r for r in journal0 + journal1 if r.get("event") == "start"]
     assert len(starts) == 3 and {r["threads"] for r in starts} == {threads_per_rank(3)}
 
