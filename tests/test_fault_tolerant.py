@@ -359,11 +359,17 @@ def _gather_after_a_peer_dies(rank: int, world: int, port: int, out_dir: str) ->
 
     from torchft import ProcessGroupGloo
 
-    from shardwise.train.fault_tolerant.loop import PeerLost, _all_gather
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    from shardwise.train.fault_tolerant.wide import PeerLost, wait_or_abort
 
     pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=_GATHER_TIMEOUT_S))
     pg.configure(f"localhost:{port}/gather", f"g{rank}", rank, world)
-    gather = _all_gather(pg, world)
+
+    def gather(flat):
+        out = [torch.empty_like(flat) for _ in range(world)]
+        wait_or_abort(pg, pg.allgather([out], [flat], AllgatherOptions()), "gather")
+
     gather(torch.full((64,), float(rank)))  # everyone connected
     if rank == 1:
         os._exit(0)  # a group dies between two combines
@@ -396,5 +402,5 @@ def test_every_survivor_of_a_combine_hears_of_a_lost_group_at_once_not_at_its_ti
             p.kill()
         pytest.fail("a survivor of the lost group is still waiting for its timeout")
     texts = {r: (tmp_path / f"rank{r}.txt").read_text() for r in (0, 2, 3)}
-    assert all(t.startswith("RuntimeError") and "Timed out" not in t
+    assert all(t.startswith("gather: RuntimeError") and "Timed out" not in t
                for t in texts.values()), texts

@@ -5,13 +5,14 @@ and whatever the transport.
 ring's size and each member's place in it, and under fault tolerance both change with every
 quorum: the same surviving gradients could sum to different bits depending on who else was
 in the ring, and no reference run could reproduce a run that lost groups. So each rank
-all-gathers its flat fp32 gradients (its shard of its group's model, the same layout in
-every group) from the same rank of every group in the quorum, then adds the participants'
-contributions in replica-group order and divides by their number. The result depends only on
-the set of participants: a run that replays the same membership gets the same weights,
-bitwise (bench/elastic_soak.py checks it). The price is bandwidth: each rank receives
-``groups - 1`` copies of its gradient shard where a ring would move two; replica groups are
-few (each one is a whole sharded model), and the shard is ``1 / dp_shard`` of the model.
+receives, from every other group in the quorum, that group's flat fp32 gradient over the
+part of the model this rank holds (:mod:`~shardwise.train.fault_tolerant.exchange`, in any
+two layouts), then adds the participants' contributions in replica-group order and divides
+by their number. The result depends only on the set of participants: a run that replays the
+same membership gets the same weights, bitwise (bench/elastic_soak.py checks it). The price
+is bandwidth: each rank receives ``groups - 1`` copies of its gradient shard where a ring
+would move two; replica groups are few (each one is a whole sharded model), and the shard is
+``1 / dp_shard`` of the model.
 
 Every contribution starts with a header, ``(group id, taking part, lineage, parameters)``,
 so the order is by group id, not by the transport's ranks, then this rank's loss (the step's
@@ -185,7 +186,8 @@ def combine_gradients(params: Sequence[torch.Tensor], group: int, taking_part: b
             every group).
         group: this rank's replica group id.
         taking_part: whether this group's gradient counts this step.
-        all_gather: gathers one tensor from the same rank of every group in the quorum.
+        all_gather: every group's contribution over this rank's holding, its own among them
+            (:class:`~shardwise.train.fault_tolerant.exchange.GradientExchange`).
         participants: see :func:`combine_contributions`.
         lineage: this group's lineage ([Note: lineages]).
         loss: this rank's loss of the step (its mean over participants comes back).

@@ -1,7 +1,7 @@
 """The steps of one replica group's rank: a quorum, the group's forward and backward, the
 combine across groups, and a commit that every group that finished the step agrees on.
 
-    start_quorum()  -> the groups alive now; a group behind them heals first
+    start_quorum()  -> the groups alive now; a group behind them heals first (heal.py)
     forward/backward over this group's slice of the step's batch (ZeRO inside the group)
     combine         -> the mean of the participants' gradients ([Note: a deterministic
                        combine across groups] in combine.py); a group lost here fails the
@@ -18,10 +18,10 @@ step is computed again by the groups in the next quorum. So no committed step is
 counted twice, and the learning-rate schedule, the data position and the random seed of a
 step depend on ``s`` only.
 
-The state a rejoining group heals from a peer (the same rank of a live group: the layout
-inside every group is the same) is everything that step ``s`` depends on: the parameter
-shards and buffers, the optimizer state, the schedule's position, the data position, and
-the step itself (the random state is seeded from the step, so it follows).
+The state a group behind heals from a live one (heal.py, in any two layouts) is everything
+that step ``s`` depends on: the parameters and buffers, the optimizer state, the schedule's
+position, the data position, and the step itself (the random state is seeded from the step,
+so it follows).
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ import torch
 from shardwise.shard import clip_grads_with_norm_
 from shardwise.train.config import Config
 from shardwise.train.fault_tolerant.combine import combine_gradients, next_lineage
+from shardwise.train.fault_tolerant.exchange import GradientExchange
+from shardwise.train.fault_tolerant.heal import heal_behind
 from shardwise.train.fault_tolerant.state import CheckpointSaver, HealableState, Journal
+from shardwise.train.fault_tolerant.wide import PeerLost, Roster, WideGroup
 from shardwise.train.faults import FaultPlan
 from shardwise.train.pipeline import grad_norm
 from shardwise.train.stats import gather_stats
@@ -47,32 +50,8 @@ from shardwise.train.step import forward_backward
 __all__ = ["ReplicaSteps"]
 
 
-class PeerLost(RuntimeError):
-    """The combine across groups failed: a group died or froze during it."""
-
-
 def _step_seed(seed: int, step: int, data_rank: int) -> int:
     return (seed * 1_000_003 + step * 7919 + data_rank) % (2**63 - 1)
-
-
-def _all_gather(pg: Any, world: int):
-    """``flat`` from the same rank of every group in the quorum, through torchft's group."""
-    from torch._C._distributed_c10d import AllgatherOptions
-
-    def gather(flat: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(flat) for _ in range(world)]
-        try:
-            pg.allgather([out], [flat], AllgatherOptions()).wait()
-        except Exception as exc:  # a peer lost or frozen mid-combine: named, not a crash
-            # Only the dead group's neighbours in Gloo's ring see its connection close; the
-            # others wait for data that will never come until ft_timeout_s (seen: 3 s of a
-            # 5.7 s recovery). Closing this rank's connections now passes the failure on
-            # around the ring at once; the next quorum configures a new group anyway.
-            pg.abort()
-            raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
-        return out
-
-    return gather
 
 
 def _since(mark: float) -> tuple[float, float]:
@@ -89,7 +68,7 @@ def membership_change(before: list[int], now: list[int], failed: list[tuple[int,
     joined = sorted(set(now) - set(before))
     if failed:
         step, error = failed[-1]
-        why = (f"they did not answer the combine across groups (all-gather of the gradients) "
+        why = (f"they did not answer the combine across groups (the exchange of the gradients) "
                f"of step {step} within parallel.ft_timeout_s={par.ft_timeout_s:g} s or died "
                f"during it ({error[:160]})")
     else:
@@ -118,25 +97,49 @@ class ReplicaSteps:
     loader: Any
     val_ids: torch.Tensor
     manager: Any
-    pg: Any
+    wide: WideGroup
     healable: HealableState
     faults: FaultPlan | None
     journal: Journal
     saver: CheckpointSaver
     script: dict[int, list[int]] | None = None
     params: list[torch.Tensor] = field(default_factory=list)
+    trainable: list[int] = field(default_factory=list)
+    exchange: GradientExchange | None = None
     last_ids: list[int] | None = None
     failed: list[tuple[int, str]] = field(default_factory=list)
     restarted: bool = field(
         default_factory=lambda: int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
 
     def __post_init__(self) -> None:
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        every = list(self.model.parameters())
+        self.trainable = [i for i, p in enumerate(every) if p.requires_grad]
+        self.params = [every[i] for i in self.trainable]
 
     def run(self) -> None:
         """Attempt steps until ``train.steps`` have committed."""
+        if not self.restarted and self.manager.current_step() == 0:
+            self._wait_for_every_group()
         while self.manager.current_step() < self.cfg.train.steps:
             self.attempt()
+
+    def _wait_for_every_group(self) -> None:
+        """A fresh run's groups start together: until every group is in the quorum (or
+        ``6 x parallel.ft_timeout_s`` have passed), a group asks for quorums without
+        training. Otherwise the first group up trains alone while the others still start
+        (seen: 3 s apart under load), its steps are healed over when the others join, and
+        a fault meant for a step both groups train hits a group that is still alone."""
+        want = self.cfg.parallel.dp_replicate
+        start = time.monotonic()
+        deadline = start + 6 * self.cfg.parallel.ft_timeout_s
+        while True:
+            self.manager.start_quorum(allow_heal=False)
+            seen = self.wide.groups_in_last_quorum()
+            if seen >= want or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        self.journal.write(event="ready", groups=seen, waited_s=round(time.monotonic() - start,
+                                                                       3), time=time.time())
 
     def _fire(self, phase: str) -> None:
         if self.faults is not None:
@@ -147,7 +150,10 @@ class ReplicaSteps:
         none ([Note: what a step is under fault tolerance])."""
         start = time.perf_counter()
         healed = self.healable.healed
-        self.manager.start_quorum()  # heals this group first when it is behind
+        # torchft's own healing is off: it pairs rank r with rank r of a peer, which only
+        # holds in groups laid out alike ([Note: one group across all ranks] in wide.py).
+        self.manager.start_quorum(allow_heal=False)
+        roster, quorum_error = self._quorum()  # a group behind heals here, in any layout
         phases = {"quorum_s": time.perf_counter() - start}
         step = self.manager.current_step() + 1
         if self.healable.healed != healed:
@@ -165,7 +171,7 @@ class ReplicaSteps:
         self._fire("reduction")
         phases["compute_s"], mark = _since(mark)
         lineage = self.healable.lineage
-        ids, error, loss = self._combine(step, lineage, loss_sum)
+        ids, error, loss = self._combine(step, lineage, loss_sum, roster, quorum_error)
         norm = grad_norm(self.model)
         stats = gather_stats([loss, norm], env)  # the participants' mean loss, all ranks
         phases["combine_s"], mark = _since(mark)
@@ -179,17 +185,30 @@ class ReplicaSteps:
         self._record(step, committed, ids, error, lineage, lr, stats,
                      time.perf_counter() - start, phases)
 
-    def _combine(self, step: int, lineage: int, loss: torch.Tensor
-                 ) -> tuple[list[int], str | None, torch.Tensor]:
+    def _quorum(self) -> tuple[Roster | None, str | None]:
+        """The wide group of this quorum, and this group healed when it is behind; an error
+        (reported, so the step does not commit) when a group was lost meanwhile."""
+        try:
+            roster = self.wide.after_quorum(self.manager.current_step(), self.healable.lineage)
+            heal_behind(self.wide, roster, self.healable, self.manager)
+        except PeerLost as exc:
+            self.manager.report_error(exc)
+            return None, str(exc)
+        if self.exchange is None or self.exchange.roster is not roster:
+            self.exchange = GradientExchange(self.wide, roster, self.trainable)
+        return roster, None
+
+    def _combine(self, step: int, lineage: int, loss: torch.Tensor, roster: Roster | None,
+                 quorum_error: str | None) -> tuple[list[int], str | None, torch.Tensor]:
         """The gradients across groups; an error (reported to the manager, so the step does
         not commit) when a group was lost, this group's history lost, or a restarted group
         would commit alone. The loss comes back as the participants' mean where it could."""
         manager = self.manager
-        if manager.errored() is not None:
-            return [], str(manager.errored()), loss
+        if roster is None or manager.errored() is not None:
+            return [], quorum_error or str(manager.errored()), loss
         try:
             decision = combine_gradients(
-                self.params, self.group, True, _all_gather(self.pg, manager.num_participants()),
+                self.params, self.group, True, self.exchange,
                 None if self.script is None else self.script.get(step, []), lineage, loss)
         except PeerLost as exc:
             manager.report_error(exc)

@@ -6,7 +6,6 @@ ReplicaSteps`, then the final state's digest for the launcher's check.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -17,13 +16,15 @@ from typing import Any
 import torch
 
 from shardwise.distributed import env as dist_env
-from shardwise.distributed.comm import objects as comm_objects
 from shardwise.train.config import Config
 from shardwise.train.faults import GROUP_ENV, FaultPlan
 from shardwise.train.fault_tolerant.combine import next_lineage
+from shardwise.train.fault_tolerant.digest import group_state_digest
+from shardwise.train.fault_tolerant.pieces import holding_of
+from shardwise.train.fault_tolerant.wide import WideGroup, replica_id
 from shardwise.train.fault_tolerant.state import CheckpointSaver, HealableState, Journal
 
-__all__ = ["REPLAY_ENV", "run_replica", "state_digest", "group_config"]
+__all__ = ["REPLAY_ENV", "run_replica", "group_config"]
 
 #: A membership script (JSON ``{step: [group ids]}``): the groups whose gradients count at
 #: each step come from it instead of the quorum (the replay reference of bench/elastic_soak.py).
@@ -42,31 +43,13 @@ def group_config(cfg: Config, group_size: int) -> Config:
     return dataclasses.replace(cfg, parallel=par)
 
 
-def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """sha256 over this rank's parameter shards, buffers and optimizer state (bitwise)."""
-    h = hashlib.sha256()
+def _manager_pg():
+    """The process group torchft's manager keeps: one that does nothing, since the combine
+    and the healing run over the wide group ([Note: one group across all ranks] in wide.py);
+    the manager keeps the quorum, the step count and the commit vote."""
+    from torchft.process_group import ProcessGroupDummy
 
-    def add(t: torch.Tensor) -> None:
-        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-
-    for p in model.parameters():
-        add(p)
-    for b in model.buffers():
-        add(b)
-    for state in optimizer.state_dict()["state"].values():
-        for key in sorted(state):
-            v = state[key]
-            add(v if torch.is_tensor(v) else torch.tensor(float(v)))
-    return h.hexdigest()
-
-
-def _build_pg(env: dist_env.DistEnv, timeout_s: float):
-    """The cross-group process group torchft reconfigures at every quorum change."""
-    from torchft import ProcessGroupGloo, ProcessGroupNCCL
-
-    timeout = timedelta(seconds=timeout_s)
-    return ProcessGroupNCCL(timeout=timeout) if env.device.type == "cuda" else \
-        ProcessGroupGloo(timeout=timeout)
+    return ProcessGroupDummy(0, 1)
 
 
 def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
@@ -111,9 +94,10 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
         healable = HealableState(model, optimizer, schedule, loader)
         stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
         ckpt, done = _resume(gcfg, model, optimizer, stateful, env)
-        pg = _build_pg(env, par.ft_timeout_s)
-        manager, store = _build_manager(par, env, group, lighthouse, pg)  # noqa: F841 - alive
-        manager.register_state_dict_fn("train", healable.load_state_dict, healable.state_dict)
+        manager, store = _build_manager(par, env, group, lighthouse,  # noqa: F841 - alive
+                                        _manager_pg())
+        holding = holding_of(model, group, env.rank, size)
+        wide = WideGroup(manager, holding, env.device, par.ft_timeout_s)
         if done:  # every group that resumes from the same checkpoint holds the same history
             manager.load_state_dict({"step": done, "batches_committed": 0})
             healable.lineage = next_lineage(0, done, [])
@@ -127,12 +111,11 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
                       time=time.time(), launched=launched, threads=torch.get_num_threads())
         try:
             ReplicaSteps(cfg, gcfg, env, group, model, optimizer, schedule, scaler, loader,
-                         data.val_ids, manager, pg, healable, faults, journal,
+                         data.val_ids, manager, wide, healable, faults, journal,
                          CheckpointSaver(ckpt, cfg, group, model, optimizer, stateful),
                          script).run()
             ckpt.close()
-            digest = state_digest(model, optimizer)
-            digests = comm_objects.all_gather_object(digest, label="ft.digest")
+            digests = [group_state_digest(model, optimizer, holding)]
             record = {"group": group, "step": manager.current_step(), "digests": digests,
                       "healed": healable.healed, "pid": os.getpid(), "attempt": attempt,
                       "lineage": healable.lineage}
@@ -183,8 +166,8 @@ def _build_manager(par: Any, env: dist_env.DistEnv, group: int, lighthouse: str,
         quorum_timeout=timedelta(seconds=max(60.0, 6 * par.ft_timeout_s)),
         connect_timeout=timeout, rank=env.rank, world_size=env.world_size,
         store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
-        replica_id=f"shardwise_group{group}", heartbeat_interval=timedelta(milliseconds=100),
-        max_retries=_MAX_FAILED_STEPS)
+        replica_id=replica_id(group, env.world_size),
+        heartbeat_interval=timedelta(milliseconds=100), max_retries=_MAX_FAILED_STEPS)
     return manager, store
 
 

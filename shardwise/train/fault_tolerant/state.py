@@ -1,4 +1,4 @@
-"""What a replica group keeps and records beyond the model: the state a rejoining group
+"""What a replica group keeps and records beyond the model: the state a group behind
 copies from a peer, the group's journal, and who saves a checkpoint
 ([Note: what a step is under fault tolerance] in loop.py)."""
 
@@ -16,8 +16,9 @@ __all__ = ["HealableState", "Journal", "CheckpointSaver"]
 
 
 class HealableState:
-    """What a rejoining group copies from a peer ([Note: what a step is under fault
-    tolerance] in loop.py): registered with torchft's manager, sent and loaded whole.
+    """What a group behind copies from a live one ([Note: what a step is under fault
+    tolerance] in loop.py; [Note: healing across layouts] in heal.py): the model (parameters
+    and buffers), the optimizer, the schedule, the data position, and the lineage.
 
     Attributes:
         healed: how often this process healed.
@@ -29,31 +30,6 @@ class HealableState:
         self.model, self.optimizer, self.schedule, self.loader = model, optimizer, schedule, loader
         self.healed = 0
         self.lineage = 0  # [Note: lineages] in combine.py
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"params": [p.detach() for p in self.model.parameters()],
-                "buffers": [b.detach() for b in self.model.buffers()],
-                "optimizer": self.optimizer.state_dict(),
-                "schedule": {k: v for k, v in self.schedule.state_dict().items()
-                             if k != "lr_lambdas"},
-                "loader": self.loader.state_dict(), "lineage": self.lineage}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        params, buffers = list(self.model.parameters()), list(self.model.buffers())
-        if len(state["params"]) != len(params) or len(state["buffers"]) != len(buffers):
-            raise ValueError(f"healing: the peer sent {len(state['params'])} parameters and "
-                             f"{len(state['buffers'])} buffers, this group has {len(params)} "
-                             f"and {len(buffers)}: the groups' layouts differ")
-        with torch.no_grad():
-            for mine, theirs in zip(params + buffers, state["params"] + state["buffers"]):
-                mine.copy_(theirs)
-        self.optimizer.load_state_dict(state["optimizer"])
-        sched = self.schedule.state_dict()
-        sched.update(state["schedule"])
-        self.schedule.load_state_dict(sched)
-        self.loader.load_state_dict(state["loader"])
-        self.lineage = int(state["lineage"])
-        self.healed += 1
 
 
 class Journal:
