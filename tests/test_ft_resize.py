@@ -244,4 +244,4 @@ def test_a_group_killed_at_step_4_comes_back_with_1_rank_and_trains_the_same_ste
     assert [s for s, _, _ in resized] == list(range(1, 9)) == [s for s, _, _ in whole]
     assert [t for *_, t in resized] == [t for *_, t in whole]  # the group's tokens per step
     assert resized[:3] == whole[:3]  # before the fault: the same run
-    assert [x for _, x, _ in resized] == pytest.approx([x for _, x, _ in whole], rel=1e-4)
+    assert [x for _, x, _ in resized] == pytest.approx([x for _, x, _ in whole], rel=1e-5)

@@ -279,11 +279,11 @@ def plan_group(cfg: Config, model_cfg: Any, ranks: int, n0: int) -> Config:
     """The config one fault-tolerant replica group of ``ranks`` ranks trains with, ``n0``
     being its original size: one replica sharded over its ranks, with the group's tokens per
     step fixed at ``n0 x batch_size x grad_accum`` sequences (each rank accumulates
-    ``n0 / ranks`` times the configured micro-batches: [Note: a resized group trains the same
-    data] in shardwise/train/fault_tolerant/resize.py). With ``parallel.plan = "auto"`` the
-    planner chooses the ZeRO stage, activation checkpointing and micro-batch size with its
-    accumulation for these ranks, once (the live re-planner is not used under fault
-    tolerance).
+    ``n0 / ranks`` times the configured micro-batches:
+    [Note: a resized group trains the same data] in shardwise/train/fault_tolerant/resize.py).
+    With ``parallel.plan = "auto"`` the planner chooses the ZeRO stage, activation
+    checkpointing and micro-batch size with its accumulation for these ranks, once (the live
+    re-planner is not used under fault tolerance).
 
     Raises:
         ValueError: ``ranks`` not dividing ``n0``; or, planning, no layout fits (named).
