@@ -62,6 +62,35 @@ def test_capacity_is_the_latest_ranks_fault_of_the_group_before_the_attempt(tmp_
     assert restart_size(tmp_path, group=0, attempt=3) is None
 
 
+def test_attempts_count_on_across_a_groups_relaunches(monkeypatch):
+    from shardwise.train.attempts import ATTEMPT_BASE_ENV, ft_attempt
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.delenv(ATTEMPT_BASE_ENV, raising=False)
+    assert ft_attempt() == 1
+    monkeypatch.setenv(ATTEMPT_BASE_ENV, "2")  # the relaunch began at attempt 2
+    first, third = parse_faults("kill:step=3:attempt=1;kill:step=5:attempt=3")
+    assert ft_attempt() == 3 and FaultPlan([first, third], 0, 9, group=0).faults == [third]
+
+
+def test_the_agent_relaunches_a_resized_attempt_keeping_its_number_and_restart_budget():
+    """Launch 1 (2 ranks) fails once, its attempt 1 finds capacity 1: relaunched with 1 rank
+    as attempt 1 (base 1), 4 restarts left of 5; it fails twice more, attempt 3 finds
+    capacity 2 again: relaunched with 2 ranks from attempt 3, 2 restarts left."""
+    from shardwise.train.fault_tolerant.launch import launch_resizing
+
+    results = iter([{"resize": 1, "attempt": 1}, {"resize": 2, "attempt": 3},
+                    {"group": 0, "step": 9, "attempt": 3}])
+    calls = []
+
+    def launch(size, base, max_restarts):
+        calls.append((size, base, max_restarts))
+        return next(results)
+
+    assert launch_resizing(launch, 2, 5) == {"group": 0, "step": 9, "attempt": 3}
+    assert calls == [(2, 0, 5), (1, 1, 4), (2, 3, 2)]
+
+
 # ----------------------------------------------------------------------------- the data
 
 

@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from shardwise.train.config import Config
 from shardwise.train.faults import ENV_VAR, LOG_ENV, parse_faults
@@ -38,7 +38,7 @@ from shardwise.train.fault_tolerant.rejoin import LEFT_EXIT
 from shardwise.train.fault_tolerant.resize import GROUP_RANKS_ENV, check_resize_faults
 from shardwise.train.fault_tolerant.summary import print_summary, summarize
 
-__all__ = ["run_fault_tolerant", "FaultToleranceError", "threads_per_rank"]
+__all__ = ["run_fault_tolerant", "FaultToleranceError", "threads_per_rank", "launch_resizing"]
 
 
 class FaultToleranceError(RuntimeError):
@@ -68,25 +68,40 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
     # machine, and seconds more that the group is out). The server initialises no device
     # and starts no threads, so a fork of it is as clean as a new interpreter.
     multiprocessing.get_context("forkserver").set_forkserver_preload([run_replica.__module__])
-    # A group resized by a fault returns {"resize": M} from the attempt that saw it, before
-    # building anything: launch that attempt again with M ranks (as torchrun --nnodes MIN:MAX
-    # rendezvouses again after a node loss). Its attempt number continues (the base), and
-    # so does the restart budget: the restarts of every launch count, the relaunch does not.
-    base = 0
-    while True:
+
+    def launch(size: int, base: int, max_restarts: int) -> dict[str, Any]:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=size,
                               run_id=f"shardwise-ft{group}-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                              max_restarts=cfg.parallel.ft_max_restarts - base,
-                              monitor_interval=0.05, start_method="forkserver")
-        out = elastic_launch(config, run_replica)(cfg, data, group, lighthouse, None, base)
-        if "resize" not in out[0]:
-            break
-        base, size = out[0]["attempt"], out[0]["resize"]
+                              max_restarts=max_restarts, monitor_interval=0.05,
+                              start_method="forkserver")
+        return elastic_launch(config, run_replica)(cfg, data, group, lighthouse, None, base)[0]
+
+    out = launch_resizing(launch, size, cfg.parallel.ft_max_restarts)
     _stop_forkserver()
-    Path(result_path).write_text(json.dumps(out[0]))
-    if out[0].get("left"):  # gone for good (rejoin=never): neither failed nor finished
+    Path(result_path).write_text(json.dumps(out))
+    if out.get("left"):  # gone for good (rejoin=never): neither failed nor finished
         sys.exit(LEFT_EXIT)
+
+
+def launch_resizing(launch: Callable[[int, int, int], dict[str, Any]], size: int,
+                    max_restarts: int) -> dict[str, Any]:
+    """Launch a group (``launch(size, attempt_base, max_restarts)``: one elastic agent run,
+    returning rank 0's result) until it ends at the size it has.
+
+    A group resized by a fault returns ``{"resize": M, "attempt": a}`` from the attempt that
+    saw it, before building anything: that attempt is launched again with M ranks (as
+    torchrun ``--nnodes MIN:MAX`` rendezvouses again after a node loss). Its number goes on
+    (the new launch's base is ``a``), and so does the restart budget: every launch's restarts
+    count (``a`` of them so far), the relaunch itself does not.
+
+    Returns:
+        Rank 0's result of the last launch.
+    """
+    base = 0
+    while "resize" in (out := launch(size, base, max_restarts - base)):
+        base, size = out["attempt"], out["resize"]
+    return out
 
 
 def _stop_forkserver() -> None:
