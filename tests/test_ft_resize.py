@@ -91,6 +91,32 @@ def test_the_agent_relaunches_a_resized_attempt_keeping_its_number_and_restart_b
     assert calls == [(2, 0, 5), (1, 1, 4), (2, 3, 2)]
 
 
+def test_the_summary_follows_a_history_through_a_resume_from_its_checkpoint(tmp_path):
+    """Every group lost at once: the restarted one resumes from the checkpoint of step 2,
+    with the lineage of a resume (replica.py); its history goes on from that step's."""
+    from shardwise.train.fault_tolerant.combine import next_lineage
+    from shardwise.train.fault_tolerant.summary import summarize
+
+    ft = tmp_path / "ft"
+    ft.mkdir()
+    lineages, lines = [0], [{"event": "start", "pid": 1}]
+    for step in (1, 2, 3):  # step 3 committed, not checkpointed, then lost
+        lineages.append(next_lineage(lineages[-1], step, [0]))
+        lines.append({"event": "step", "step": step, "committed": True, "participants": [0],
+                      "loss": 1.0, "tokens": 8, "time": float(step),
+                      "lineage_before": lineages[-2], "lineage": lineages[-1]})
+    resumed = next_lineage(0, 2, [])
+    after = next_lineage(resumed, 3, [0])
+    lines += [{"event": "start", "pid": 2},
+              {"event": "step", "step": 3, "committed": True, "participants": [0], "loss": 1.0,
+               "tokens": 8, "time": 9.0, "lineage_before": resumed, "lineage": after},
+              {"event": "finish", "digests": ["x"], "lineage": after, "step": 3}]
+    (ft / "group0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    s = summarize(ft, steps=3)
+    assert s["problems"] == [] and s["steps"] == 3 and s["discarded_steps"] == 1
+    assert summarize(ft, steps=4)["problems"] == ["steps never committed: [4]"]
+
+
 # ----------------------------------------------------------------------------- the data
 
 
