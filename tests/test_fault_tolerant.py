@@ -108,7 +108,6 @@ def test_lineages_keep_the_majority_history_and_the_rest_must_heal():
 
 @pytest.mark.parametrize("values, match", [
     ({"parallel.tp": "2"}, r"does not combine with parallel.tp=2"),
-    ({"parallel.plan": "auto"}, r"parallel.plan='auto'"),
     ({"parallel.ft_min_groups": "3"}, r"ft_min_groups=3 is more than the "
                                       r"parallel.dp_replicate=2"),
     ({"parallel.ft_lighthouse": "localhost:29510"}, r"ft_lighthouse must be .*http"),

@@ -14,35 +14,38 @@ actions
     allocation that cannot succeed), ``hang`` (sleep forever in Python; ``native=1``: in one
     C call), ``nan`` / ``inf`` (corrupt the loss, phase ``loss``, one parameter's gradient,
     phase ``grad`` with ``param=FQN``, or one module's input, phase ``input`` with
-    ``module=FQN``), ``enospc`` (the disk is full: a checkpoint file write
-    fails with ENOSPC after writing part of its data), ``skip`` (do not issue the next
-    collective whose label contains ``label=...``; needs the watchdog), ``stop`` (SIGSTOP:
-    a frozen process, with ``parallel.fault_tolerant`` its whole replica group; ``seconds=S``
-    continues it after S seconds, default never). With ``parallel.fault_tolerant``,
+    ``module=FQN``), ``enospc`` (the disk is full: a checkpoint file write fails with ENOSPC
+    after writing part of its data), ``skip`` (do not issue the next collective whose label
+    contains ``label=...``; needs the watchdog), ``stop`` (SIGSTOP: a frozen process, with
+    ``parallel.fault_tolerant`` its whole replica group; ``seconds=S`` continues it after S
+    seconds, default never). With ``parallel.fault_tolerant``,
     ``kill`` and ``exit`` take ``rejoin=N`` (the group's restart waits until another group
     has committed step N, as a node replaced later would) or ``rejoin=never`` (the group's
-    capacity is gone for good: it leaves the run and the others finish without it).
+    capacity is gone for good: it leaves the run and the others finish without it), and
+    ``ranks=M`` (the group's capacity is M ranks from its next attempt on, M dividing its
+    original size: it comes back with M ranks training the same data; docs/failures.md).
 conditions
     ``rank`` (default 0), ``step`` (an int, or ``random``: drawn from ``seed`` in
-    [2, steps - 1]), ``phase``, ``attempt`` (the torchrun restart count it fires in,
-    default 0, so a restarted job does not fail again; ``any``), ``param``, ``module``,
-    ``label``, ``group`` (with ``parallel.fault_tolerant``: the replica group, in which
-    ``rank`` is the rank inside the group; default any group).
+    [2, steps - 1]), ``phase``, ``attempt`` (the attempt it fires in: torchrun's restart
+    count, continued across a resized group's relaunches; default 0, so a restarted job
+    does not fail again; ``any``), ``param``, ``module``, ``label``, ``group`` (with
+    ``parallel.fault_tolerant``: the replica group, in which ``rank`` is the rank inside the
+    group; default any group).
 phases
     ``start`` (default: as the step begins), ``forward`` / ``backward`` (in the middle of the
     model: at the middle transformer block), ``reduction`` (with ``parallel.fault_tolerant``:
     as the gradients are combined across replica groups), ``optimizer`` (just before the
-    optimizer step),
-    ``checkpoint`` (while this rank writes its checkpoint files), ``commit`` (rank 0 inside
-    the checkpoint commit, before the rename), ``loss``, ``grad`` and ``input`` (for ``nan``
-    / ``inf``; ``input``: the first element of the first tensor argument of the named
-    module's first forward call in that step, e.g. to see a low-bit layer name the
-    non-finite amax it casts).
+    optimizer step), ``checkpoint`` (while this rank writes its checkpoint files),
+    ``commit`` (rank 0 inside the checkpoint commit, before the rename), ``loss``, ``grad``
+    and ``input`` (for ``nan`` / ``inf``; ``input``: the first element of the first tensor
+    argument of the named module's first forward call in that step, e.g. to see a low-bit
+    layer name the non-finite amax it casts).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import signal
@@ -54,6 +57,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from shardwise.train.attempts import ft_attempt
 
 __all__ = ["Fault", "FaultPlan", "InjectedFault", "parse_faults", "ENV_VAR"]
 
@@ -113,15 +118,13 @@ def parse_faults(spec: str) -> list[Fault]:
                 if not value.isdigit():
                     raise ValueError(f"{ENV_VAR}: {key} must be an int, got {value!r}")
                 setattr(fault, key, int(value))
-            elif key == "step":
-                fault.step = value
+            elif key in ("step", "attempt"):  # step=random; attempt=N or any
+                setattr(fault, key, value)
             elif key == "phase":
                 if value not in PHASES:
                     raise ValueError(f"{ENV_VAR}: unknown phase {value!r}; expected one of "
                                      f"{', '.join(PHASES)}")
                 fault.phase = value
-            elif key == "attempt":
-                fault.attempt = value
             elif key == "seconds":
                 try:
                     if float(value) < 0:
@@ -130,13 +133,16 @@ def parse_faults(spec: str) -> list[Fault]:
                     raise ValueError(f"{ENV_VAR}: seconds must be a number >= 0, got {value!r}"
                                      ) from None
                 fault.options[key] = value
-            elif key == "rejoin":
+            elif key in ("rejoin", "ranks"):
                 if action not in ("kill", "exit"):
-                    raise ValueError(f"{ENV_VAR}: rejoin= applies to kill and exit (a group "
+                    raise ValueError(f"{ENV_VAR}: {key}= applies to kill and exit (a group "
                                      f"that restarts), not {action!r} in {part!r}")
-                if value != "never" and not value.isdigit():
+                if key == "rejoin" and value != "never" and not value.isdigit():
                     raise ValueError(f"{ENV_VAR}: rejoin must be a step (an int) or 'never', "
                                      f"got {value!r}")
+                if key == "ranks" and (not value.isdigit() or int(value) < 1):
+                    raise ValueError(f"{ENV_VAR}: ranks must be an int >= 1 (the group's "
+                                     f"ranks from its next attempt on), got {value!r}")
                 fault.options[key] = value
             elif key in ("param", "module", "label", "seed", "code", "native"):
                 fault.options[key] = value
@@ -163,11 +169,12 @@ class FaultPlan:
 
     def __init__(self, faults: list[Fault], rank: int, steps: int,
                  group: int | None = None) -> None:
-        if group is None and any("rejoin" in f.options for f in faults):
-            raise ValueError(f"{ENV_VAR}: rejoin= needs parallel.fault_tolerant (a replica "
-                             f"group that restarts while the others train)")
+        for key in ("rejoin", "ranks"):
+            if group is None and any(key in f.options for f in faults):
+                raise ValueError(f"{ENV_VAR}: {key}= needs parallel.fault_tolerant (a replica "
+                                 f"group that restarts while the others train)")
         self.rank, self.step = rank, 0
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = str(ft_attempt())
         self.faults = [f for f in faults if f.rank == rank
                        and (f.group is None or f.group == group)
                        and (f.attempt == "any" or f.attempt == attempt)]
@@ -180,8 +187,7 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls, rank: int, steps: int) -> FaultPlan | None:
-        """The plan of ``$SHARDWISE_FAULT`` for this rank (and its replica group, from
-        ``$SHARDWISE_FT_GROUP``), or None when it is unset/empty."""
+        """The plan of ``$SHARDWISE_FAULT`` for this rank (and ``$SHARDWISE_FT_GROUP``), or None."""
         spec = os.environ.get(ENV_VAR, "")
         group = os.environ.get(GROUP_ENV)
         plan = (cls(parse_faults(spec), rank, steps, None if group is None else int(group))
@@ -340,7 +346,8 @@ class FaultPlan:
 
 
 #: A file each fired crash appends one JSON line to (time, action, step, phase, group, rank,
-#: pid) before it acts: the fault-tolerant launcher times recoveries from it.
+#: pid, attempt, rejoin, ranks) before it acts: the fault-tolerant launcher times recoveries
+#: from it, and a restarted group reads when to rejoin and with how many ranks.
 LOG_ENV = "SHARDWISE_FAULT_LOG"
 
 
@@ -348,13 +355,11 @@ def _record(f: Fault, step: int) -> None:
     path = os.environ.get(LOG_ENV)
     if not path:
         return
-    import json
-
     line = json.dumps({"time": time.time(), "action": f.action, "step": step,
                        "phase": f.phase, "group": os.environ.get(GROUP_ENV), "rank": f.rank,
                        "pid": os.getpid(), "fault": f.describe(),
-                       "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                       "rejoin": f.options.get("rejoin")})
+                       "attempt": ft_attempt(), "rejoin": f.options.get("rejoin"),
+                       "ranks": int(f.options["ranks"]) if "ranks" in f.options else None})
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (line + "\n").encode())  # one write: lines from ranks never interleave

@@ -1,6 +1,7 @@
 """The trainer's config as a planner layout, and back: what ``--parallel.plan auto`` chooses.
 
     cfg = plan_start(cfg, model_cfg, world_size)   # preflight: the planner's best layout
+    gcfg = plan_group(cfg, model_cfg, ranks, n0)   # one fault-tolerant replica group's
     ranked = rank_layouts(cfg, model_cfg, world_size, hw)  # the layouts the trainer can build
 
 [Note: layouts the trainer plans] A planner :class:`~shardwise.planner.Layout` maps onto
@@ -38,8 +39,8 @@ from shardwise.planner.parallel_layout import Layout
 from shardwise.planner.search import search
 from shardwise.planner.workload import Workload
 from shardwise.train.config import Config, resolve_world, validate
-from shardwise.train.config.checks import (check_model_combinations, check_sequence_split,
-                                           sequence_parallel)
+from shardwise.train.config.checks import (PLAN_KEYS, check_model_combinations,
+                                           check_sequence_split, sequence_parallel)
 from shardwise.train.context import validate_cp
 from shardwise.train.parallelize import validate_ep, validate_tp
 from shardwise.train.pipeline import (check_pipeline_config, check_pipeline_model,
@@ -48,7 +49,7 @@ from shardwise.parallel.pipeline import schedule_spec
 from shardwise.parallel.pipeline.schedules import resolve_virtual
 
 __all__ = ["layout_of", "with_layout", "planner_inputs", "plan_constraints", "rank_layouts",
-           "plan_start", "describe", "trainer_keys", "estimate"]
+           "plan_start", "plan_group", "describe", "trainer_keys", "estimate"]
 
 _TOP = 12  # ranked layouts the trainer considers (beyond: none was ever faster here)
 
@@ -265,3 +266,36 @@ def plan_start(cfg: Config, model_cfg: Any, world_size: int) -> Config:
                          f"and a global batch of {batch} sequences; expected fewer fixed keys "
                          f"(parallel.plan_fixed) or parallel.plan='off'")
     return with_layout(cfg, ranked[0].layout)
+
+
+#: What a fault-tolerant replica group's layout keeps: one replica sharded over the group's
+#: ranks, no tensor, context or pipeline parallelism (offload, experts and compile stay as
+#: configured, and fault tolerance refuses them).
+_GROUP_FIXED = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp",
+                "parallel.pp")
+
+
+def plan_group(cfg: Config, model_cfg: Any, ranks: int, n0: int) -> Config:
+    """The config one fault-tolerant replica group of ``ranks`` ranks trains with, ``n0``
+    being its original size: one replica sharded over its ranks, with the group's tokens per
+    step fixed at ``n0 x batch_size x grad_accum`` sequences (each rank accumulates
+    ``n0 / ranks`` times the configured micro-batches:
+    [Note: a resized group trains the same data] in shardwise/train/fault_tolerant/resize.py).
+    With ``parallel.plan = "auto"`` the planner chooses the ZeRO stage, activation
+    checkpointing and micro-batch size with its accumulation for these ranks, once (the live
+    re-planner is not used under fault tolerance).
+
+    Raises:
+        ValueError: ``ranks`` not dividing ``n0``; or, planning, no layout fits (named).
+    """
+    if ranks < 1 or n0 % ranks:
+        raise ValueError(f"a replica group of {ranks} ranks must divide its original size "
+                         f"n0={n0}")
+    par = dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=ranks)
+    train = dataclasses.replace(cfg.train, grad_accum=cfg.train.grad_accum * (n0 // ranks))
+    gcfg = dataclasses.replace(cfg, parallel=par, train=train)
+    if par.plan != "auto":
+        return gcfg
+    fixed = tuple(k for k in PLAN_KEYS if k in _GROUP_FIXED or k in par.plan_fixed)
+    gcfg = dataclasses.replace(gcfg, parallel=dataclasses.replace(par, plan_fixed=fixed))
+    return plan_start(gcfg, model_cfg, ranks)

@@ -25,7 +25,7 @@ from shardwise.train.context import validate_cp
 from shardwise.train.metrics import require_tensorboard
 from shardwise.train.rundir import choose_log_dir, clear_run, renamed_note
 from shardwise.train.moe import check_moe
-from shardwise.train.plan_layout import plan_start
+from shardwise.train.plan_layout import plan_group, plan_start
 from shardwise.train.vla import (build_vla_data, check_vla, check_vla_data, is_vla,
                                  vla_model_config)
 from shardwise.train.pipeline import bubble_warning, check_pipeline_config, check_pipeline_model
@@ -237,8 +237,13 @@ def preflight(cfg: Config, world_size: int, verify_checkpoint: bool = True
     shape = model_cfg.decoder if vla else model_cfg
     if vla:
         check_vla_data(cfg, data, model_cfg)
-    # --parallel.plan auto: the planner's layout (same global batch), then the checks below
-    cfg = plan_start(cfg, model_cfg, world_size)
+    # --parallel.plan auto: the planner's layout (same global batch), then the checks below.
+    # Under fault tolerance each replica group plans its own ranks as it starts (a group
+    # may come back smaller): checked here for the groups' full size.
+    if cfg.parallel.fault_tolerant:
+        plan_group(cfg, model_cfg, cfg.parallel.dp_shard, cfg.parallel.dp_shard)
+    else:
+        cfg = plan_start(cfg, model_cfg, world_size)
     from shardwise.train.parallelize import validate_ep, validate_tp  # degrees vs the shape
     validate_tp(cfg, shape, world_size)
     validate_ep(cfg, shape)

@@ -185,8 +185,6 @@ def _check_fault_tolerant(config) -> None:
     if not par.fault_tolerant:
         return
     others = [f"parallel.{k}={getattr(par, k)}" for k in ("tp", "cp", "pp") if getattr(par, k) > 1]
-    if par.plan == "auto":
-        others.append("parallel.plan='auto'")
     if config.offload.device != "none":
         others.append(f"offload.device={config.offload.device!r}")
     if config.precision.param_dtype == "fp16":
@@ -196,7 +194,7 @@ def _check_fault_tolerant(config) -> None:
     if others:
         raise ValueError(f"parallel.fault_tolerant=true trains replica groups of data-parallel "
                          f"ranks (ZeRO inside each group); it does not combine with "
-                         f"{', '.join(others)} yet; expected tp, cp, pp 1, plan 'off', no "
+                         f"{', '.join(others)} yet; expected tp, cp, pp 1, no "
                          f"offload, bf16 or fp32 compute, no compile (docs/failures.md)")
     if par.ft_min_groups > par.dp_replicate:
         raise ValueError(f"parallel.ft_min_groups={par.ft_min_groups} is more than the "

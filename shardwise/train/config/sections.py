@@ -109,7 +109,8 @@ class ParallelConfig:
     """Keep training when replica groups fail (docs/failures.md): each of the dp_replicate
     groups shards inside itself (dp_shard ranks), a step commits the gradients of the groups
     alive for all of it, a lost group leaves the others running and heals from a live peer
-    when it comes back (torchft: a quorum per step). tp, cp and pp stay 1."""
+    when it comes back (torchft: a quorum per step). tp, cp and pp stay 1; with plan = "auto"
+    each group's layout is planned for its ranks when it starts."""
     ft_lighthouse: str = ""
     """With fault_tolerant: the quorum server's address (http://host:port), started once for
     the job (`torchft_lighthouse`); "": the launcher starts one on this machine."""

@@ -8,9 +8,10 @@ and every replica group, restarts a group that fails, and reports what committed
 Each group is launched by PyTorch's own elastic agent (``elastic_launch``, what torchrun runs)
 with its own rendezvous and ``max_restarts``: one lost rank takes its whole group down and the
 agent starts the group again (the group is the unit of failure), while the other groups'
-processes run on untouched. The quorum server is torchft's lighthouse. Each group's agent
-leads its own process group, so a ``stop`` fault freezes the group as a whole, as a hung
-node would.
+processes run on untouched. A group whose capacity changed (a fault with ``ranks=M``) is
+launched again with M ranks (resize.py). The quorum server is torchft's lighthouse. Each
+group's agent leads its own process group, so a ``stop`` fault freezes the group as a
+whole, as a hung node would.
 
 After the run, the groups' journals (``<log.dir>/ft/group<g>.jsonl``) are checked: every
 committed step has one set of participants in every group that committed it, the steps run
@@ -29,14 +30,15 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from shardwise.train.config import Config
 from shardwise.train.faults import ENV_VAR, LOG_ENV, parse_faults
 from shardwise.train.fault_tolerant.rejoin import LEFT_EXIT
+from shardwise.train.fault_tolerant.resize import GROUP_RANKS_ENV, check_resize_faults
 from shardwise.train.fault_tolerant.summary import print_summary, summarize
 
-__all__ = ["run_fault_tolerant", "FaultToleranceError", "threads_per_rank"]
+__all__ = ["run_fault_tolerant", "FaultToleranceError", "threads_per_rank", "launch_resizing"]
 
 
 class FaultToleranceError(RuntimeError):
@@ -66,16 +68,40 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
     # machine, and seconds more that the group is out). The server initialises no device
     # and starts no threads, so a fork of it is as clean as a new interpreter.
     multiprocessing.get_context("forkserver").set_forkserver_preload([run_replica.__module__])
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=size,
-                          run_id=f"shardwise-ft{group}-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                          max_restarts=cfg.parallel.ft_max_restarts, monitor_interval=0.05,
-                          start_method="forkserver")
-    out = elastic_launch(config, run_replica)(cfg, data, group, lighthouse)
+
+    def launch(size: int, base: int, max_restarts: int) -> dict[str, Any]:
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=size,
+                              run_id=f"shardwise-ft{group}-{uuid.uuid4().hex[:8]}",
+                              rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+                              max_restarts=max_restarts, monitor_interval=0.05,
+                              start_method="forkserver")
+        return elastic_launch(config, run_replica)(cfg, data, group, lighthouse, None, base)[0]
+
+    out = launch_resizing(launch, size, cfg.parallel.ft_max_restarts)
     _stop_forkserver()
-    Path(result_path).write_text(json.dumps(out[0]))
-    if out[0].get("left"):  # gone for good (rejoin=never): neither failed nor finished
+    Path(result_path).write_text(json.dumps(out))
+    if out.get("left"):  # gone for good (rejoin=never): neither failed nor finished
         sys.exit(LEFT_EXIT)
+
+
+def launch_resizing(launch: Callable[[int, int, int], dict[str, Any]], size: int,
+                    max_restarts: int) -> dict[str, Any]:
+    """Launch a group (``launch(size, attempt_base, max_restarts)``: one elastic agent run,
+    returning rank 0's result) until it ends at the size it has.
+
+    A group resized by a fault returns ``{"resize": M, "attempt": a}`` from the attempt that
+    saw it, before building anything: that attempt is launched again with M ranks (as
+    torchrun ``--nnodes MIN:MAX`` rendezvouses again after a node loss). Its number goes on
+    (the new launch's base is ``a``), and so does the restart budget: every launch's restarts
+    count (``a`` of them so far), the relaunch itself does not.
+
+    Returns:
+        Rank 0's result of the last launch.
+    """
+    base = 0
+    while "resize" in (out := launch(size, base, max_restarts - base)):
+        base, size = out["attempt"], out["resize"]
+    return out
 
 
 def _stop_forkserver() -> None:
@@ -156,8 +182,9 @@ def run_fault_tolerant(cfg: Config, data: Any) -> dict[str, Any]:
         old.unlink()
     fault_log = ft_dir / "faults.jsonl"
     os.environ[LOG_ENV] = str(fault_log)
-    if os.environ.get(ENV_VAR):
-        parse_faults(os.environ[ENV_VAR])  # a typo fails here, before any rank starts
+    os.environ[GROUP_RANKS_ENV] = str(size)  # every group's original size, n0
+    if os.environ.get(ENV_VAR):  # a typo, or ranks= not dividing n0, fails here
+        check_resize_faults(parse_faults(os.environ[ENV_VAR]), size)
     server = None
     os.environ.setdefault("RUST_LOG", "error")
     lighthouse = par.ft_lighthouse

@@ -27,7 +27,6 @@ so it follows).
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,10 +34,12 @@ from typing import Any
 import torch
 
 from shardwise.shard import clip_grads_with_norm_
+from shardwise.train.attempts import ft_attempt
 from shardwise.train.config import Config
 from shardwise.train.fault_tolerant.combine import combine_gradients, next_lineage
 from shardwise.train.fault_tolerant.exchange import GradientExchange
 from shardwise.train.fault_tolerant.heal import heal_behind
+from shardwise.train.fault_tolerant.resize import GroupShare
 from shardwise.train.fault_tolerant.state import CheckpointSaver, HealableState, Journal
 from shardwise.train.fault_tolerant.wide import PeerLost, Roster, WideGroup
 from shardwise.train.faults import FaultPlan
@@ -84,6 +85,8 @@ class ReplicaSteps:
     Attributes:
         cfg: the job's config; ``gcfg``: the group's own (one replica over its ranks).
         script: a replay's ``{step: [group ids]}`` (``SHARDWISE_FT_REPLAY``), else None.
+        share: the data ranks this rank stands for (default: its own, the group at its
+            original size; [Note: a resized group trains the same data] in resize.py).
     """
 
     cfg: Config
@@ -108,13 +111,17 @@ class ReplicaSteps:
     exchange: GradientExchange | None = None
     last_ids: list[int] | None = None
     failed: list[tuple[int, str]] = field(default_factory=list)
-    restarted: bool = field(
-        default_factory=lambda: int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+    restarted: bool = field(default_factory=lambda: ft_attempt() > 0)
+    share: GroupShare | None = None
 
     def __post_init__(self) -> None:
         every = list(self.model.parameters())
         self.trainable = [i for i, p in enumerate(every) if p.requires_grad]
         self.params = [every[i] for i in self.trainable]
+        if self.share is None:
+            size = self.env.world_size
+            self.share = GroupShare(self.group, self.cfg.parallel.dp_replicate, size, size,
+                                    self.env.rank)
 
     def run(self) -> None:
         """Attempt steps until ``train.steps`` have committed."""
@@ -159,8 +166,7 @@ class ReplicaSteps:
         if self.healable.healed != healed:
             self.journal.write(event="healed", step=step, time=time.time())
         env = self.env
-        torch.manual_seed(_step_seed(self.cfg.data.seed, step,
-                                     self.group * env.world_size + env.rank))
+        torch.manual_seed(_step_seed(self.cfg.data.seed, step, self.share.first_data_rank))
         position = self.loader.state_dict()
         if self.faults is not None:
             self.faults.at_step(step)
@@ -245,17 +251,11 @@ class ReplicaSteps:
     @torch.no_grad()
     def _evaluate(self, step: int) -> dict[str, Any]:
         """This group's share of the validation batches: each of its ranks takes those of its
-        data rank in the whole job, as without fault tolerance, so the groups' means averaged
-        (the summary's ``metrics.jsonl``) are the same validation loss a run without fault
-        tolerance logs (with every group there)."""
-        from shardwise.data import iter_eval_batches
-
+        data ranks in the whole job (one, unless the group was resized), as without fault
+        tolerance, so the groups' means averaged (the summary's ``metrics.jsonl``) are the
+        same validation loss a run without fault tolerance logs (with every group there)."""
         cfg, env = self.cfg, self.env
-        batches = iter_eval_batches(
-            self.val_ids, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-            rank=self.group * env.world_size + env.rank,
-            world_size=cfg.parallel.dp_replicate * env.world_size,
-            max_batches=cfg.train.eval_batches)
+        batches = self.share.eval_batches(self.val_ids, cfg)
         self.model.eval()
         total, count = 0.0, 0
         for inputs, targets in batches:
@@ -278,7 +278,8 @@ class ReplicaSteps:
         included; this group's forward and backward; the combine across groups; the commit
         vote), and the group's console lines."""
         cfg, env = self.cfg, self.env
-        tokens = env.world_size * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
+        # The group's n0 data ranks' sequences, whatever its size now
+        tokens = self.share.n0 * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
         loss = float(stats[:, 0].mean())
         record = {"event": "step", "step": step, "committed": committed, "participants": ids,
                   "loss": loss, "lr": lr, "grad_norm": float(stats[0, 1]),

@@ -16,11 +16,14 @@ from typing import Any
 import torch
 
 from shardwise.distributed import env as dist_env
+from shardwise.train.attempts import ATTEMPT_BASE_ENV, ft_attempt
 from shardwise.train.config import Config
 from shardwise.train.faults import GROUP_ENV, FaultPlan
 from shardwise.train.fault_tolerant.combine import next_lineage
 from shardwise.train.fault_tolerant.digest import group_state_digest
 from shardwise.train.fault_tolerant.pieces import holding_of
+from shardwise.train.fault_tolerant.resize import (GroupShare, check_group_size, group_ranks,
+                                                   resize_due)
 from shardwise.train.fault_tolerant.wide import WideGroup, replica_id
 from shardwise.train.fault_tolerant.state import CheckpointSaver, HealableState, Journal
 
@@ -35,12 +38,14 @@ REPLAY_ENV = "SHARDWISE_FT_REPLAY"
 _MAX_FAILED_STEPS = 20
 
 
-def group_config(cfg: Config, group_size: int) -> Config:
-    """The config one group trains with: one replica, sharded over the group's ranks."""
-    import dataclasses
+def group_config(cfg: Config, model_cfg: Any, ranks: int, n0: int) -> Config:
+    """The config one group of ``ranks`` ranks (``n0`` originally) trains with: one replica,
+    sharded over the group's ranks, the group's tokens per step those of its ``n0`` data
+    ranks; its layout planned for these ranks with ``parallel.plan = "auto"``
+    (:func:`shardwise.train.plan_layout.plan_group`)."""
+    from shardwise.train.plan_layout import plan_group
 
-    par = dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=group_size)
-    return dataclasses.replace(cfg, parallel=par)
+    return plan_group(cfg, model_cfg, ranks, n0)
 
 
 def _manager_pg():
@@ -53,7 +58,8 @@ def _manager_pg():
 
 
 def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
-                env: dist_env.DistEnv | None = None) -> dict[str, Any] | None:
+                env: dist_env.DistEnv | None = None,
+                attempt_base: int | None = None) -> dict[str, Any] | None:
     """Train as one rank of replica group ``group`` (launched by
     :func:`shardwise.train.fault_tolerant.launch.run_fault_tolerant`, or by torchrun with the
     same environment on a cluster: docs/failures.md).
@@ -61,11 +67,14 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
     Args:
         env: this rank's place in its group (default: joined here, from the torchrun
             environment of the group's own launch).
+        attempt_base: attempts of this group before its agent's current launch (the
+            fault-tolerant launcher's; shardwise/train/attempts.py).
 
     Returns:
-        On the group's rank 0: ``{"group", "step", "digests", "healed", "pid"}``; else None.
+        On the group's rank 0: ``{"group", "step", "digests", "healed", "pid"}``, or
+        ``{"resize": M, ...}`` when this attempt must run with M ranks instead (returned
+        before anything is built: the agent relaunches the group); else None.
     """
-    from shardwise.data import TokenLoader
     from shardwise.train.fault_tolerant.loop import ReplicaSteps
     from shardwise.train.parallelize import build_loss_scaler, build_parallel_model
     from shardwise.train.preflight import build_model_config
@@ -73,30 +82,38 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
 
     launched = time.time()  # the process is up; "start" below is when it can train
     os.environ[GROUP_ENV] = str(group)
+    if attempt_base is not None:
+        os.environ[ATTEMPT_BASE_ENV] = str(attempt_base)
     _quiet_torchft()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = ft_attempt()
+    main = int(os.environ.get("RANK", "0")) == 0
+    resize = resize_due(group, attempt, env.world_size if env is not None
+                        else int(os.environ.get("WORLD_SIZE", "1")))
+    if resize is not None:  # every rank returns at once; the agent relaunches M of them
+        return ({"group": group, "resize": resize, "attempt": attempt, "pid": os.getpid()}
+                if main else None)
     if not _may_rejoin(cfg, group, attempt):
         return ({"group": group, "left": True, "attempt": attempt, "pid": os.getpid()}
-                if int(os.environ.get("RANK", "0")) == 0 else None)
+                if main else None)
     env = env if env is not None else build_env(cfg)
     par = cfg.parallel
-    groups, size = par.dp_replicate, env.world_size
-    gcfg = group_config(cfg, size)
     try:
-        model = build_parallel_model(gcfg, build_model_config(gcfg, data.vocab_size), env)
+        n0 = group_ranks(env.world_size)
+        check_group_size(env.world_size, n0)
+        share = GroupShare(group, par.dp_replicate, n0, env.world_size, env.rank)
+        model_cfg = build_model_config(cfg, data.vocab_size)
+        gcfg = group_config(cfg, model_cfg, env.world_size, n0)
+        model = build_parallel_model(gcfg, model_cfg, env)
         optimizer = build_optimizer(model, cfg.optim)
         schedule = build_lr_schedule(optimizer, cfg.optim, cfg.train.steps)
         scaler = build_loss_scaler(gcfg)
-        data_rank = group * size + env.rank
-        loader = TokenLoader(data.train_ids, seq_len=cfg.data.seq_len,
-                             batch_size=cfg.train.batch_size, rank=data_rank,
-                             world_size=groups * size, seed=cfg.data.seed)
+        loader = share.loader(data.train_ids, cfg, gcfg)
         healable = HealableState(model, optimizer, schedule, loader)
         stateful = {"schedule": schedule, "scaler": scaler, "loader": loader}
         ckpt, done = _resume(gcfg, model, optimizer, stateful, env)
         manager, store = _build_manager(par, env, group, lighthouse,  # noqa: F841 - alive
                                         _manager_pg())
-        holding = holding_of(model, group, env.rank, size)
+        holding = holding_of(model, group, env.rank, env.world_size)
         wide = WideGroup(manager, holding, env.device, par.ft_timeout_s)
         if done:  # every group that resumes from the same checkpoint holds the same history
             manager.load_state_dict({"step": done, "batches_committed": 0})
@@ -107,13 +124,15 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
             faults.arm(model)
         journal = Journal(Path(cfg.log.dir) / "ft" / f"group{group}.jsonl"
                            if env.is_main else None)
+        layout = _announce_layout(gcfg, share, env)
         journal.write(event="start", group=group, pid=os.getpid(), attempt=attempt,
-                      time=time.time(), launched=launched, threads=torch.get_num_threads())
+                      time=time.time(), launched=launched, threads=torch.get_num_threads(),
+                      ranks=env.world_size, layout=layout)
         try:
             ReplicaSteps(cfg, gcfg, env, group, model, optimizer, schedule, scaler, loader,
                          data.val_ids, manager, wide, healable, faults, journal,
                          CheckpointSaver(ckpt, cfg, group, model, optimizer, stateful),
-                         script).run()
+                         script, share=share).run()
             ckpt.close()
             digests = [group_state_digest(model, optimizer, holding)]
             record = {"group": group, "step": manager.current_step(), "digests": digests,
@@ -128,6 +147,18 @@ def run_replica(cfg: Config, data: Any, group: int, lighthouse: str,
         return record if env.is_main else None
     finally:
         dist_env.destroy()
+
+
+def _announce_layout(gcfg: Config, share: GroupShare, env: dist_env.DistEnv) -> str:
+    """The group's layout in a few words (journalled in its ``start`` record); its rank 0
+    prints it when it was planned or the group was resized."""
+    from shardwise.train.plan_layout import describe, layout_of
+
+    layout = describe(layout_of(gcfg))
+    if env.is_main and (gcfg.parallel.plan == "auto" or share.ranks != share.n0):
+        print(f"group {share.group}: {share.ranks} of {share.n0} ranks, each taking "
+              f"{share.per_rank} data rank(s); layout {layout}", flush=True)
+    return layout
 
 
 def _may_rejoin(cfg: Config, group: int, attempt: int) -> bool:
@@ -187,7 +218,7 @@ def _attempt_store(env, timeout: timedelta) -> tuple[Any, str, int]:
 
     from torch.distributed import PrefixStore, TCPStore
 
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = ft_attempt()
     agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=timedelta(seconds=max(60.0, timeout.total_seconds())))
     keys = PrefixStore(f"shardwise/ft/attempt_{attempt}", agent)
@@ -207,7 +238,7 @@ def _resume(gcfg: Config, model, optimizer, stateful: dict[str, Any], env) -> tu
 
     from shardwise.train.trainer import resume_or_import
 
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if ft_attempt() > 0:
         gcfg = dataclasses.replace(gcfg, checkpoint=dataclasses.replace(
             gcfg.checkpoint, resume="auto"))
     ckpt, done, note = resume_or_import(gcfg, model, optimizer, stateful, env)

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardwise.train.fault_tolerant.combine import next_lineage
+
 __all__ = ["read_journals", "read_faults", "summarize", "print_summary", "main"]
 
 
@@ -80,6 +82,11 @@ def summarize(ft_dir: Path, steps: int, elapsed_s: float | None = None) -> dict[
         history[r["step"]] = r
         tokens[r["step"]] = r["tokens"]
         lineage = r["lineage_before"] if r["step"] > 1 else None
+        if lineage not in by_lineage and lineage == next_lineage(0, r["step"] - 1, []):
+            # Resumed from the checkpoint of the step before (replica.py: every group lost
+            # at once): that step's last commit is what the checkpoint saved.
+            saved = [c for c in by_lineage.values() if c["step"] == r["step"] - 1]
+            lineage = max(saved, key=lambda c: c["time"])["lineage"] if saved else lineage
     missing = [s for s in range(1, steps + 1) if s not in membership]
     if missing:
         problems.append(f"steps never committed: {missing[:10]}{' ...' * (len(missing) > 10)}")
