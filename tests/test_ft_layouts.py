@@ -51,7 +51,7 @@ def test_alike_layouts_exchange_whole_shards_in_one_run_and_unlike_ones_in_piece
 # ----------------------------------------------------------------------- real layouts, 3 ranks
 
 _LAYOUTS = {0: (0, 0, 2), 1: (0, 1, 2), 2: (1, 0, 1)}  # wide rank: (group, rank, size)
-_CASES = [(3, 0), (1, 2)]  # (group 0's ZeRO stage, group 1's)
+_CASES = [(3, 0), (1, 2), (0, 0)]  # (group 0's ZeRO stage, group 1's)
 
 
 class _Scale(torch.nn.Module):

@@ -300,3 +300,32 @@ def test_a_group_killed_at_step_4_comes_back_with_1_rank_and_trains_the_same_ste
     assert [t for *_, t in resized] == [t for *_, t in whole]  # the group's tokens per step
     assert resized[:3] == whole[:3]  # before the fault: the same run
     assert [x for _, x, _ in resized] == pytest.approx([x for _, x, _ in whole], rel=1e-5)
+
+
+def test_a_group_back_with_1_rank_trains_beside_a_2_rank_group_and_ends_on_its_bits(tmp_path):
+    """2 groups of 2 ranks, each laid out by the planner (``--parallel.plan auto``); group 1
+    loses a rank for good at step 4 and comes back with 1, re-planned for it: it heals from
+    group 0's two ranks into its own layout (the whole model on one rank), combines with
+    group 0 in every step after, and both end on the same state ([Note: layouts across
+    groups] in shardwise/train/fault_tolerant/pieces.py)."""
+    run = _shardwise(["--parallel.fault_tolerant", "true", "--parallel.dp_replicate", "2",
+                      "--nproc", "4", "--train.steps", "14", "--log.progress", "false",
+                      "--parallel.ft_timeout_s", "5", "--log.dir", "run",
+                      "--parallel.plan", "auto", "--parallel.plan_hardware", "h100",
+                      "--faults", "kill:group=1:rank=1:step=4:phase=backward:ranks=1"],
+                     tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "group 1: 1 of 2 ranks, each taking 2 data rank(s); layout dp_shard 1," in run.stdout
+    ft = tmp_path / "run" / "ft"
+    summary = json.loads((ft / "summary.json").read_text())
+    assert summary["problems"] == [] and summary["steps"] == 14, summary
+    assert summary["digests_equal"] and summary["healed"]["1"] >= 1
+    group1 = _records(ft / "group1.jsonl")
+    starts = [r for r in group1 if r.get("event") == "start"]
+    assert [r["ranks"] for r in starts] == [2, 1]
+    back = group1.index(starts[-1])
+    together = [r["step"] for r in group1[back:]
+                if r.get("event") == "step" and r["committed"] and r["participants"] == [0, 1]]
+    assert together and together[-1] == 14  # trained beside group 0 to the end
+    group0 = [r for r in _records(ft / "group0.jsonl") if r.get("event") == "start"]
+    assert len(group0) == 1  # never restarted

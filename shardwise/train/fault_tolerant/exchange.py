@@ -9,6 +9,13 @@ this rank's, the contribution is its rank's of the same place, whole: exactly wh
 all-gather of rank ``r`` across groups delivered before, so the same bits. Otherwise the
 group's loss is the mean of its ranks' losses, and a parameter has a gradient there when any
 rank that sent a piece of it had one (where this rank holds none of it: its own flag).
+
+[Note: one clipping norm across layouts] After the combine every group holds the same mean
+gradient, but each computes its norm from its own shards: partial sums of squares grouped
+differently round differently, and a clipping coefficient a bit apart makes the groups'
+weights drift apart. Where the groups are laid out alike their shards and reductions are the
+same, so are the norms' bits; otherwise every group clips with the norm of the lowest
+participating group (one all-gather of a scalar).
 """
 
 from __future__ import annotations
@@ -65,13 +72,22 @@ class GradientExchange:
             self.send_sizes[w] = head + sum(p.numel for p in out) if other else 0
             self.recv_sizes[w] = head + sum(p.numel for p in inc) if other else 0
         self.total = sum(b - a for a, b in hold[me])
-        # Groups laid out as this rank's group: their rank of the same place sends it all.
-        self.paired = {}
+        # Whether every group is laid out like every other (the same on every rank).
+        shapes = {tuple(tuple(hold[w]) for w in roster.ranks_of(g)) for g in roster.groups}
+        self.alike = len(shapes) == 1
+        # Groups laid out as this rank's group: their rank of the same place holds what this
+        # rank holds (its header is the one the all-gather of rank r delivered before), and
+        # where it also answers for all of it (shards, not copies) it sends it whole.
+        self.paired: dict[int, int] = {}
+        self.whole: set[int] = set()
         for g in roster.groups:
             ws = roster.ranks_of(g)
             if g != mine.group and len(ws) == mine.size and \
                     hold[ws[mine.rank]] == hold[me]:
-                self.paired[g] = ws[mine.rank]
+                w = ws[mine.rank]
+                self.paired[g] = w
+                if [tuple(r) for r in answers[w]] == [tuple(r) for r in hold[me]]:
+                    self.whole.add(g)
 
     def __call__(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Every group's contribution over this rank's holding, this rank's own (``flat``)
@@ -100,30 +116,54 @@ class GradientExchange:
             if g == roster.holdings[roster.me].group:
                 continue
             ws = roster.ranks_of(g)
-            if g in self.paired:
+            if g in self.whole:
                 w = self.paired[g]
                 contributions.append(out[offsets[w]:offsets[w] + self.recv_sizes[w]])
                 continue
-            contributions.append(self._assemble(out, offsets, ws, flat, head))
+            contributions.append(self._assemble(out, offsets, ws, flat, head,
+                                                self.paired.get(g)))
         return contributions
 
+    def agreed_norm(self, norm: torch.Tensor, source: int) -> torch.Tensor:
+        """Group ``source``'s gradient norm, on every rank ([Note: one clipping norm across
+        layouts]); one small all-gather over the wide group.
+
+        Raises:
+            PeerLost: a group died or froze during it.
+        """
+        from torch._C._distributed_c10d import AllgatherOptions
+
+        row = norm.detach().float().reshape(1)
+        out = [torch.empty_like(row) for _ in self.roster.holdings]
+        self.wide.wait(self.wide.pg.allgather([out], [row], AllgatherOptions()),
+                       "the gradient norm across groups")
+        return out[self.roster.ranks_of(source)[0]].reshape(()).to(norm.dtype)
+
     def _assemble(self, out: torch.Tensor, offsets: list[int], ws: list[int],
-                  flat: torch.Tensor, head: int) -> torch.Tensor:
-        """One group's contribution from its ranks' pieces (a layout unlike this rank's)."""
+                  flat: torch.Tensor, head: int, paired: int | None) -> torch.Tensor:
+        """One group's contribution from its ranks' pieces: a layout unlike this rank's, or
+        one that holds copies (each of its ranks sends a part). A group laid out alike gives
+        its paired rank's header (its loss and flags, as before); another, the mean of its
+        ranks' losses."""
         contribution = flat.new_zeros(head + self.total)
+        if paired is not None:
+            contribution[:head] = out[offsets[paired]:offsets[paired] + head]
         headers = torch.stack([out[offsets[w]:offsets[w] + head] for w in ws])
         contribution[:_HEADER] = headers[0, :_HEADER]
-        contribution[_HEADER] = headers[:, _HEADER].mean()
-        rows = headers[:, _HEADER + 1:].tolist()  # one host read: the flags
-        flags = flat[_HEADER + 1:head].tolist()  # this rank's own where it holds nothing
-        sent: dict[int, float] = {}
-        for k, w in enumerate(ws):
-            for p in self.recv_pieces[w]:
-                sent[p.param] = max(sent.get(p.param, 0.0), rows[k][p.param])
+        if paired is None:
+            contribution[_HEADER] = headers[:, _HEADER].mean()
+        for w in ws:
             for dst, src, n in self.recv_runs[w]:
                 at = offsets[w] + head + src
                 contribution[head + dst:head + dst + n] = out[at:at + n]
-        for i, v in sent.items():
-            flags[i] = v
-        contribution[_HEADER + 1:head] = torch.tensor(flags, dtype=flat.dtype)
+        if paired is None:
+            rows = headers[:, _HEADER + 1:].tolist()  # one host read: the flags
+            flags = flat[_HEADER + 1:head].tolist()  # this rank's own where it holds none
+            sent: dict[int, float] = {}
+            for k, w in enumerate(ws):
+                for p in self.recv_pieces[w]:
+                    sent[p.param] = max(sent.get(p.param, 0.0), rows[k][p.param])
+            for i, v in sent.items():
+                flags[i] = v
+            contribution[_HEADER + 1:head] = torch.tensor(flags, dtype=flat.dtype)
         return contribution

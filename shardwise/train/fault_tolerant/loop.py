@@ -178,7 +178,7 @@ class ReplicaSteps:
         phases["compute_s"], mark = _since(mark)
         lineage = self.healable.lineage
         ids, error, loss = self._combine(step, lineage, loss_sum, roster, quorum_error)
-        norm = grad_norm(self.model)
+        norm = self._agreed_norm(grad_norm(self.model), ids)
         stats = gather_stats([loss, norm], env)  # the participants' mean loss, all ranks
         phases["combine_s"], mark = _since(mark)
         committed = self.manager.should_commit()
@@ -232,6 +232,20 @@ class ReplicaSteps:
             error = f"a restarted group commits only with a live group; quorum had {ids}"
             manager.report_error(RuntimeError(error))
         return ids, error, loss if decision.loss is None else decision.loss
+
+    def _agreed_norm(self, norm: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """The gradient norm every group clips with: its own where all groups are laid out
+        alike (the same shards reduce to the same bits), else the lowest participant's
+        ([Note: one clipping norm across layouts] in exchange.py). Every rank whose combine
+        ran takes part (``ids`` is empty only where it failed, on every rank)."""
+        exchange = self.exchange
+        if exchange is None or exchange.alike or not ids:
+            return norm
+        try:
+            return exchange.agreed_norm(norm, ids[0])
+        except PeerLost as exc:  # the step cannot commit; the next quorum says who is left
+            self.manager.report_error(exc)
+            return norm
 
     def _update(self, step: int, ids: list[int], lineage: int, norm: torch.Tensor) -> None:
         self._fire("optimizer")
