@@ -96,6 +96,8 @@ class GradientExchange:
         Raises:
             PeerLost: a group died or froze during the exchange.
         """
+        if len(self.roster.groups) == 1:  # a group alone: nothing to exchange
+            return [flat]
         head = _HEADER + 1 + self.n
         header, payload = flat[:head], flat[head:]
         chunks = []
