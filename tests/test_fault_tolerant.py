@@ -356,16 +356,15 @@ _GATHER_TIMEOUT_S = 180  # far beyond the test's wait: a survivor that waits it 
 def _gather_after_a_peer_dies(rank: int, world: int, port: int, out_dir: str) -> None:
     import datetime
 
-    from torchft import ProcessGroupGloo
-
     from torch._C._distributed_c10d import AllgatherOptions
+    from torchft import ProcessGroupGloo
 
     from shardwise.train.fault_tolerant.wide import PeerLost, wait_or_abort
 
     pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=_GATHER_TIMEOUT_S))
     pg.configure(f"localhost:{port}/gather", f"g{rank}", rank, world)
 
-    def gather(flat):
+    def gather(flat):  # the wide group's wait: a failure aborts this rank's connections
         out = [torch.empty_like(flat) for _ in range(world)]
         wait_or_abort(pg, pg.allgather([out], [flat], AllgatherOptions()), "gather")
 
@@ -382,17 +381,13 @@ def _gather_after_a_peer_dies(rank: int, world: int, port: int, out_dir: str) ->
 
 def test_every_survivor_of_a_combine_hears_of_a_lost_group_at_once_not_at_its_timeout(tmp_path):
     """In Gloo's ring only the dead rank's neighbours see its connection close; a survivor
-    that closes its own connections on the error passes it on, so the rank two places away
-    fails at once too ("connection closed" or "read error"), instead of waiting out its
-    timeout."""
+    closing its own on the error passes it on: the rank two places away fails at once too
+    ("connection closed" or "read error"), not at its timeout."""
     import time
-
     from torch.distributed import TCPStore
-
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    ctx = torch.multiprocessing.spawn(_gather_after_a_peer_dies,
-                                      args=(4, store.port, str(tmp_path)), nprocs=4,
-                                      join=False)
+    ctx = torch.multiprocessing.spawn(_gather_after_a_peer_dies, nprocs=4, join=False,
+                                      args=(4, store.port, str(tmp_path)))
     deadline = time.monotonic() + _GATHER_TIMEOUT_S / 2  # start-up under load included
     for p in ctx.processes:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
