@@ -25,6 +25,7 @@ from shardwise.distributed import env as dist_env
 from shardwise.train.config import Config, resolve_world
 from shardwise.train.doctor import check_ranks
 from shardwise.train.preflight import TokenData, announce, preflight, save_tokenizer
+from shardwise.train.rank_server import start_rank_server, stop_rank_server
 from shardwise.train.replan import train_planned
 from shardwise.train.trainer import build_env
 
@@ -73,7 +74,8 @@ def launch_local(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (),
     torchrun launch. The rendezvous listens on a port the OS picks; no restarts.
 
     Args:
-        fn: a module-level (picklable) function; processes are started with "spawn".
+        fn: a module-level (picklable) function; processes fork from a server that has
+            imported its module once (:mod:`shardwise.train.rank_server`).
         nproc: number of local ranks (>= 1).
         args: positional arguments for ``fn``, pickled to every rank (tensors travel through
             shared memory).
@@ -88,15 +90,18 @@ def launch_local(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (),
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    start_rank_server(fn)  # a no-op if run_training started it early
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"shardwise-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=monitor_interval_s, start_method="spawn")
+                          monitor_interval=monitor_interval_s, start_method="forkserver")
     try:
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as exc:
         raise RankFailure({rank: (f.exitcode, _failure_message(f))
                            for rank, f in exc.failures.items()}) from None
+    finally:
+        stop_rank_server()
 
 
 def _rank_main(cfg: Config, data: TokenData) -> dict[str, Any] | None:
@@ -235,7 +240,13 @@ def run_training(cfg: Config) -> dict[str, Any] | None:
     if dist_env.detect_launcher() == "single" and (cfg.parallel.nproc > 1
                                                    or cfg.parallel.fault_tolerant):
         requested = cfg
-        cfg, data = preflight(cfg, cfg.parallel.nproc)
+        if not cfg.parallel.fault_tolerant:  # its groups' agents start servers of their own
+            start_rank_server(_rank_main)  # imports while the checks and the data run here
+        try:
+            cfg, data = preflight(cfg, cfg.parallel.nproc)
+        except BaseException:
+            stop_rank_server()
+            raise
         announce(cfg, requested)
         save_tokenizer(cfg, data)
         if cfg.parallel.fault_tolerant:

@@ -37,6 +37,7 @@ from shardwise.train.faults import ENV_VAR, LOG_ENV, parse_faults
 from shardwise.train.fault_tolerant.rejoin import LEFT_EXIT
 from shardwise.train.fault_tolerant.resize import GROUP_RANKS_ENV, check_resize_faults
 from shardwise.train.fault_tolerant.summary import print_summary, summarize
+from shardwise.train.rank_server import start_rank_server, stop_rank_server
 
 __all__ = ["run_fault_tolerant", "FaultToleranceError", "threads_per_rank", "launch_resizing"]
 
@@ -65,9 +66,8 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
     # The group's ranks, and every restart of them, fork from a server process that has
     # imported torch and shardwise once, instead of each starting an interpreter and
     # importing them again (~2 CPU-s a rank, taken from the survivors' cores on a shared
-    # machine, and seconds more that the group is out). The server initialises no device
-    # and starts no threads, so a fork of it is as clean as a new interpreter.
-    multiprocessing.get_context("forkserver").set_forkserver_preload([run_replica.__module__])
+    # machine, and seconds more that the group is out).
+    start_rank_server(run_replica)
 
     def launch(size: int, base: int, max_restarts: int) -> dict[str, Any]:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=size,
@@ -78,7 +78,7 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
         return elastic_launch(config, run_replica)(cfg, data, group, lighthouse, None, base)[0]
 
     out = launch_resizing(launch, size, cfg.parallel.ft_max_restarts)
-    _stop_forkserver()
+    stop_rank_server()
     Path(result_path).write_text(json.dumps(out))
     if out.get("left"):  # gone for good (rejoin=never): neither failed nor finished
         sys.exit(LEFT_EXIT)
@@ -102,18 +102,6 @@ def launch_resizing(launch: Callable[[int, int, int], dict[str, Any]], size: int
     while "resize" in (out := launch(size, base, max_restarts - base)):
         base, size = out["attempt"], out["resize"]
     return out
-
-
-def _stop_forkserver() -> None:
-    """Stop and reap the forkserver, which reaped the ranks: their CPU time then reaches
-    this process's children's, and whoever waits for it (a benchmark's accounting) sees it.
-    ``_stop`` is the standard library's own way (used by its tests); without it the server
-    exits on its own when this process does, unreaped."""
-    from multiprocessing import forkserver
-
-    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
-    if stop is not None:
-        stop()
 
 
 def threads_per_rank(local_ranks: int) -> int:

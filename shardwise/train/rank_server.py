@@ -1,0 +1,70 @@
+"""The process local ranks fork from: a forkserver that has imported torch and shardwise once.
+
+Started with "spawn", every local rank is a new interpreter importing torch and shardwise
+again: about 3 CPU-seconds a rank before it does anything, paid by every rank of every
+launch (and every restart) on the cores the others train on. A forkserver imports them once
+and forks each rank from there, so a rank starts in milliseconds. The server initialises no
+device and starts no threads, so a fork of it is as clean as a new interpreter; ranks get
+their rank, world and rendezvous through the environment the elastic agent hands each one
+(``torch.distributed.elastic``), as they would under "spawn".
+
+    start_rank_server(fn)          # early: the server imports while this process works on
+    ...                            # launch with start_method="forkserver"
+    stop_rank_server()             # after the launch: reaped, its ranks' CPU time counted
+
+The server takes this process's environment when it starts: set what the ranks must inherit
+(``OMP_NUM_THREADS``, ``SHARDWISE_*``) before :func:`start_rank_server`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["start_rank_server", "stop_rank_server"]
+
+_started_here = False
+_their_preload: list[str] = []  # what the server preloaded before this module took it over
+
+
+def start_rank_server(fn: Callable[..., Any]) -> None:
+    """Start the forkserver (if this module has not), preloading the module that defines
+    ``fn`` (the ranks' entry point), and everything it imports, in the background.
+
+    A function of ``__main__`` (a user's script) is not preloaded: the server prepares each
+    rank's ``__main__`` as "spawn" does, and torch is preloaded in its place. A server that
+    someone else in this process started (the standard library keeps one per process) is
+    stopped first, and its preload list restored by :func:`stop_rank_server`: forks inherit
+    the server's standard output and error, not this process's, so ranks forked from an old
+    server would print where this process printed when that server started.
+    """
+    global _started_here, _their_preload
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if _started_here:
+        return
+    _their_preload = list(getattr(server, "_preload_modules", []))
+    if getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()
+    module = fn.__module__
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["torch"] if module == "__main__" else [module])
+    forkserver.ensure_running()
+    _started_here = True
+
+
+def stop_rank_server() -> None:
+    """Stop and reap the forkserver :func:`start_rank_server` started, which reaped the
+    ranks: their CPU time then reaches this process's children's, and whoever waits for it
+    (a benchmark's accounting) sees it. ``_stop`` is the standard library's own way (used by
+    its tests); without it the server exits on its own when this process does, unreaped."""
+    global _started_here
+    from multiprocessing import forkserver
+
+    if not _started_here:
+        return
+    forkserver._forkserver._stop()
+    forkserver.set_forkserver_preload(_their_preload)
+    _started_here = False
