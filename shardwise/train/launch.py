@@ -90,11 +90,11 @@ def launch_local(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (),
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    start_rank_server(fn)  # a no-op if run_training started it early
+    method = start_rank_server(fn)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"shardwise-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=monitor_interval_s, start_method="forkserver")
+                          monitor_interval=monitor_interval_s, start_method=method)
     try:
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as exc:
@@ -240,13 +240,7 @@ def run_training(cfg: Config) -> dict[str, Any] | None:
     if dist_env.detect_launcher() == "single" and (cfg.parallel.nproc > 1
                                                    or cfg.parallel.fault_tolerant):
         requested = cfg
-        if not cfg.parallel.fault_tolerant:  # its groups' agents start servers of their own
-            start_rank_server(_rank_main)  # imports while the checks and the data run here
-        try:
-            cfg, data = preflight(cfg, cfg.parallel.nproc)
-        except BaseException:
-            stop_rank_server()
-            raise
+        cfg, data = preflight(cfg, cfg.parallel.nproc)
         announce(cfg, requested)
         save_tokenizer(cfg, data)
         if cfg.parallel.fault_tolerant:

@@ -8,12 +8,13 @@ device and starts no threads, so a fork of it is as clean as a new interpreter; 
 their rank, world and rendezvous through the environment the elastic agent hands each one
 (``torch.distributed.elastic``), as they would under "spawn".
 
-    start_rank_server(fn)          # early: the server imports while this process works on
-    ...                            # launch with start_method="forkserver"
-    stop_rank_server()             # after the launch: reaped, its ranks' CPU time counted
+    method = start_rank_server(fn)  # "forkserver" ("spawn" if another one runs here)
+    ...                             # launch with start_method=method
+    stop_rank_server()              # after the launch: reaped, its ranks' CPU time counted
 
-The server takes this process's environment when it starts: set what the ranks must inherit
-(``OMP_NUM_THREADS``, ``SHARDWISE_*``) before :func:`start_rank_server`.
+The server takes this process's environment and standard streams when it starts: set what
+the ranks must inherit (``OMP_NUM_THREADS``, ``SHARDWISE_*``) before
+:func:`start_rank_server`.
 """
 
 from __future__ import annotations
@@ -25,34 +26,37 @@ from typing import Any
 __all__ = ["start_rank_server", "stop_rank_server"]
 
 _started_here = False
-_their_preload: list[str] = []  # what the server preloaded before this module took it over
+_their_preload: list[str] = []  # the preload list before this module set its own
 
 
-def start_rank_server(fn: Callable[..., Any]) -> None:
+def start_rank_server(fn: Callable[..., Any]) -> str:
     """Start the forkserver (if this module has not), preloading the module that defines
-    ``fn`` (the ranks' entry point), and everything it imports, in the background.
+    ``fn`` (the ranks' entry point), and everything it imports.
 
     A function of ``__main__`` (a user's script) is not preloaded: the server prepares each
-    rank's ``__main__`` as "spawn" does, and torch is preloaded in its place. A server that
-    someone else in this process started (the standard library keeps one per process) is
-    stopped first, and its preload list restored by :func:`stop_rank_server`: forks inherit
-    the server's standard output and error, not this process's, so ranks forked from an old
-    server would print where this process printed when that server started.
+    rank's ``__main__`` as "spawn" does, and torch is preloaded in its place.
+
+    Returns:
+        The start method for the ranks: "forkserver", or "spawn" where this process already
+        runs a forkserver of someone else's (the standard library keeps one per process: a
+        test harness's, say). Forks inherit the server's standard output and error, not
+        this process's, so ranks forked from a server started earlier would print where
+        this process printed then; and stopping it would cost its owner a new one.
     """
     global _started_here, _their_preload
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver
     if _started_here:
-        return
-    _their_preload = list(getattr(server, "_preload_modules", []))
-    if getattr(server, "_forkserver_pid", None) is not None:
-        server._stop()
+        return "forkserver"
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return "spawn"
+    _their_preload = list(getattr(forkserver._forkserver, "_preload_modules", []))
     module = fn.__module__
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         ["torch"] if module == "__main__" else [module])
     forkserver.ensure_running()
     _started_here = True
+    return "forkserver"
 
 
 def stop_rank_server() -> None:

@@ -67,14 +67,14 @@ def _group_agent(cfg: Config, data: Any, group: int, size: int, lighthouse: str,
     # imported torch and shardwise once, instead of each starting an interpreter and
     # importing them again (~2 CPU-s a rank, taken from the survivors' cores on a shared
     # machine, and seconds more that the group is out).
-    start_rank_server(run_replica)
+    method = start_rank_server(run_replica)
 
     def launch(size: int, base: int, max_restarts: int) -> dict[str, Any]:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=size,
                               run_id=f"shardwise-ft{group}-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="localhost:0",
                               max_restarts=max_restarts, monitor_interval=0.05,
-                              start_method="forkserver")
+                              start_method=method)
         return elastic_launch(config, run_replica)(cfg, data, group, lighthouse, None, base)[0]
 
     out = launch_resizing(launch, size, cfg.parallel.ft_max_restarts)
