@@ -75,7 +75,8 @@ def launch_local(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (),
 
     Args:
         fn: a module-level (picklable) function; processes fork from a server that has
-            imported its module once (:mod:`shardwise.train.rank_server`).
+            imported its module once (:mod:`shardwise.train.rank_server`), or are started
+            with "spawn" where this process already runs a forkserver of its own.
         nproc: number of local ranks (>= 1).
         args: positional arguments for ``fn``, pickled to every rank (tensors travel through
             shared memory).
