@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent("""
     assert start_rank_server(_rank_main) == "forkserver"
     ours = pid()
     assert ours is not None
-    assert forkserver._forkserver._preload_modules == ["shardwise.train.launch"]
+    assert forkserver._forkserver._preload_modules == ["shardwise.train.rank_server",
+                                                      "shardwise.train.launch"]
     assert start_rank_server(_rank_main) == "forkserver" and pid() == ours  # started once
     stop_rank_server()
     assert pid() is None  # stopped and reaped

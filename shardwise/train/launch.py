@@ -22,10 +22,12 @@ from typing import Any
 
 from shardwise.distributed.comm import objects as comm_objects
 from shardwise.distributed import env as dist_env
+from shardwise.distributed.watchdog import CollectiveError
+from shardwise.distributed.watchdog.ending import defer_to_launcher
 from shardwise.train.config import Config, resolve_world
 from shardwise.train.doctor import check_ranks
 from shardwise.train.preflight import TokenData, announce, preflight, save_tokenizer
-from shardwise.train.rank_server import start_rank_server, stop_rank_server
+from shardwise.train.rank_server import run_rank, start_rank_server, stop_rank_server
 from shardwise.train.replan import train_planned
 from shardwise.train.trainer import build_env
 
@@ -97,7 +99,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (),
                           rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=monitor_interval_s, start_method=method)
     try:
-        return elastic_launch(config, fn)(*args)
+        return elastic_launch(config, run_rank)(fn, *args)
     except ChildFailedError as exc:
         raise RankFailure({rank: (f.exitcode, _failure_message(f))
                            for rank, f in exc.failures.items()}) from None
@@ -188,6 +190,9 @@ def _train_here(cfg: Config) -> dict[str, Any] | None:
             announce(cfg, requested)
             save_tokenizer(cfg, data)
         return train_planned(cfg, data, env)
+    except CollectiveError as exc:
+        defer_to_launcher(exc)  # [Note: the launcher names a dead rank]
+        raise
     finally:
         dist_env.destroy()
 

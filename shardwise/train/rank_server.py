@@ -9,7 +9,7 @@ their rank, world and rendezvous through the environment the elastic agent hands
 (``torch.distributed.elastic``), as they would under "spawn".
 
     method = start_rank_server(fn)  # "forkserver" ("spawn" if another one runs here)
-    ...                             # launch with start_method=method
+    ...                             # launch run_rank(fn, *args) with start_method=method
     stop_rank_server()              # after the launch: reaped, its ranks' CPU time counted
 
 The server takes this process's environment and standard streams when it starts: set what
@@ -23,18 +23,19 @@ import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["start_rank_server", "stop_rank_server"]
+__all__ = ["run_rank", "start_rank_server", "stop_rank_server"]
 
 _started_here = False
 _their_preload: list[str] = []  # the preload list before this module set its own
 
 
 def start_rank_server(fn: Callable[..., Any]) -> str:
-    """Start the forkserver (if this module has not), preloading the module that defines
-    ``fn`` (the ranks' entry point), and everything it imports.
+    """Start the forkserver (if this module has not), preloading this module (its
+    :func:`run_rank` starts each rank) and the module that defines ``fn`` (the ranks' entry
+    point), and everything they import.
 
     A function of ``__main__`` (a user's script) is not preloaded: the server prepares each
-    rank's ``__main__`` as "spawn" does, and torch is preloaded in its place.
+    rank's ``__main__`` as "spawn" does.
 
     Returns:
         The start method for the ranks: "forkserver", or "spawn" where this process already
@@ -53,7 +54,7 @@ def start_rank_server(fn: Callable[..., Any]) -> str:
     _their_preload = list(getattr(forkserver._forkserver, "_preload_modules", []))
     module = fn.__module__
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch"] if module == "__main__" else [module])
+        [__name__] + ([] if module == "__main__" else [module]))
     forkserver.ensure_running()
     _started_here = True
     return "forkserver"
@@ -72,3 +73,17 @@ def stop_rank_server() -> None:
     forkserver._forkserver._stop()
     forkserver.set_forkserver_preload(_their_preload)
     _started_here = False
+
+
+def run_rank(fn: Callable[..., Any], *args: Any) -> Any:
+    """One launched local rank: ``fn(*args)``. Where the watchdog's report blames a sibling
+    rank that was killed, the rank waits for the launcher to name that rank and its signal
+    (:func:`shardwise.distributed.watchdog.ending.defer_to_launcher`)."""
+    from shardwise.distributed.watchdog import CollectiveError
+    from shardwise.distributed.watchdog.ending import defer_to_launcher
+
+    try:
+        return fn(*args)
+    except CollectiveError as exc:
+        defer_to_launcher(exc)
+        raise

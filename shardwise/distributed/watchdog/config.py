@@ -16,11 +16,15 @@ class CollectiveError(RuntimeError):
         report: the report (identical on every rank).
         rank: the rank that raised this.
         reporter: whether this rank's composition became the report (print it once).
+        exited_siblings: the ranks this rank saw exit abnormally under its own launcher
+            (ending.py: [Note: the launcher names a dead rank]).
     """
 
-    def __init__(self, report: str, rank: int = -1, reporter: bool = False) -> None:
+    def __init__(self, report: str, rank: int = -1, reporter: bool = False,
+                 exited_siblings: tuple[int, ...] = ()) -> None:
         super().__init__(report)
         self.report, self.rank, self.reporter = report, rank, reporter
+        self.exited_siblings = tuple(exited_siblings)
 
 
 # Users catch and see it as part of the watchdog's public API (and pickle it there).

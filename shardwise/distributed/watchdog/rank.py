@@ -11,7 +11,6 @@ import datetime
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -20,7 +19,6 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.distributed import comm
-from shardwise.distributed.device_watch import abort_communicators
 from shardwise.distributed.watchdog.diagnosis import compose, short_group
 from shardwise.distributed.optrack import GroupInfo, Op, OpTracker, fingerprint_text, where_text
 from shardwise.distributed.watchdog.stacks import (
@@ -30,6 +28,7 @@ from shardwise.distributed.watchdog.stacks import (
     traceback_text,
 )
 from shardwise.distributed.watchdog.config import CollectiveError, WatchdogConfig
+from shardwise.distributed.watchdog.ending import hard_exit, process_gone, same_parent
 
 __all__ = ["Watchdog"]
 
@@ -40,21 +39,6 @@ def _clone(store):
         return store.clone()
     except Exception:  # noqa: BLE001 - e.g. a FileStore or HashStore: share it
         return store
-
-
-def _process_gone(host: str | None, pid: int | None) -> bool:
-    """Whether ``pid`` on ``host`` is known to have ended (only judged on this host)."""
-    if host != socket.gethostname() or not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-
-
 
 
 class Watchdog:
@@ -91,6 +75,7 @@ class Watchdog:
                                         daemon=True)
         self.tripped_at: float | None = None
         self._ended = False
+        self._exited_siblings: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -156,7 +141,8 @@ class Watchdog:
         return now - self._down_since
 
     def _heartbeat(self, store, ended: bool = False) -> None:
-        beat = {"rank": self.rank, "host": self.host, "pid": self.pid, "time": time.time(),
+        beat = {"rank": self.rank, "host": self.host, "pid": self.pid, "ppid": os.getppid(),
+                "time": time.time(),
                 "context": dict(self.context), **self.tracker.snapshot(recent=16)}
         if ended:
             beat["ended"] = True
@@ -261,7 +247,8 @@ class Watchdog:
                 report, mine = self._exchange(store, kind, detail, stack)
             except Exception as exc:  # noqa: BLE001 - no store: report what this rank knows
                 report, mine = self._local_report(kind, detail, stack, exc), True
-            self._report = CollectiveError(report, self.rank, reporter=mine)
+            self._report = CollectiveError(report, self.rank, reporter=mine,
+                                           exited_siblings=self._exited_siblings)
             return self._report
 
     def _local_report(self, kind: str, detail: str, stack: str | None,
@@ -292,7 +279,7 @@ class Watchdog:
                 if r not in beats and store.check([f"hb/{r}"]):
                     beats[r] = json.loads(store.get(f"hb/{r}"))
             gone = [r for r in missing if r in beats
-                    and _process_gone(beats[r].get("host"), beats[r].get("pid"))]
+                    and process_gone(beats[r].get("host"), beats[r].get("pid"))]
             if len(gone) == len(missing) or time.monotonic() > deadline:
                 break
             time.sleep(min(0.05, self.config.poll))
@@ -305,6 +292,8 @@ class Watchdog:
                              "numbers of collectives (uneven steps or micro-batches; for "
                              "inputs of different lengths use shardwise.join)")
             elif r in gone:
+                if same_parent(hb):  # [Note: the launcher names a dead rank]
+                    self._exited_siblings += (r,)
                 silent[r] = (f"its process {hb['pid']} on host {hb['host']} has exited: "
                              "killed, out of memory, or crashed in native code")
             else:
@@ -373,7 +362,8 @@ class Watchdog:
         taken = self._taken
 
         def __init__(exc_self) -> None:  # raised in the main thread: the report arrived
-            CollectiveError.__init__(exc_self, err.report, err.rank, err.reporter)
+            CollectiveError.__init__(exc_self, err.report, err.rank, err.reporter,
+                                     err.exited_siblings)
             taken.set()
 
         cls = type("CollectiveError", (CollectiveError,),
@@ -390,22 +380,4 @@ class Watchdog:
             return
         if self._stopped.is_set():
             return
-        _hard_exit(err)
-
-
-def _hard_exit(err: CollectiveError) -> None:
-    """Report through stderr and torchelastic's error file, abort the NCCL communicators
-    (work stuck on them fails instead of waiting for NCCL's timeout), end the process."""
-    text = err.report if err.reporter else (
-        f"rank {err.rank}: stopped by the shardwise watchdog (report printed by another rank)"
-        f"\n{err.report.splitlines()[0]}")
-    print(text, file=sys.stderr, flush=True)
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(CollectiveError(err.report, err.rank, err.reporter))
-    except Exception:  # noqa: BLE001 - best effort; stderr already has it
-        pass
-    abort_communicators()
-    os._exit(1)
-
+        hard_exit(err)
