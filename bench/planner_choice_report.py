@@ -2,6 +2,9 @@
 brute-force best, the predicted gain against the measured one, and the targets.
 
 A target is met only when every round holds it (the module doc of planner_choice.py).
+Beside the verdicts, :func:`over_rounds` pairs the top with the default round by round, as a
+noisy machine needs: the median ratio and a one-sided sign test (how likely that many rounds
+"no slower" would be if the two layouts were equally fast).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OUT", "TOL_BEST", "TOL_GAIN", "round_stats", "verdicts", "write"]
+__all__ = ["OUT", "TOL_BEST", "TOL_GAIN", "over_rounds", "round_stats", "sign_test",
+           "verdicts", "write"]
 
 OUT = Path(__file__).resolve().parent / "results"
 TOL_BEST, TOL_GAIN = 0.10, 0.15
@@ -62,6 +66,49 @@ def verdicts(job: dict[str, Any]) -> dict[str, bool | None]:
     for key in ("no_slower", "within_best", "gain_within"):
         vals = [s[key] for s in stats]
         out[key] = None if any(v is None for v in vals) else all(vals)
+    return out
+
+
+def sign_test(wins: int, n: int) -> float:
+    """P(at least ``wins`` of ``n`` fair coin flips): one-sided sign test."""
+    return sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n
+
+
+def over_rounds(job: dict[str, Any]) -> dict[str, Any]:
+    """The rounds of one job taken together: medians of the per-round ratios (the top and
+    the default of a round ran back to back: a pair), how many rounds held each target, and
+    the sign test of "no slower" (None where the default is over the cap)."""
+    n = len(job["layouts"][0]["rounds"])
+    stats = [round_stats(job, r) for r in range(n)]
+
+    def median(key: str) -> float:
+        vals = sorted(s[key] for s in stats)
+        return (vals[(n - 1) // 2] + vals[n // 2]) / 2
+
+    wins = [s["no_slower"] for s in stats]
+    judged = None not in wins
+    gain = median("gain")
+    return {"rounds": n, "top_vs_default": median("top_vs_default"),
+            "top_vs_best": median("top_vs_best"), "pred_gain": stats[0]["pred_gain"],
+            "gain": gain, "no_slower": sum(wins) if judged else None,
+            "p_sign": sign_test(sum(wins), n) if judged else None,
+            "within_best": sum(s["within_best"] for s in stats),
+            "gain_within": sum(s["gain_within"] for s in stats),
+            "median_gain_within": abs(stats[0]["pred_gain"] / gain - 1) <= TOL_GAIN}
+
+
+def _over_rounds_table(data: dict[str, Any]) -> list[str]:
+    out = ["| job | rounds | top/default: median, rounds no slower (sign test p) | top/best: "
+           "median, rounds within 10% | gain predicted : median measured (within 15%) |",
+           "| --- | ---: | --- | --- | --- |"]
+    for j in data["jobs"]:
+        o = over_rounds(j)
+        slower = "n/a (default over the cap)" if o["no_slower"] is None else (
+            f"{o['top_vs_default']:.3f}, {o['no_slower']} of {o['rounds']} "
+            f"(p = {o['p_sign']:.3f})")
+        out.append(f"| {j['job']} | {o['rounds']} | {slower} | {o['top_vs_best']:.3f}, "
+                   f"{o['within_best']} of {o['rounds']} | {o['pred_gain']:.3f} : "
+                   f"{o['gain']:.3f} ({_mark(o['median_gain_within'])}) |")
     return out
 
 
@@ -194,6 +241,10 @@ def write(data: dict[str, Any], out: Path = OUT) -> str:
         v = verdicts(j)
         lines.append(f"| {j['job']} | {_mark(v['no_slower'])} | {_mark(v['within_best'])} | "
                      f"{_mark(v['gain_within'])} |")
+    lines += ["", "## Over the rounds (medians of the per-round ratios; a sign test)", "",
+              "Not the targets (those need every round): how the top and the default compare "
+              "when each round is one pair of back-to-back runs. p is the chance of that many "
+              "rounds no slower if the two were equally fast.", ""] + _over_rounds_table(data)
     lines += ["", "## Every layout of the rounds", ""] + _layouts_table(data)
     lines += ["", "## The screen (brute force, once: a warm-up step and the screen's timed "
               "steps)", ""] + _screen_table(data)

@@ -106,3 +106,24 @@ def test_search_prices_exactly_a_pipeline_the_closed_form_rejects(calibration):
     capped = hw.replace(hbm_bytes=(closed.total + exact.total) / 2)
     ranked = search_mod.search(spec, capped, wl, 2, plan_layout.plan_constraints(cfg)).ranked
     assert any(e.layout == L and e.fits for e in ranked)
+
+
+def test_over_the_rounds_pairs_top_and_default_round_by_round():
+    def lay(name, fits, pred, bests):
+        return {"name": name, "fits": fits, "pred": {"step_time": pred, "best_step_time": pred},
+                "rounds": [{"step_time": b, "best_step_time": b, "cpu_step_time": b}
+                           for b in bests]}
+    top = lay("a", True, 0.20, [0.30, 0.21, 0.19, 0.25])
+    job = {"top": "a", "default": "b",
+           "layouts": [top, lay("b", True, 0.25, [0.28, 0.24, 0.22, 0.30])]}
+    o = planner_choice_report.over_rounds(job)
+    # per round top/default: 1.071, 0.875, 0.864, 0.833 -> 3 of 4 no slower
+    assert o["rounds"] == 4 and o["no_slower"] == 3
+    assert o["top_vs_default"] == pytest.approx((0.21 / 0.24 + 0.19 / 0.22) / 2)
+    assert o["p_sign"] == pytest.approx(5 / 16)  # P(>= 3 of 4 fair flips)
+    assert o["gain"] == pytest.approx((0.24 / 0.21 + 0.22 / 0.19) / 2)
+    assert o["median_gain_within"]  # predicted 1.25 against about 1.15
+    job["layouts"][1]["fits"] = False  # the default over the cap: nothing to pair
+    assert planner_choice_report.over_rounds(job)["p_sign"] is None
+    assert planner_choice_report.sign_test(3, 3) == 0.125
+    assert planner_choice_report.sign_test(0, 5) == 1.0
