@@ -22,8 +22,6 @@ from typing import Any
 
 from shardwise.distributed.comm import objects as comm_objects
 from shardwise.distributed import env as dist_env
-from shardwise.distributed.watchdog import CollectiveError
-from shardwise.distributed.watchdog.ending import defer_to_launcher
 from shardwise.train.config import Config, resolve_world
 from shardwise.train.doctor import check_ranks
 from shardwise.train.preflight import TokenData, announce, preflight, save_tokenizer
@@ -190,9 +188,6 @@ def _train_here(cfg: Config) -> dict[str, Any] | None:
             announce(cfg, requested)
             save_tokenizer(cfg, data)
         return train_planned(cfg, data, env)
-    except CollectiveError as exc:
-        defer_to_launcher(exc)  # [Note: the launcher names a dead rank]
-        raise
     finally:
         dist_env.destroy()
 
@@ -254,4 +249,4 @@ def run_training(cfg: Config) -> dict[str, Any] | None:
 
             return run_fault_tolerant(cfg, data)
         return launch_local(_rank_main, cfg.parallel.nproc, (cfg, data))[0]
-    return _train_here(cfg)
+    return run_rank(_train_here, cfg)  # [Note: the launcher names a dead rank]

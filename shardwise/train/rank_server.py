@@ -76,8 +76,9 @@ def stop_rank_server() -> None:
 
 
 def run_rank(fn: Callable[..., Any], *args: Any) -> Any:
-    """One launched local rank: ``fn(*args)``. Where the watchdog's report blames a sibling
-    rank that was killed, the rank waits for the launcher to name that rank and its signal
+    """One launched rank (of :func:`launch_local`, or of torchrun): ``fn(*args)``. Where the
+    watchdog's report blames a sibling rank that was killed, the rank waits for the launcher
+    to name that rank and its signal
     (:func:`shardwise.distributed.watchdog.ending.defer_to_launcher`)."""
     from shardwise.distributed.watchdog import CollectiveError
     from shardwise.distributed.watchdog.ending import defer_to_launcher
